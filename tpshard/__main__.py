@@ -1,0 +1,3 @@
+from tpshard.cli import main
+
+main()

@@ -1,0 +1,297 @@
+"""check: prove an output right on any CPU machine, from the manifest alone or against the source.
+
+Without the source: the plan's alignment checks (group, global vs per-rank size, one piece per rank,
+bias once per reduction group), each rank's index, and every file's size, header and per-tensor
+checksums, for every rank folder (a copy that replaced a hard link is checked on its own).
+With the source: also that the manifest is what the rules give for this checkpoint, and the bit-exact
+reassembly of every source tensor from the shards, padding required to be zero. A mismatch names
+the tensor, the ranks and what differs; a piece that equals another rank's slice says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from tpshard.checkpoint import Checkpoint, open_checkpoint
+from tpshard.digest import file_digest, sha256_file
+from tpshard.errors import TpshardError
+from tpshard.manifest import Manifest, Plan, ShardSpec, rank_dir, read_manifest
+from tpshard.pieces import cut_pieces, read_into
+from tpshard.plan import file_header, make_plan
+from tpshard.safetensors_format import DTYPE_SIZE, nbytes_of
+from tpshard.writer import default_workers
+
+MAX_PROBLEMS = 50
+
+
+class Problem(msgspec.Struct, frozen=True):
+    check: str  # group | sizes | replicas | reduction | files | checksum | rules | reassembly
+    message: str
+
+
+class CheckReport(msgspec.Struct, kw_only=True):
+    out_dir: str
+    source: str | None
+    problems: list[Problem] = []
+    files_checked: int = 0
+    bytes_checked: int = 0
+    tensors_reassembled: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def add(self, check: str, message: str) -> None:
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(Problem(check, message))
+
+
+def check(out_dir: str | Path, source: str | Path | None = None, *, workers: int | None = None) -> CheckReport:
+    """Check the output at `out_dir` (and against the checkpoint at `source`); never raises on a mismatch."""
+    out = Path(out_dir)
+    manifest = read_manifest(out)
+    report = CheckReport(out_dir=str(out), source=str(source) if source else None)
+    check_plan(manifest.plan, report)
+    _check_files(out, manifest, report, workers or default_workers())
+    if source is not None:
+        ckpt = open_checkpoint(source)
+        if _check_rules(ckpt, manifest, report):
+            _reassemble(out, ckpt, manifest, report, workers or default_workers())
+    return report
+
+
+def _rel(spec: ShardSpec) -> str:
+    return f"{spec.name} (group {spec.group} rank {spec.group_rank}/{spec.group_size}, ranks {list(spec.ranks)})"
+
+
+def check_plan(plan: Plan, report: CheckReport) -> None:
+    """The seed's alignment checks that need no bytes: 1 group, 2 global vs per-rank, 4, 5."""
+    topo = plan.topology
+    by_source: dict[str, list[ShardSpec]] = defaultdict(list)
+    layer_groups: dict[str, set[str]] = defaultdict(set)
+    for s in plan.shards:
+        by_source[s.source].append(s)
+        if s.kind not in ("replicated",):
+            layer_groups[s.layer].add(s.group)
+        # 1. group: the group rank and members recorded are the ones the topology gives.
+        try:
+            size = topo.group_size(s.group, s.factor)
+            ranks = topo.ranks_of(s.group, s.group_rank, s.factor)
+        except TpshardError as e:
+            report.add("group", f"{_rel(s)}: {e}")
+            continue
+        if size != s.group_size or tuple(s.ranks) != ranks or not 0 <= s.group_rank < size:
+            report.add("group", f"{_rel(s)}: the topology ({topo.describe()}) puts group rank {s.group_rank} with factor {s.factor} on ranks {list(ranks)} of a group of {size}")
+        # 2. per-rank shape = the cut plus its padding; every other dim as in the source.
+        expected = list(s.source_shape)
+        if s.dim is None:
+            ok = s.pad == 0 and s.start == 0
+        else:
+            expected[s.dim] = s.length + s.pad
+            ok = 0 <= s.start and s.start + s.length <= s.source_shape[s.dim]
+        if not ok or tuple(expected) != tuple(s.shape):
+            report.add("sizes", f"{_rel(s)}: shape {list(s.shape)} is not source {list(s.source_shape)} cut at dim {s.dim} [{s.start}, +{s.length}) plus {s.pad} padding")
+    for layer, groups in layer_groups.items():
+        if len(groups) > 1:
+            report.add("group", f"{layer}: its tensors are sharded over different groups {sorted(groups)}; one layer reduces over one group")
+
+    for source, specs in by_source.items():
+        first = specs[0]
+        # 2. global vs per-rank: the pieces tile the source dim exactly, in group-rank order.
+        if first.dim is not None:
+            covered = 0
+            for s in sorted(specs, key=lambda s: s.group_rank):
+                if s.length and s.start != covered:
+                    report.add("sizes", f"{_rel(s)}: starts at {s.start}, but group ranks before it end at {covered}")
+                covered = max(covered, s.start + s.length)
+            if covered != first.source_shape[first.dim] or len({s.shape for s in specs}) != 1:
+                report.add("sizes", f"{source}: per-rank pieces cover {covered} of {first.source_shape[first.dim]} along dim {first.dim} with shapes {sorted({s.shape for s in specs})}")
+        # 4. replicas: every rank holds exactly one piece of every tensor.
+        holders: dict[int, int] = defaultdict(int)
+        for s in specs:
+            for r in s.ranks:
+                holders[r] += 1
+        wrong = [r for r in range(topo.world_size) if holders[r] != 1]
+        if wrong:
+            report.add("replicas", f"{source}: ranks {wrong} hold {[holders[r] for r in wrong]} pieces instead of one")
+
+    # 5. reduction: a row-parallel bias is whole on every rank and added once, by group rank 0.
+    for s in plan.shards:
+        if s.layer_class == "RowParallelLinear" and s.name.endswith(".bias"):
+            weight_groups = layer_groups.get(s.layer, set())
+            if s.kind != "row_bias" or s.dim is not None:
+                report.add("reduction", f"{_rel(s)}: bias of a row-parallel layer recorded as '{s.kind}' cut at dim {s.dim}; it must be kept whole and added once per reduction group")
+            elif weight_groups and s.group not in weight_groups:
+                report.add("reduction", f"{_rel(s)}: bias recorded for group {s.group}, but {s.layer} reduces over {sorted(weight_groups)}")
+
+
+def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: int) -> None:
+    plan = manifest.plan
+    written = {f.name: f for f in manifest.files}
+    layouts = {f.name: f for f in plan.files}
+    specs_by_file: dict[str, list[ShardSpec]] = defaultdict(list)
+    for s in plan.shards:
+        specs_by_file[s.file].append(s)
+
+    units: dict[tuple[int, int], tuple[Path, str, list[int]]] = {}  # inode -> (path, file, ranks)
+    for r in manifest.written_ranks:
+        folder = out / rank_dir(r)
+        expected_map = {s.name: s.file for s in plan.rank_shards(r)}
+        try:
+            weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            report.add("files", f"rank {r}: unreadable model.safetensors.index.json ({e})")
+            weight_map = None
+        if weight_map is not None and weight_map != expected_map:
+            diff = sorted(set(weight_map.items()) ^ set(expected_map.items()))[:3]
+            report.add("files", f"rank {r}: model.safetensors.index.json disagrees with the manifest, e.g. {diff}")
+        for f in plan.rank_files(r):
+            path = folder / f.name
+            try:
+                st = path.stat()
+            except OSError:
+                report.add("files", f"rank {r}: {f.name} is missing")
+                continue
+            units.setdefault((st.st_dev, st.st_ino), (path, f.name, []))[2].append(r)
+        for extra in manifest.extra_files:
+            path = folder / extra.name
+            if not path.is_file() or path.stat().st_size != extra.size:
+                report.add("files", f"rank {r}: {extra.name} is missing or has the wrong size")
+
+    def verify(unit: tuple[Path, str, list[int]]) -> list[tuple[str, str]]:
+        path, name, ranks = unit
+        layout, rec, specs = layouts[name], written.get(name), specs_by_file[name]
+        where = f"{name} of ranks {ranks}"
+        if rec is None:
+            return [("checksum", f"{where}: the manifest has no checksum for it")]
+        size = path.stat().st_size
+        if size != layout.size:
+            return [("files", f"{where}: {size} bytes, the manifest says {layout.size} (truncated or extended)")]
+        header, offsets = file_header([(s.name, s.dtype, s.shape) for s in specs])
+        found: list[tuple[str, str]] = []
+        with open(path, "rb") as fh:
+            if fh.read(len(header)) != header:
+                return [("files", f"{where}: safetensors header differs from the planned one")]
+            digests = []
+            for s, offset, want in zip(specs, offsets, rec.tensor_sha256):
+                d = _hash_range(fh.fileno(), offset, nbytes_of(s.dtype, s.shape))
+                digests.append(d)
+                if d.hex() != want:
+                    found.append(("checksum", f"{where}: tensor {s.name} does not match its sha256 in the manifest"))
+        if file_digest(header, digests) != rec.sha256:
+            found.append(("checksum", f"{where}: file checksum differs from the manifest"))
+        return found
+
+    with ThreadPoolExecutor(workers) as pool:
+        for unit, found in zip(units.values(), pool.map(verify, units.values())):
+            report.files_checked += 1
+            report.bytes_checked += layouts[unit[1]].size
+            for c, m in found:
+                report.add(c, m)
+    for extra in manifest.extra_files:
+        path = out / rank_dir(manifest.written_ranks[0]) / extra.name
+        if path.is_file() and sha256_file(path) != extra.sha256:
+            report.add("checksum", f"{extra.name}: sha256 differs from the manifest")
+
+
+def _hash_range(fd: int, offset: int, n: int) -> bytes:
+    h = hashlib.sha256()
+    buf = np.empty(min(n, 16 << 20), np.uint8)
+    while n > 0:
+        k = min(n, len(buf))
+        h.update(read_into(fd, buf, offset, k))
+        offset, n = offset + k, n - k
+    return h.digest()
+
+
+def _check_rules(ckpt: Checkpoint, manifest: Manifest, report: CheckReport) -> bool:
+    """The manifest is what the rules give for this source (check 1, against the source)."""
+    sizes = {f.name: f.size for f in manifest.source_files}
+    for name in ckpt.weight_files:
+        actual = (ckpt.path / name).stat().st_size
+        if sizes.get(name) != actual:
+            report.add("rules", f"source {name}: {actual} bytes, the split read {sizes.get(name)}: not the checkpoint that was split")
+    try:
+        expected = make_plan(ckpt, manifest.plan.topology, manifest.plan.options)
+    except TpshardError as e:
+        report.add("rules", f"the rules refuse this source: {e}")
+        return False
+    got = {(s.name, s.group_rank): s for s in manifest.plan.shards}
+    want = {(s.name, s.group_rank): s for s in expected.shards}
+    for key in sorted(set(got) | set(want)):
+        g, w = got.get(key), want.get(key)
+        if g != w:
+            if g is None or w is None:
+                report.add("rules", f"{key[0]} group rank {key[1]}: {'missing from the manifest' if g is None else 'in the manifest, but no rule makes it'}")
+            else:
+                fields = [f for f in g.__struct_fields__ if getattr(g, f) != getattr(w, f)]
+                report.add("rules", f"{_rel(g)}: manifest differs from the rules in {', '.join(f'{f}={getattr(g, f)!r} (rules: {getattr(w, f)!r})' for f in fields)}")
+    return not any(p.check == "rules" for p in report.problems)
+
+
+def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckReport, workers: int) -> None:
+    """Every source tensor, rebuilt from the shards, equals the source bit for bit."""
+    plan = manifest.plan
+    written = set(manifest.written_ranks)
+    specs_by_file: dict[str, list[ShardSpec]] = defaultdict(list)
+    for s in plan.shards:
+        specs_by_file[s.file].append(s)
+    offsets: dict[int, int] = {}
+    for specs in specs_by_file.values():
+        _, offs = file_header([(s.name, s.dtype, s.shape) for s in specs])
+        offsets.update({id(s): o for s, o in zip(specs, offs)})
+    by_source: dict[str, list[ShardSpec]] = defaultdict(list)
+    for s in plan.shards:
+        if written & set(s.ranks):
+            by_source[s.source].append(s)
+
+    def rebuild(source: str) -> list[tuple[str, str]]:
+        info, specs = ckpt.tensors[source], by_source[source]
+        fds = [os.open(out / rank_dir(min(written & set(s.ranks))) / s.file, os.O_RDONLY) for s in specs]
+        src_fd = os.open(ckpt.path / info.file, os.O_RDONLY)
+        bad: dict[int, int] = {}  # spec index -> first differing byte
+        try:
+            buf = np.empty(0, np.uint8)
+            for i, at, data in cut_pieces(src_fd, info, specs):
+                if i in bad:
+                    continue
+                if len(buf) < len(data):
+                    buf = np.empty(len(data), np.uint8)
+                actual = read_into(fds[i], buf, offsets[id(specs[i])] + at, len(data))
+                if not np.array_equal(actual, data):
+                    bad[i] = at + int(np.argmax(actual != data))
+            return [("reassembly", _diagnose(src_fd, info, specs, i, fds[i], offsets, byte)) for i, byte in bad.items()]
+        finally:
+            for fd in fds + [src_fd]:
+                os.close(fd)
+
+    with ThreadPoolExecutor(workers) as pool:
+        for found in pool.map(rebuild, list(by_source)):
+            report.tensors_reassembled += 1
+            for c, m in found:
+                report.add(c, m)
+
+
+def _diagnose(src_fd: int, info, specs: list[ShardSpec], i: int, fd: int, offsets: dict[int, int], byte: int) -> str:
+    """Say what rank `specs[i]` holds instead: another group rank's slice, or where it first differs."""
+    spec = specs[i]
+    size = nbytes_of(spec.dtype, spec.shape)
+    actual = _hash_range(fd, offsets[id(spec)], size)
+    hashes = [hashlib.sha256() for _ in specs]
+    for j, _, data in cut_pieces(src_fd, info, specs):
+        hashes[j].update(data)
+    for j, h in enumerate(hashes):
+        if j != i and h.digest() == actual and specs[j].shape == spec.shape:
+            return f"{_rel(spec)}: holds the slice of group rank {specs[j].group_rank} (meant for ranks {list(specs[j].ranks)}), not its own"
+    element = byte // DTYPE_SIZE[spec.dtype]
+    index = list(np.unravel_index(element, spec.shape)) if spec.shape else []
+    region = "padding (must be zero)" if spec.dim is not None and index and index[spec.dim] >= spec.length else "data"
+    return f"{_rel(spec)}: differs from the source first at element {[int(x) for x in index]} ({region})"

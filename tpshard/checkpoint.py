@@ -1,0 +1,134 @@
+"""Reading a Hugging Face checkpoint folder: config, index, and tensor headers — never tensor data.
+
+A checkpoint is a folder with config.json and either model.safetensors or
+model.safetensors.index.json naming its shard files. consolidated*.safetensors (Mistral's
+original-format copy) is ignored; pickle checkpoints (.bin/.pt) are refused, since loading them
+runs arbitrary code and cannot be memory-mapped.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+
+from tpshard.errors import CheckpointError
+from tpshard.manifest import ModelInfo
+from tpshard.safetensors_format import HeaderError, TensorInfo, read_header
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+class Checkpoint(msgspec.Struct, frozen=True, kw_only=True):
+    path: Path
+    config: dict
+    weight_files: tuple[str, ...]  # safetensors files holding the weights, sorted
+    tensors: dict[str, TensorInfo]  # every weight, in the order of the files and their headers
+    index_file: str | None  # model.safetensors.index.json when sharded
+
+    def extra_files(self) -> list[str]:
+        """Non-weight files (config, tokenizer, ...) to copy beside each rank's shards."""
+        skip = set(self.weight_files) | {INDEX_NAME}
+        return sorted(
+            p.name
+            for p in self.path.iterdir()
+            if p.is_file() and p.name not in skip and not _is_weight_file(p.name)
+        )
+
+
+def _is_weight_file(name: str) -> bool:
+    return name.endswith((".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf"))
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{path}: no config.json; tpshard needs a Hugging Face checkpoint folder")
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
+
+    index_path = path / INDEX_NAME
+    if index_path.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path}: not a safetensors index ({e!r})") from None
+        files = sorted(set(weight_map.values()))
+        index_file: str | None = INDEX_NAME
+    elif (path / SINGLE_NAME).is_file():
+        weight_map, files, index_file = {}, [SINGLE_NAME], None
+    else:
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+        if pickles:
+            raise CheckpointError(
+                f"{path}: only pickle weights ({', '.join(pickles[:3])}); tpshard reads safetensors"
+                " only. Convert first, e.g. transformers: model.save_pretrained(dir, safe_serialization=True)"
+            )
+        raise CheckpointError(f"{path}: no {SINGLE_NAME} or {INDEX_NAME}")
+
+    tensors: dict[str, TensorInfo] = {}
+    for name in files:
+        file_path = path / name
+        if not file_path.is_file():
+            raise CheckpointError(f"{path}: {INDEX_NAME} names {name}, which does not exist")
+        try:
+            header, _ = read_header(file_path)
+        except HeaderError as e:
+            raise CheckpointError(str(e)) from None
+        for tname, info in header.items():
+            if index_file and weight_map.get(tname) != name:
+                continue  # the index is the source of truth for which file holds a tensor
+            tensors[tname] = info
+    missing = sorted(t for t, f in weight_map.items() if t not in tensors)
+    if missing:
+        t = missing[0]
+        raise CheckpointError(
+            f"{path}: {INDEX_NAME} maps {t} to {weight_map[t]}, but that file has no such tensor"
+            + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else "")
+        )
+    return Checkpoint(path=path, config=config, weight_files=tuple(files), tensors=tensors, index_file=index_file)
+
+
+def _get(config: dict, key: str, default=None):
+    # Multimodal configs nest the decoder under text_config.
+    if key in config:
+        return config[key]
+    return config.get("text_config", {}).get(key, default)
+
+
+def model_info(ckpt: Checkpoint) -> ModelInfo:
+    """The config numbers the sharding rules need, checked against the tensors on disk."""
+    config = ckpt.config
+    archs = config.get("architectures") or []
+    if not archs:
+        raise CheckpointError(f"{ckpt.path}/config.json has no 'architectures'")
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    absent = [k for k in required if _get(config, k) is None]
+    if absent:
+        raise CheckpointError(f"{ckpt.path}/config.json lacks {', '.join(absent)}")
+    hidden, heads = _get(config, "hidden_size"), _get(config, "num_attention_heads")
+    rope = _get(config, "rope_parameters") or {}
+    dtype = _get(config, "dtype") or _get(config, "torch_dtype") or "bfloat16"
+    return ModelInfo(
+        architecture=archs[0],
+        model_type=config.get("model_type", ""),
+        hidden_size=hidden,
+        num_layers=_get(config, "num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=_get(config, "num_key_value_heads") or heads,
+        head_dim=_get(config, "head_dim") or hidden // heads,
+        intermediate_size=_get(config, "intermediate_size"),
+        vocab_size=_get(config, "vocab_size"),
+        # What is on disk decides: a checkpoint without lm_head.weight is tied whatever config says.
+        tie_word_embeddings="lm_head.weight" not in ckpt.tensors,
+        rms_norm_eps=float(_get(config, "rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", _get(config, "rope_theta", 10000.0))),
+        dtype={"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(str(dtype), str(dtype)),
+    )

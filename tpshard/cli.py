@@ -1,0 +1,201 @@
+"""The `tpshard` command: a thin layer that parses options, calls the library, renders the result.
+
+Human output goes to stderr through rich; `--json` puts machine output alone on stdout. A
+TpshardError becomes its message and exit code; no user error prints a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import msgspec
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tpshard.errors import TpshardError
+from tpshard.manifest import Options
+from tpshard.topology import Topology
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Presharded tensor-parallel checkpoints: plan, split, check, verify.",
+)
+err = Console(stderr=True, highlight=False)
+
+Model = Annotated[Path, typer.Argument(help="Hugging Face checkpoint folder (config.json + safetensors).")]
+Tp = Annotated[int, typer.Option("--tp", help="Tensor-parallel size (world size).")]
+AttnDp = Annotated[int, typer.Option("--attn-dp", help="Attention data-parallel replicas (SGLang --dp with --enable-dp-attention).")]
+AttnCp = Annotated[int, typer.Option("--attn-cp", help="Attention context-parallel size.")]
+Pad = Annotated[bool, typer.Option("--pad/--no-pad", help="Zero-pad MLP dims the group does not divide (or refuse).")]
+DpLmHead = Annotated[bool, typer.Option("--dp-lm-head", help="Shard lm_head over attn_tp instead of tp.")]
+Json = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
+Workers = Annotated[Optional[int], typer.Option("--workers", help="I/O threads (default: from the CPU count).")]
+
+
+def _options(pad: bool, dp_lm_head: bool) -> Options:
+    return Options(pad=pad, dp_lm_head=dp_lm_head)
+
+
+def _emit_json(obj) -> None:
+    sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(obj), indent=1) + b"\n")
+
+
+def _table(title: str, rows: list[dict]) -> Table:
+    table = Table(title=title, title_justify="left")
+    for key in rows[0] if rows else []:
+        table.add_column(key.replace("_", " "))
+    for row in rows:
+        table.add_row(*(str(v) for v in row.values()))
+    return table
+
+
+@app.command()
+def plan(
+    model: Model, tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, pad: Pad = True,
+    dp_lm_head: DpLmHead = False, json: Json = False,
+) -> None:  # fmt: skip
+    """Show what every rank will hold, before a byte is written."""
+    from tpshard.checkpoint import open_checkpoint
+    from tpshard.plan import make_plan
+    from tpshard.report import human_bytes, kind_rows, rank_rows
+
+    p = make_plan(open_checkpoint(model), Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp), _options(pad, dp_lm_head))
+    if json:
+        _emit_json({"plan": p, "by_kind": kind_rows(p), "by_rank": rank_rows(p)})
+        return
+    err.print(f"[bold]{model}[/] {p.model.architecture}, {p.topology.describe()}")
+    err.print(_table("Per weight kind", kind_rows(p)))
+    ranks = rank_rows(p)
+    for row in ranks:
+        row["bytes"] = human_bytes(row["bytes"])
+    err.print(_table("Per rank", ranks))
+    unique = sum(f.size for f in p.files)
+    err.print(f"{len(p.files)} distinct files, {human_bytes(unique)} written once (hard links share them between ranks)")
+    for w in p.warnings:
+        err.print(f"[yellow]warning:[/] {w}")
+
+
+@app.command()
+def explain(
+    model: Model, tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, pad: Pad = True,
+    dp_lm_head: DpLmHead = False,
+    layer: Annotated[int, typer.Option("--layer", help="Decoder layer to walk through.")] = 0,
+    json: Json = False,
+) -> None:  # fmt: skip
+    """Walk through one layer: segment, layer class and group, per-rank shape, disk slice, reduction."""
+    from tpshard.checkpoint import open_checkpoint
+    from tpshard.plan import make_plan
+    from tpshard.report import explain_rows
+
+    p = make_plan(open_checkpoint(model), Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp), _options(pad, dp_lm_head))
+    rows = explain_rows(p, layer)
+    if not rows:
+        raise TpshardError(f"layer {layer} does not exist (the model has {p.model.num_layers} layers)")
+    if json:
+        _emit_json(rows)
+        return
+    err.print(_table(f"Layer {layer} at {p.topology.describe()}", rows))
+
+
+@app.command()
+def split(
+    model: Model,
+    out: Annotated[Path, typer.Option("-o", "--out", help="Output folder (must not exist unless --force).")],
+    tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, pad: Pad = True, dp_lm_head: DpLmHead = False,
+    workers: Workers = None,
+    ranks: Annotated[Optional[str], typer.Option("--ranks", help="Write only these ranks, e.g. 0-3 or 0,2,4.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    json: Json = False,
+) -> None:  # fmt: skip
+    """Read the checkpoint once and write each rank's presharded files plus the manifest."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    from tpshard.checkpoint import open_checkpoint
+    from tpshard.report import human_bytes
+    from tpshard.writer import split as do_split
+
+    topology = Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp)
+    total = sum(t.nbytes for t in open_checkpoint(model).tensors.values())
+    start = time.perf_counter()
+    with Progress(
+        "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        console=err, transient=True, disable=json or not err.is_terminal,
+    ) as progress:  # fmt: skip
+        task = progress.add_task("splitting", total=total)
+        manifest = do_split(
+            model, out, topology, _options(pad, dp_lm_head), workers=workers, force=force,
+            ranks=parse_ranks(ranks), on_tensor=lambda n: progress.advance(task, n),
+        )  # fmt: skip
+    seconds = time.perf_counter() - start
+    written = sum(f.size for f in manifest.files)
+    summary = {
+        "out": str(out), "ranks": list(manifest.written_ranks), "files": len(manifest.files),
+        "bytes_read": total, "bytes_written": written, "seconds": round(seconds, 3),
+    }  # fmt: skip
+    if json:
+        _emit_json(summary)
+        return
+    err.print(
+        f"[green]split[/] {model} -> {out}: {len(manifest.written_ranks)} ranks, {len(manifest.files)} files,"
+        f" read {human_bytes(total)}, wrote {human_bytes(written)} in {seconds:.2f} s"
+    )
+    for w in manifest.plan.warnings:
+        err.print(f"[yellow]warning:[/] {w}")
+
+
+@app.command()
+def check(
+    out: Annotated[Path, typer.Argument(help="A tpshard output folder.")],
+    source: Annotated[Optional[Path], typer.Option("--source", help="The checkpoint it was split from: enables bit-exact reassembly.")] = None,
+    workers: Workers = None,
+    json: Json = False,
+) -> None:  # fmt: skip
+    """Checksums, alignment checks and (with --source) bit-exact reassembly. Exit 1 on any mismatch."""
+    from tpshard.check import check as do_check
+    from tpshard.report import human_bytes
+
+    start = time.perf_counter()
+    report = do_check(out, source, workers=workers)
+    seconds = time.perf_counter() - start
+    if json:
+        _emit_json({"ok": report.ok, "seconds": round(seconds, 3), **msgspec.to_builtins(report)})
+    else:
+        for p in report.problems:
+            err.print(f"[red]FAIL[/] [{p.check}] {p.message}")
+        what = f"{report.files_checked} files ({human_bytes(report.bytes_checked)})"
+        if source:
+            what += f", {report.tensors_reassembled} source tensors reassembled bit-exact"
+        if report.ok:
+            err.print(f"[green]ok[/] {out}: {what} in {seconds:.2f} s")
+        else:
+            err.print(f"[red]{len(report.problems)} problem(s)[/] in {out} ({what})")
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def parse_ranks(text: str | None) -> list[int] | None:
+    """'0-3,6' -> [0, 1, 2, 3, 6]."""
+    if text is None:
+        return None
+    ranks: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            ranks.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise TpshardError(f"--ranks {text!r}: expected a list like 0-3 or 0,2,4") from None
+    return sorted(ranks)
+
+
+def main() -> None:
+    try:
+        app()
+    except TpshardError as e:
+        err.print(f"[red]error:[/] {e}")
+        sys.exit(e.exit_code)

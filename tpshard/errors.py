@@ -1,0 +1,29 @@
+"""User-facing errors. The CLI prints their message and exits non-zero, without a traceback."""
+
+
+class TpshardError(Exception):
+    """An error the user can fix: bad input, bad options, a broken output. Exit code 2."""
+
+    exit_code = 2
+
+
+class CheckpointError(TpshardError):
+    """The source checkpoint is missing, unreadable, or disagrees with its config."""
+
+
+class TopologyError(TpshardError):
+    """The requested parallel layout does not fit (sizes that do not divide)."""
+
+
+class PlanError(TpshardError):
+    """A tensor cannot be sharded as asked (no rule, heads not dividing, misaligned quantization)."""
+
+
+class OutputError(TpshardError):
+    """The output folder exists, is incomplete, or is not a tpshard output."""
+
+
+class CheckFailed(TpshardError):
+    """`check` or `verify` found a mismatch. Exit code 1: the output is wrong, not the command."""
+
+    exit_code = 1

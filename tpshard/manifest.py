@@ -1,0 +1,155 @@
+"""The plan and the manifest: the parallel and load contracts as data.
+
+A `Plan` is what `tpshard plan` prints and `tpshard split` executes: for every distinct per-rank
+tensor, where its bytes come from (source tensor, dim, start, length, zero padding) and which
+group rank holds it. A `Manifest` is the plan as written, plus checksums; it is the last file
+`split` writes and the first one `check`, `verify` and `open_rank` read.
+
+One `ShardSpec` per distinct output tensor: ranks that hold identical bytes (replicated tensors,
+attention shards shared by attention-DP replicas, GQA kv replicas) share one spec and one file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from tpshard.topology import GroupName, Topology
+
+MANIFEST_NAME = "tpshard-manifest.json"
+MANIFEST_FORMAT = "tpshard-manifest"
+MANIFEST_VERSION = 1
+
+# How a tensor is cut. The four linear kinds follow the engines' layer classes; `row_bias` is a
+# row-parallel layer's bias, whole on every rank and added once per reduction group.
+Kind = Literal["column", "merged", "qkv_q", "qkv_k", "qkv_v", "row", "row_bias", "vocab", "replicated"]
+
+
+class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """The config numbers the rules use; recorded so that readers need not re-parse config.json."""
+
+    architecture: str
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    dtype: str = "BF16"
+
+
+class Options(msgspec.Struct, frozen=True, kw_only=True):
+    pad: bool = True  # pad dims the group does not divide (MLP intermediate) instead of refusing
+    dp_lm_head: bool = False  # lm_head over attn_tp instead of tp (SGLang --enable-dp-lm-head)
+    vocab_multiple: int = 64  # vocab padded to this multiple before the split (vLLM/SGLang)
+    max_file_bytes: int = 5 << 30  # a rank's tensors for one group go to parts of at most this size
+
+
+class ShardSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One distinct per-rank tensor: source[dim][start : start+length] followed by `pad` zeros."""
+
+    name: str  # HF tensor name in the rank's files
+    source: str  # source tensor name
+    layer: str  # the engine layer it loads into, e.g. model.layers.0.self_attn.qkv_proj
+    layer_class: str  # QKVParallelLinear, RowParallelLinear, ...
+    kind: Kind
+    dtype: str  # safetensors dtype string, as on disk
+    source_shape: tuple[int, ...]
+    shape: tuple[int, ...]  # per-rank shape, padding included
+    dim: int | None = None  # sharded dim; None = whole copy
+    start: int = 0
+    length: int = 0
+    pad: int = 0
+    group: GroupName
+    factor: int = 1  # consecutive group ranks holding one replica (GQA kv heads)
+    group_rank: int = 0
+    group_size: int = 1
+    ranks: tuple[int, ...]  # world ranks holding these bytes
+    file: str  # FileLayout.name holding it
+
+
+class FileLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """One output safetensors file, shared (hard linked) by every rank in `ranks`."""
+
+    name: str  # file name inside each rank folder
+    ranks: tuple[int, ...]
+    tensors: tuple[str, ...]  # tensor names, in data order
+    size: int  # bytes, header included
+
+
+class Plan(msgspec.Struct, frozen=True, kw_only=True):
+    topology: Topology
+    options: Options
+    model: ModelInfo
+    shards: tuple[ShardSpec, ...]
+    files: tuple[FileLayout, ...]
+    warnings: tuple[str, ...] = ()
+
+    def rank_shards(self, rank: int) -> list[ShardSpec]:
+        return [s for s in self.shards if rank in s.ranks]
+
+    def rank_files(self, rank: int) -> list[FileLayout]:
+        return [f for f in self.files if rank in f.ranks]
+
+
+class SourceFile(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    size: int
+    sha256: str
+
+
+class WrittenFile(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    size: int
+    sha256: str  # tpshard.digest.file_digest: header, then the tensor digests
+    tensor_sha256: tuple[str, ...]  # per tensor, in FileLayout.tensors order
+
+
+class Manifest(msgspec.Struct, frozen=True, kw_only=True):
+    format: str = MANIFEST_FORMAT
+    version: int = MANIFEST_VERSION
+    tool_version: str
+    source_path: str
+    source_files: tuple[SourceFile, ...]  # safetensors files and index, as read
+    extra_files: tuple[SourceFile, ...]  # config, tokenizer, ...: copied into every rank folder
+    plan: Plan
+    written_ranks: tuple[int, ...]  # ranks whose folders this output holds (all, unless --ranks)
+    files: tuple[WrittenFile, ...]  # checksums of every output weight file
+
+
+def rank_dir(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+_encoder = msgspec.json.Encoder(order="sorted")
+_decoder = msgspec.json.Decoder(Manifest)
+
+
+def encode_manifest(manifest: Manifest) -> bytes:
+    return msgspec.json.format(_encoder.encode(manifest), indent=1) + b"\n"
+
+
+def read_manifest(out_dir: str | Path) -> Manifest:
+    from tpshard.errors import OutputError
+
+    path = Path(out_dir) / MANIFEST_NAME
+    if not Path(out_dir).is_dir():
+        raise OutputError(f"{out_dir}: no such folder")
+    if not path.is_file():
+        raise OutputError(
+            f"{out_dir}: no {MANIFEST_NAME}; not a tpshard output, or a split that did not finish"
+        )
+    try:
+        manifest = _decoder.decode(path.read_bytes())
+    except msgspec.DecodeError as e:
+        raise OutputError(f"{path}: not a valid tpshard manifest ({e})") from None
+    if manifest.format != MANIFEST_FORMAT or manifest.version != MANIFEST_VERSION:
+        raise OutputError(f"{path}: manifest format {manifest.format} v{manifest.version} is not supported")
+    return manifest

@@ -1,0 +1,89 @@
+"""The byte-level execution of ShardSpecs: one source tensor in, every spec's bytes out.
+
+`cut_pieces` reads a source tensor once, front to back in chunks, and yields for each spec the
+pieces of its per-rank tensor, in order, padding included. The writer writes the pieces; `check`
+compares them with what the output holds. Neither knows how a tensor is cut.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+
+from tpshard.errors import CheckpointError
+from tpshard.manifest import ShardSpec
+from tpshard.safetensors_format import TensorInfo
+
+CHUNK_BYTES = 32 << 20  # read granularity; bounds memory per worker
+
+
+def cut_pieces(
+    src_fd: int, info: TensorInfo, specs: list[ShardSpec], source_hash=None
+) -> Iterator[tuple[int, int, np.ndarray]]:
+    """Yield (spec index, byte offset in that spec's tensor, bytes) until every spec is complete.
+
+    Each spec's pieces come in increasing offset order; `source_hash.update` sees the whole
+    source tensor in order.
+    """
+    if info.nbytes == 0:
+        return
+    shape = info.shape or (1,)
+    dims = {s.dim for s in specs} - {None}
+    if len(dims) > 1:
+        raise ValueError(f"{info}: specs cut along several dims {sorted(dims)}")
+    dim = dims.pop() if dims else 0
+    outer = int(np.prod(shape[:dim], dtype=np.int64))
+    rows = shape[dim]
+    inner = info.nbytes // (outer * rows)  # bytes per index of the cut dim
+    row_bytes = rows * inner
+    buf = np.empty(min(info.nbytes, max(CHUNK_BYTES, row_bytes if outer > 1 else inner)), np.uint8)
+
+    if outer == 1:  # cut along the leading dim: each piece is a contiguous run of the chunk
+        step = max(1, len(buf) // inner)
+        for a in range(0, rows, step):
+            b = min(rows, a + step)
+            chunk = read_into(src_fd, buf, info.begin + a * inner, (b - a) * inner)
+            if source_hash is not None:
+                source_hash.update(chunk)
+            for i, s in enumerate(specs):
+                lo, hi = max(a, s.start), min(b, s.start + s.length)
+                if lo < hi:
+                    yield i, (lo - s.start) * inner, chunk[(lo - a) * inner : (hi - a) * inner]
+        for i, s in enumerate(specs):
+            yield from ((i, at, z) for at, z in _zeros(s.length * inner, s.pad * inner))
+        return
+
+    # Cut along an inner dim: gather each piece's slab from whole rows of the outer dims.
+    step = max(1, len(buf) // row_bytes)
+    for a in range(0, outer, step):
+        b = min(outer, a + step)
+        chunk = read_into(src_fd, buf, info.begin + a * row_bytes, (b - a) * row_bytes)
+        if source_hash is not None:
+            source_hash.update(chunk)
+        view = chunk.reshape(b - a, rows, inner)  # [outer rows, cut dim, bytes per index]
+        for i, s in enumerate(specs):
+            piece = np.zeros((b - a, s.length + s.pad, inner), np.uint8)  # pad stays zero
+            piece[:, : s.length] = view[:, s.start : s.start + s.length]
+            yield i, a * (s.length + s.pad) * inner, piece.reshape(-1)
+
+
+def read_into(fd: int, buf: np.ndarray, offset: int, n: int) -> np.ndarray:
+    """pread exactly n bytes at offset into buf; returns buf[:n]."""
+    view = memoryview(buf)[:n]
+    done = 0
+    while done < n:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise CheckpointError(f"file ended early at byte {offset + done} (truncated?)")
+        done += got
+    return buf[:n]
+
+
+def _zeros(at: int, n: int) -> Iterator[tuple[int, np.ndarray]]:
+    zeros = np.zeros(min(n, CHUNK_BYTES), np.uint8)
+    while n > 0:
+        k = min(n, len(zeros))
+        yield at, zeros[:k]
+        at, n = at + k, n - k

@@ -1,0 +1,270 @@
+"""make_plan: the one pure function that decides what every rank holds.
+
+Inputs are headers and config only (no tensor data, no torch.distributed). Every cut is one
+narrow of one source tensor along one dim plus zero padding at its end; this covers column, row,
+QKV with GQA replicas, merged gate/up, vocab padding and padding of non-divisible MLP dims.
+`split` executes the result, `check` inverts it; nothing else derives a slicing rule.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from tpshard.checkpoint import Checkpoint, model_info
+from tpshard.errors import PlanError
+from tpshard.manifest import FileLayout, Kind, ModelInfo, Options, Plan, ShardSpec
+from tpshard.rules import ARCHITECTURES, DROPPED, Matcher, Rule
+from tpshard.safetensors_format import TensorInfo, build_header, nbytes_of
+from tpshard.topology import GroupName, Topology
+
+
+class Cut(NamedTuple):
+    """One group rank's piece of a tensor: source[dim][start : start+length] then `pad` zeros."""
+
+    group_rank: int
+    start: int
+    length: int
+    pad: int
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def even_cuts(n: int, parts: int, per: int) -> list[Cut]:
+    """`parts` pieces of `per` along a dim of size n; trailing pieces are zero-padded past n."""
+    return [
+        Cut(r, r * per, max(0, min(per, n - r * per)), per - max(0, min(per, n - r * per)))
+        for r in range(parts)
+    ]
+
+
+def group_of(rule: Rule, options: Options) -> GroupName:
+    if rule.role == "lm_head":
+        return "attn_tp" if options.dp_lm_head else "tp"
+    return {"attn": "attn_tp", "embed": "attn_tp", "mlp": "tp", "replicated": "replicated"}[rule.role]
+
+
+def expected_shape(rule: Rule, model: ModelInfo) -> tuple[int, int] | None:
+    """[out, in] of a dense linear/embedding weight according to config.json."""
+    h, q, kv, i = model.hidden_size, model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim, model.intermediate_size
+    match rule.layer_class, rule.piece, rule.role:
+        case ("VocabParallelEmbedding" | "ParallelLMHead"), _, _:
+            return (model.vocab_size, h)
+        case "QKVParallelLinear", "q", _:
+            return (q, h)
+        case "QKVParallelLinear", ("k" | "v"), _:
+            return (kv, h)
+        case "MergedColumnParallelLinear", _, _:
+            return (i, h)
+        case "RowParallelLinear", _, "attn":
+            return (h, q)
+        case "RowParallelLinear", _, "mlp":
+            return (h, i)
+    return None
+
+
+class _Cutting(NamedTuple):
+    kind: Kind
+    dim: int | None
+    factor: int
+    group_size: int
+    cuts: list[Cut]
+
+
+def cut_tensor(
+    name: str, info: TensorInfo, rule: Rule, param: str, topology: Topology, model: ModelInfo, options: Options
+) -> _Cutting:
+    """How one tensor is cut over its layer's group: the load contract of one weight."""
+    group = group_of(rule, options)
+    g = topology.group_size(group)
+    shape = info.shape
+    cls = rule.layer_class
+
+    expected = expected_shape(rule, model)
+    if expected and param == "weight" and shape != expected:
+        raise PlanError(f"{name}: shape {list(shape)} on disk, but config.json implies {list(expected)}")
+    if expected and param == "bias" and shape != (expected[0],):
+        raise PlanError(f"{name}: shape {list(shape)} on disk, but config.json implies [{expected[0]}]")
+
+    def whole(kind: Kind) -> _Cutting:
+        length = shape[0] if shape else 1
+        # factor = group size: every rank of the group holds the one replica
+        return _Cutting(kind, None, g, 1, [Cut(0, 0, length, 0)])
+
+    if cls == "Replicated":
+        return whole("replicated")
+    if cls == "RowParallelLinear" and param == "bias":
+        return whole("row_bias")
+    if param not in ("weight", "bias"):
+        raise PlanError(f"{name}: no rule for parameter '{param}' of {cls} {rule.layer}")
+
+    if cls in ("VocabParallelEmbedding", "ParallelLMHead"):
+        v = shape[0]
+        v_pad = ceil_div(v, options.vocab_multiple) * options.vocab_multiple
+        if v_pad % g:
+            raise PlanError(
+                f"{name}: vocab {v} padded to {v_pad} (multiple of {options.vocab_multiple}) does not"
+                f" divide over the {group} group of {g} ranks"
+            )
+        return _Cutting("vocab", 0, 1, g, even_cuts(v, g, v_pad // g))
+
+    if cls == "QKVParallelLinear":
+        if model.num_heads % g:
+            raise PlanError(
+                f"{name}: {model.num_heads} attention heads do not divide over the {group} group of {g} ranks"
+            )
+        if rule.piece == "q":
+            per = model.num_heads // g * model.head_dim
+            return _Cutting("qkv_q", 0, 1, g, even_cuts(shape[0], g, per))
+        kv = model.num_kv_heads
+        if g % kv and kv % g:
+            raise PlanError(
+                f"{name}: {kv} kv heads and the {group} group of {g} ranks: neither divides the other,"
+                " so kv heads can be neither split nor replicated evenly"
+            )
+        head_rows = shape[0] // kv  # v_head_dim may differ from head_dim
+        if g >= kv:  # each rank holds 1 kv head; `g // kv` consecutive ranks share it
+            return _Cutting(f"qkv_{rule.piece}", 0, g // kv, kv, even_cuts(shape[0], kv, head_rows))  # type: ignore[arg-type]
+        return _Cutting(f"qkv_{rule.piece}", 0, 1, g, even_cuts(shape[0], g, kv // g * head_rows))  # type: ignore[arg-type]
+
+    if cls in ("MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear"):
+        kind: Kind = {"MergedColumnParallelLinear": "merged", "ColumnParallelLinear": "column"}.get(cls, "row")  # type: ignore[assignment]
+        dim = 1 if kind == "row" else 0
+        n = shape[dim]
+        if n % g:
+            if not (options.pad and rule.role == "mlp"):
+                hint = " (pass --pad to zero-pad it)" if rule.role == "mlp" else ""
+                raise PlanError(f"{name}: dim {dim} of size {n} does not divide over the {group} group of {g} ranks{hint}")
+            return _Cutting(kind, dim, 1, g, even_cuts(n, g, ceil_div(n, g)))
+        return _Cutting(kind, dim, 1, g, even_cuts(n, g, n // g))
+
+    raise PlanError(f"{name}: layer class {cls} has no load rule")
+
+
+def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = None) -> Plan:
+    """Every distinct per-rank tensor of the split, and the files that will hold them."""
+    options = options or Options()
+    model = model_info(ckpt)
+    rules = ARCHITECTURES.get(model.architecture)
+    if rules is None:
+        raise PlanError(
+            f"architecture {model.architecture} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
+            " (docs/architectures.md says how to add one)"
+        )
+    matcher = Matcher(rules)
+    warnings: list[str] = []
+    if model.tie_word_embeddings:
+        warnings.append(
+            "lm_head is tied to model.embed_tokens (no lm_head.weight on disk): engines reuse the"
+            f" embedding shard, over the {group_of(Rule('', 'VocabParallelEmbedding', 'embed', ''), options)} group"
+        )
+
+    specs: list[dict] = []
+    unknown: list[str] = []
+    # Source order by (file, offset): the writer then reads each file front to back.
+    for name, info in sorted(ckpt.tensors.items(), key=lambda kv: (kv[1].file, kv[1].begin)):
+        if DROPPED.fullmatch(name):
+            warnings.append(f"{name}: dropped (engines recompute it)")
+            continue
+        module, _, param = name.rpartition(".")
+        found = matcher.match(module)
+        if found is None:
+            unknown.append(name)
+            continue
+        rule, layer = found
+        cutting = cut_tensor(name, info, rule, param, topology, model, options)
+        group = group_of(rule, options) if cutting.kind != "replicated" else "replicated"
+        for cut in cutting.cuts:
+            shape = list(info.shape)
+            if cutting.dim is not None:
+                shape[cutting.dim] = cut.length + cut.pad
+            specs.append(
+                dict(
+                    name=name,
+                    source=name,
+                    layer=layer,
+                    layer_class=rule.layer_class,
+                    kind=cutting.kind,
+                    dtype=info.dtype,
+                    source_shape=info.shape,
+                    shape=tuple(shape),
+                    dim=cutting.dim,
+                    start=cut.start,
+                    length=cut.length,
+                    pad=cut.pad,
+                    group=group,
+                    factor=cutting.factor,
+                    group_rank=cut.group_rank,
+                    group_size=cutting.group_size,
+                    ranks=topology.ranks_of(group, cut.group_rank, cutting.factor),
+                )
+            )
+    if unknown:
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise PlanError(
+            f"no {model.architecture} rule covers {', '.join(unknown[:5])}{more}; tpshard never"
+            " replicates a tensor it does not understand"
+        )
+    pad_notes = sorted({f"{s['layer_class']} {s['name'].rsplit('.', 3)[-2]}" for s in specs if s["pad"] and s["kind"] != "vocab"})
+    if pad_notes:
+        warnings.append(f"zero-padded to divide: {', '.join(pad_notes)}")
+
+    files = _layout_files(specs, topology, options)
+    return Plan(
+        topology=topology,
+        options=options,
+        model=model,
+        shards=tuple(ShardSpec(**s) for s in specs),
+        files=tuple(files),
+        warnings=tuple(warnings),
+    )
+
+
+def file_header(tensors: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, list[int]]:
+    """The header of an output file; {"format": "pt"} is what transformers expects to find."""
+    return build_header(tensors, {"format": "pt"})
+
+
+def _file_label(spec: dict, world: int) -> str:
+    if len(spec["ranks"]) == world:
+        return "common"
+    label = spec["group"] if spec["factor"] == 1 else f"{spec['group']}-x{spec['factor']}"
+    return f"{label}-{spec['group_rank']:03d}-of-{spec['group_size']:03d}"
+
+
+def _layout_files(specs: list[dict], topology: Topology, options: Options) -> list[FileLayout]:
+    """Group specs by the set of ranks holding them (one file set each), split into parts by size.
+
+    Sets `spec["file"]` in place. Tensors keep source order inside a file.
+    """
+    by_ranks: dict[tuple[int, ...], list[dict]] = {}
+    for spec in specs:
+        by_ranks.setdefault(spec["ranks"], []).append(spec)
+    files: list[FileLayout] = []
+    for ranks, members in by_ranks.items():
+        label = _file_label(members[0], topology.world_size)
+        parts: list[list[dict]] = [[]]
+        size = 0
+        for spec in members:
+            nbytes = nbytes_of(spec["dtype"], spec["shape"])
+            if parts[-1] and size + nbytes > options.max_file_bytes:
+                parts.append([])
+                size = 0
+            parts[-1].append(spec)
+            size += nbytes
+        for p, part in enumerate(parts):
+            suffix = f"-part-{p + 1:05d}-of-{len(parts):05d}" if len(parts) > 1 else ""
+            name = f"model-{label}{suffix}.safetensors"
+            header, _ = file_header([(s["name"], s["dtype"], s["shape"]) for s in part])
+            for s in part:
+                s["file"] = name
+            files.append(
+                FileLayout(
+                    name=name,
+                    ranks=ranks,
+                    tensors=tuple(s["name"] for s in part),
+                    size=len(header) + sum(nbytes_of(s["dtype"], s["shape"]) for s in part),
+                )
+            )
+    return files

@@ -1,0 +1,247 @@
+"""split: execute a plan. The only code that writes tensor bytes.
+
+Each source tensor is read once, front to back in chunks, and every rank's piece of it is cut from
+the chunk in memory: a contiguous slice (dim 0) is written straight from the read buffer, a strided
+one (dim > 0) is gathered into a buffer of its own. Output files get their header from the plan
+before any data exists, so every piece is written with pwrite at its final offset; memory is bounded
+by the chunk size times the worker count, whatever the model size, and the bytes do not depend on
+the order workers finish in.
+
+Checksums are computed while writing: sha256 of each tensor's bytes, and a file's checksum is sha256
+over its header followed by its tensors' digests (tpshard.digest). `check` recomputes both.
+
+Output is staged in a hidden sibling folder and renamed into place after the manifest, written
+last, is on disk: an output folder with a manifest is complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tpshard import __version__
+from tpshard.checkpoint import Checkpoint, open_checkpoint
+from tpshard.digest import file_digest, sha256_file
+from tpshard.errors import OutputError, TopologyError
+from tpshard.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    Options,
+    Plan,
+    ShardSpec,
+    SourceFile,
+    WrittenFile,
+    encode_manifest,
+    rank_dir,
+)
+from tpshard.pieces import cut_pieces
+from tpshard.plan import file_header, make_plan
+from tpshard.safetensors_format import TensorInfo, nbytes_of
+from tpshard.topology import Topology
+
+def default_workers() -> int:
+    return min(8, max(2, os.cpu_count() or 2))
+
+
+def split(
+    source: str | Path,
+    out: str | Path,
+    topology: Topology,
+    options: Options | None = None,
+    *,
+    workers: int | None = None,
+    force: bool = False,
+    ranks: Iterable[int] | None = None,
+    on_tensor: Callable[[int], None] | None = None,
+) -> Manifest:
+    """Split the checkpoint at `source` into per-rank folders under `out`; return the manifest.
+
+    `ranks` limits the output to those world ranks (each node of a cluster can write its own);
+    `on_tensor(nbytes)` is called after each source tensor, for progress.
+    """
+    ckpt = open_checkpoint(source)
+    plan = make_plan(ckpt, topology, options)
+    selected = sorted(set(range(topology.world_size) if ranks is None else ranks))
+    bad = [r for r in selected if not 0 <= r < topology.world_size]
+    if bad or not selected:
+        raise TopologyError(f"--ranks {bad or '(none)'}: ranks must lie in 0..{topology.world_size - 1}")
+    out = Path(out)
+    if out.exists() and not force:
+        raise OutputError(f"{out} already exists; pass --force to replace it")
+    staging = out.parent / f".{out.name}.tpshard-partial"
+    if staging.exists():
+        shutil.rmtree(staging)  # left by a split that was killed
+    staging.mkdir(parents=True)
+    try:
+        manifest = _write(ckpt, plan, staging, selected, workers or default_workers(), on_tensor)
+        if out.exists():
+            trash = out.parent / f".{out.name}.tpshard-old"
+            shutil.rmtree(trash, ignore_errors=True)
+            out.rename(trash)
+            staging.rename(out)
+            shutil.rmtree(trash)
+        else:
+            staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return manifest
+
+
+class _Target:
+    """Where one spec's bytes go: an open output file and the data offset inside it."""
+
+    def __init__(self, spec: ShardSpec, fd: int, offset: int):
+        self.spec, self.fd, self.offset = spec, fd, offset
+        self.hash = hashlib.sha256()
+
+    def write(self, data, at: int) -> None:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], self.offset + at + done)
+        self.hash.update(view)
+
+
+def _write(
+    ckpt: Checkpoint,
+    plan: Plan,
+    staging: Path,
+    selected: list[int],
+    workers: int,
+    on_tensor: Callable[[int], None] | None,
+) -> Manifest:
+    chosen = set(selected)
+    files = [f for f in plan.files if chosen & set(f.ranks)]
+    for r in selected:
+        (staging / rank_dir(r)).mkdir()
+
+    # Lay out every output file from the plan: header now, data by pwrite later.
+    fds: dict[str, int] = {}
+    headers: dict[str, bytes] = {}
+    targets_by_source: dict[str, list[_Target]] = {}
+    specs_by_file: dict[str, list[ShardSpec]] = {}
+    for spec in plan.shards:
+        specs_by_file.setdefault(spec.file, []).append(spec)
+    try:
+        for f in files:
+            specs = specs_by_file[f.name]
+            header, offsets = file_header([(s.name, s.dtype, s.shape) for s in specs])
+            path = staging / rank_dir(min(chosen & set(f.ranks))) / f.name
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fds[f.name], headers[f.name] = fd, header
+            os.pwrite(fd, header, 0)
+            os.ftruncate(fd, f.size)
+            for spec, offset in zip(specs, offsets):
+                targets_by_source.setdefault(spec.source, []).append(_Target(spec, fd, offset))
+
+        src_fds = {name: os.open(ckpt.path / name, os.O_RDONLY) for name in ckpt.weight_files}
+        try:
+            # Every source tensor is read (also those no selected rank needs) so that the source
+            # checksums cover the whole checkpoint.
+            order = sorted(ckpt.tensors.items(), key=lambda kv: (kv[1].file, kv[1].begin))
+
+            def job(item: tuple[str, TensorInfo]) -> bytes:
+                name, info = item
+                digest = _copy_tensor(src_fds[info.file], info, targets_by_source.get(name, []))
+                if on_tensor:
+                    on_tensor(info.nbytes)
+                return digest
+
+            with ThreadPoolExecutor(max(1, workers)) as pool:
+                source_digests = dict(zip((n for n, _ in order), pool.map(job, order)))
+        finally:
+            for fd in src_fds.values():
+                os.close(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+    tensor_digests = {id(t.spec): t.hash.digest() for ts in targets_by_source.values() for t in ts}
+    written = []
+    for f in files:
+        digests = [tensor_digests[id(s)] for s in specs_by_file[f.name]]
+        written.append(
+            WrittenFile(
+                name=f.name,
+                size=f.size,
+                sha256=file_digest(headers[f.name], digests),
+                tensor_sha256=tuple(d.hex() for d in digests),
+            )
+        )
+        canonical = staging / rank_dir(min(chosen & set(f.ranks))) / f.name
+        for r in sorted(chosen & set(f.ranks)):
+            if (staging / rank_dir(r) / f.name) != canonical:
+                _link(canonical, staging / rank_dir(r) / f.name)
+
+    extra = []
+    for name in ckpt.extra_files():
+        canonical = staging / rank_dir(selected[0]) / name
+        shutil.copyfile(ckpt.path / name, canonical)
+        extra.append(SourceFile(name=name, size=canonical.stat().st_size, sha256=sha256_file(canonical)))
+        for r in selected[1:]:
+            _link(canonical, staging / rank_dir(r) / name)
+
+    for r in selected:
+        index = _rank_index(plan, r)
+        (staging / rank_dir(r) / "model.safetensors.index.json").write_bytes(index)
+
+    manifest = Manifest(
+        tool_version=__version__,
+        source_path=str(ckpt.path.resolve()),
+        source_files=_source_files(ckpt, source_digests),
+        extra_files=tuple(extra),
+        plan=plan,
+        written_ranks=tuple(selected),
+        files=tuple(written),
+    )
+    (staging / MANIFEST_NAME).write_bytes(encode_manifest(manifest))
+    return manifest
+
+
+def _copy_tensor(src_fd: int, info: TensorInfo, targets: list[_Target]) -> bytes:
+    """Read one source tensor once and write every target's piece of it. Returns its sha256."""
+    source_hash = hashlib.sha256()
+    for i, at, data in cut_pieces(src_fd, info, [t.spec for t in targets], source_hash):
+        targets[i].write(data, at)
+    return source_hash.digest()
+
+
+def _link(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # a filesystem without hard links: a copy holds the same bytes
+        shutil.copyfile(src, dst)
+
+
+def _rank_index(plan: Plan, rank: int) -> bytes:
+    import json
+
+    specs = plan.rank_shards(rank)
+    weight_map = {s.name: s.file for s in sorted(specs, key=lambda s: s.name)}
+    total = sum(nbytes_of(s.dtype, s.shape) for s in specs)
+    return (json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n").encode()
+
+
+def _source_files(ckpt: Checkpoint, digests: dict[str, bytes]) -> tuple[SourceFile, ...]:
+    from tpshard.safetensors_format import read_header_bytes
+
+    files = []
+    for name in ckpt.weight_files:
+        path = ckpt.path / name
+        tensors = sorted((i.begin, t) for t, i in ckpt.tensors.items() if i.file == name)
+        files.append(
+            SourceFile(
+                name=name,
+                size=path.stat().st_size,
+                sha256=file_digest(read_header_bytes(path), [digests[t] for _, t in tensors]),
+            )
+        )
+    if ckpt.index_file:
+        path = ckpt.path / ckpt.index_file
+        files.append(SourceFile(name=ckpt.index_file, size=path.stat().st_size, sha256=sha256_file(path)))
+    return tuple(files)
