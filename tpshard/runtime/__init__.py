@@ -1,0 +1,60 @@
+"""The tensor-parallel runtime: groups, layers, quant methods, launching (the compute and reduce contracts).
+
+The only package in tpshard that imports torch.distributed. It loads presharded tensors into
+engine-style layers and runs them; it never decides how a tensor is cut (that is the plan).
+
+Typical use on each rank:
+    info = init_distributed()                      # torchrun env; NCCL on CUDA, gloo on CPU
+    bind_groups(topology)                          # collective: process groups for tp and attn_tp
+    g = LogicalGroup.of(topology, "attn_tp", info.rank)
+    qkv = QKVParallelLinear(hidden, head_dim, n_heads, n_kv_heads, group=g, dtype=torch.bfloat16)
+    qkv.load_shard("q", q_tensor); qkv.load_shard("k", k_tensor); qkv.load_shard("v", v_tensor)
+"""
+
+from tpshard.runtime.groups import LogicalGroup, bind_groups, clear_groups, collective_members, partitions
+from tpshard.runtime.launch import (
+    DistInfo,
+    RankFailed,
+    RankResult,
+    default_backend,
+    free_port,
+    init_distributed,
+    run_local,
+    shutdown_distributed,
+)
+from tpshard.runtime.layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    ShardInfo,
+    VocabParallelEmbedding,
+)
+from tpshard.runtime.quant_method import QuantMethod, UnquantizedLinearMethod, new_param
+
+__all__ = [
+    "ColumnParallelLinear",
+    "DistInfo",
+    "LogicalGroup",
+    "MergedColumnParallelLinear",
+    "ParallelLMHead",
+    "QKVParallelLinear",
+    "QuantMethod",
+    "RankFailed",
+    "RankResult",
+    "RowParallelLinear",
+    "ShardInfo",
+    "UnquantizedLinearMethod",
+    "VocabParallelEmbedding",
+    "bind_groups",
+    "clear_groups",
+    "collective_members",
+    "default_backend",
+    "free_port",
+    "init_distributed",
+    "new_param",
+    "partitions",
+    "run_local",
+    "shutdown_distributed",
+]
