@@ -1,0 +1,707 @@
+"""Benchmark `tpshard split` / `check` / presharded loading against `cp -r` and a naive split.
+
+    python benchmarks/split_bench.py [--layers 4] [--runs 3] [--workdir DIR] [--json out.json]
+                                     [--reuse] [--keep] [--workers N] [--only CASES] [--check-growth] [--plain]
+
+What it does, in one process:
+1. writes a Llama-3-8B-shaped checkpoint (benchmarks/make_checkpoint.py) under --workdir
+   (default /tmp/tpshard-bench), or reuses a complete one with --reuse;
+2. reads the source once, untimed, so that every case starts from a warm page cache;
+3. runs every case `--runs` times, round-robin (each round runs the cases in a rotated order),
+   each as a fresh child process, with `sync` before every case and the output dropped after it;
+4. prints medians: wall time including the `sync` that flushes the case's writes, peak RSS
+   (the child's ru_maxrss from wait4, which covers reaped grandchildren as a max, not a sum) and a
+   sampled peak of anonymous RSS over the child's process tree (file-backed mmap pages excluded),
+   and the ratio of each case's time to `cp -r`. Load cases report the time of the load itself
+   (measured inside the child, after imports) and the ratio to slicing from the source.
+
+Cases: cp (the floor), naive (benchmarks/naive_split.py --tp 8), naive-load (rank 0 of the naive
+output via safe_open), split (`tpshard split --tp 8`), check (`tpshard check` on that output),
+load-presharded (tpshard.open_rank(out, 0), every tensor copied into a fresh parameter), split-dp
+(`tpshard split --tp 8 --attn-dp 2`), load-slice (rank 0 cut from the source at load time with
+safe_open get_slice, what engines do). Cases whose tpshard piece is missing are skipped with a note.
+
+--check-growth also writes the --growth-layers (default 8) checkpoint and reports how peak memory
+of `tpshard split --tp 8` (and of the naive split, for contrast) grows with the model: a streaming
+split should stay flat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import make_checkpoint  # noqa: E402
+
+TP = 8
+ATTN_DP = 2
+READ_CHUNK = 16 * 1024 * 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# Child programs (run as `python split_bench.py _child KIND ...` in a fresh process)
+# ---------------------------------------------------------------------------------------------
+
+
+def _iter_rank_tensors(obj):
+    """Yield (name, tensor) from whatever tpshard.open_rank returns: a mapping, a safe_open-like
+    object (keys + get_tensor), or an iterable of names or (name, tensor) pairs."""
+    if hasattr(obj, "items"):
+        yield from obj.items()
+    elif hasattr(obj, "keys") and hasattr(obj, "get_tensor"):
+        for name in obj.keys():
+            yield name, obj.get_tensor(name)
+    else:
+        for item in obj:
+            if isinstance(item, tuple) and len(item) == 2:
+                yield item
+            else:
+                yield item, obj[item]
+
+
+def _child(argv: list[str]) -> int:
+    """Load one rank and print {"load_s", "bytes", "tensors"} as JSON on the last stdout line.
+
+    Every tensor is copied into a freshly allocated tensor, as an engine's weight_loader copies a
+    loaded weight into its parameter; the same on every path, so the paths compare fairly."""
+    kind = argv[0]
+    import torch  # imported before the clock starts: the load is timed, not the interpreter
+    from safetensors import safe_open
+
+    params: dict[str, torch.Tensor] = {}
+
+    def keep(name: str, t: torch.Tensor) -> None:
+        p = torch.empty(t.shape, dtype=t.dtype)
+        p.copy_(t)
+        params[name] = p
+
+    t0 = time.perf_counter()
+    if kind == "load-presharded":
+        out, rank = argv[1], int(argv[2])
+        import tpshard
+
+        handle = tpshard.open_rank(out, rank)
+        if hasattr(handle, "__enter__"):
+            with handle as h:
+                for name, t in _iter_rank_tensors(h):
+                    keep(name, t)
+        else:
+            for name, t in _iter_rank_tensors(handle):
+                keep(name, t)
+    elif kind == "load-naive":
+        out, rank = Path(argv[1]), int(argv[2])
+        with safe_open(str(out / f"rank-{rank:03d}" / "model.safetensors"), framework="pt") as f:
+            for name in f.keys():
+                keep(name, f.get_tensor(name))
+    elif kind == "load-slice":
+        import naive_split as ns
+
+        model, rank, tp, attn_dp = Path(argv[1]), int(argv[2]), int(argv[3]), int(argv[4])
+        lay = ns.load_layout(model, tp, attn_dp)
+        for path in ns.source_files(model):
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    shape = sl.get_shape()
+                    s = ns.rank_slice(name, shape, lay, rank)
+                    if s.dim < 0:
+                        t = sl[:]
+                    elif s.dim == 0:
+                        t = sl[s.start : s.start + s.length]
+                    else:
+                        t = sl[:, s.start : s.start + s.length]
+                    if s.pad:
+                        p = torch.zeros((s.length + s.pad,) + tuple(shape[1:]), dtype=t.dtype)
+                        p[: s.length].copy_(t)
+                        params[name] = p
+                    else:
+                        keep(name, t)
+    else:
+        raise SystemExit(f"unknown child kind {kind}")
+    load_s = time.perf_counter() - t0
+    nbytes = sum(p.numel() * p.element_size() for p in params.values())
+    print(json.dumps({"load_s": load_s, "bytes": nbytes, "tensors": len(params)}))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring one child
+# ---------------------------------------------------------------------------------------------
+
+
+def _tree_pids(pid: int) -> list[int]:
+    pids, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        pids.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return pids
+
+
+def _rss_kib(pid: int) -> tuple[int, int]:
+    anon = file = 0
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    anon = int(line.split()[1])
+                elif line.startswith("RssFile:"):
+                    file = int(line.split()[1])
+    except OSError:
+        pass
+    return anon, file
+
+
+class _Sampler(threading.Thread):
+    """Polls the child's process tree for RssAnon / RssFile sums; keeps the peaks (KiB)."""
+
+    def __init__(self, pid: int, interval: float = 0.02):
+        super().__init__(daemon=True)
+        self.pid, self.interval = pid, interval
+        self.peak_anon = self.peak_file = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            anon = file = 0
+            for p in _tree_pids(self.pid):
+                a, f = _rss_kib(p)
+                anon, file = anon + a, file + f
+            self.peak_anon = max(self.peak_anon, anon)
+            self.peak_file = max(self.peak_file, file)
+            self.stop.wait(self.interval)
+
+
+@dataclass
+class Sample:
+    ok: bool
+    wall_s: float  # child start to exit
+    sync_s: float  # the sync right after it: flushing what it wrote
+    maxrss_mib: float
+    anon_mib: float
+    file_mib: float
+    cpu_s: float = 0.0  # user + system time of the child and everything it waited for
+    loadavg: float = 0.0  # 1-minute load average when the case started (other work on the box)
+    load_s: float | None = None
+    load_bytes: int | None = None
+    out_gib: float | None = None
+    error: str = ""
+
+    @property
+    def total_s(self) -> float:
+        return self.wall_s + self.sync_s
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    return env
+
+
+TIME = "/usr/bin/time"
+
+
+def measure(cmd: list[str], out: Path | None = None) -> Sample:
+    """Run `cmd` as a fresh child after a sync; time it, its sync, and its memory.
+
+    Peak RSS comes from GNU time (%M) when /usr/bin/time exists: a child forked straight from this
+    Python process would inherit this process's RSS high-water mark in its ru_maxrss (Linux keeps
+    the larger of the old and new mm's peaks across exec, and subprocess forks with vfork)."""
+    os.sync()
+    use_time = os.access(TIME, os.X_OK)
+    with tempfile.TemporaryFile() as so, tempfile.TemporaryFile() as se, tempfile.NamedTemporaryFile("r") as tf:
+        full = [TIME, "-f", "%M", "-o", tf.name, *cmd] if use_time else cmd
+        loadavg = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(full, stdout=so, stderr=se, env=_env(), cwd=str(REPO))
+        sampler = _Sampler(proc.pid)
+        sampler.start()
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        sampler.stop.set()
+        sampler.join()
+        t1 = time.perf_counter()
+        os.sync()
+        sync_s = time.perf_counter() - t1
+        so.seek(0)
+        se.seek(0)
+        stdout, stderr = so.read().decode(errors="replace"), se.read().decode(errors="replace")
+        maxrss_kib = usage.ru_maxrss
+        if use_time:
+            lines = [ln for ln in tf.read().splitlines() if ln.strip()]
+            if lines and lines[-1].strip().isdigit():
+                maxrss_kib = int(lines[-1])
+    s = Sample(
+        ok=proc.returncode == 0,
+        wall_s=wall,
+        sync_s=sync_s,
+        maxrss_mib=maxrss_kib / 1024,
+        anon_mib=sampler.peak_anon / 1024,
+        file_mib=sampler.peak_file / 1024,
+        cpu_s=usage.ru_utime + usage.ru_stime,
+        loadavg=loadavg,
+    )
+    if not s.ok:
+        tail = (stderr.strip() or stdout.strip()).splitlines()[-6:]
+        s.error = f"exit {proc.returncode}: " + " | ".join(tail)
+        return s
+    lines = stdout.strip().splitlines()
+    if lines and lines[-1].startswith("{"):
+        try:
+            info = json.loads(lines[-1])
+            s.load_s, s.load_bytes = info.get("load_s"), info.get("bytes")
+        except ValueError:
+            pass
+    if out is not None and out.exists():
+        s.out_gib = dir_bytes(out) / 2**30
+    return s
+
+
+def dir_bytes(path: Path) -> int:
+    """Bytes on disk under `path`, hard-linked files counted once."""
+    seen, total = set(), 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            st = os.lstat(os.path.join(root, name))
+            if (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_size
+    return total
+
+
+def drop(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+    os.sync()
+
+
+def warm(model: Path) -> float:
+    """Read every file of `model` once (untimed for the benchmark), so the page cache is warm."""
+    t = time.perf_counter()
+    buf = bytearray(READ_CHUNK)
+    for p in sorted(model.iterdir()):
+        if p.is_file():
+            with open(p, "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
+    return time.perf_counter() - t
+
+
+# ---------------------------------------------------------------------------------------------
+# tpshard availability
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Tpshard:
+    cmd: list[str] | None = None
+    split: bool = False
+    check: bool = False
+    open_rank: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def _runs_ok(cmd: list[str]) -> tuple[bool, str]:
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=str(REPO), timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, str(e)
+    msg = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or [""]
+    return r.returncode == 0, msg[0]
+
+
+def find_tpshard(override: str | None) -> Tpshard:
+    ts = Tpshard()
+    candidates = []
+    if override:
+        candidates.append(shlex.split(override))
+    else:
+        candidates.append([sys.executable, "-m", "tpshard"])
+        if shutil.which("tpshard"):
+            candidates.append(["tpshard"])
+    why = ""
+    for cmd in candidates:
+        ok_split, why_split = _runs_ok(cmd + ["split", "--help"])
+        ok_check, why_check = _runs_ok(cmd + ["check", "--help"])
+        if ok_split or ok_check:
+            ts.cmd, ts.split, ts.check = cmd, ok_split, ok_check
+            if not ok_split:
+                ts.notes.append(f"`{shlex.join(cmd)} split` not available ({why_split}); split rows skipped")
+            if not ok_check:
+                ts.notes.append(f"`{shlex.join(cmd)} check` not available ({why_check}); check row skipped")
+            break
+        why = why_split
+    else:
+        ts.notes.append(f"tpshard CLI not available ({why}); split/check rows skipped")
+    ok, why = _runs_ok([sys.executable, "-c", "from tpshard import open_rank"])
+    ts.open_rank = ok
+    if not ok:
+        ts.notes.append(f"tpshard.open_rank not importable ({why}); load-presharded row skipped")
+    return ts
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases and rounds
+# ---------------------------------------------------------------------------------------------
+
+CASES = {
+    # name: (label, kind) -- kind "copy" rows compare to cp, "load" rows to load-slice
+    "cp": ("cp -r checkpoint (floor)", "copy"),
+    "naive": (f"naive split --tp {TP}", "copy"),
+    "naive-load": ("load rank 0: naive per-rank file", "load"),
+    "split": (f"tpshard split --tp {TP}", "copy"),
+    "check": ("tpshard check (split output)", "copy"),
+    "load-presharded": ("load rank 0: tpshard.open_rank", "load"),
+    "split-dp": (f"tpshard split --tp {TP} --attn-dp {ATTN_DP}", "copy"),
+    "load-slice": ("load rank 0: get_slice from source", "load"),
+}
+# Blocks run together (later cases use the first one's output); rounds rotate the block order.
+BLOCKS = [["cp"], ["naive", "naive-load"], ["split", "check", "load-presharded"], ["split-dp"], ["load-slice"]]
+
+
+class Bench:
+    def __init__(self, model: Path, work: Path, ts: Tpshard, workers: int | None, only: set[str] | None):
+        self.model, self.work, self.ts, self.workers, self.only = model, work, ts, workers, only
+        self.samples: dict[str, list[Sample]] = {name: [] for name in CASES}
+        self.skipped: dict[str, str] = {}
+        self.errors: list[str] = []
+
+    def py(self, *args: str) -> list[str]:
+        return [sys.executable, *args]
+
+    def split_cmd(self, out: Path, attn_dp: int) -> list[str]:
+        cmd = self.ts.cmd + ["split", str(self.model), "-o", str(out), "--tp", str(TP)]
+        if attn_dp > 1:
+            cmd += ["--attn-dp", str(attn_dp)]
+        if self.workers:
+            cmd += ["--workers", str(self.workers)]
+        return cmd
+
+    def wanted(self, name: str) -> bool:
+        return self.only is None or name in self.only
+
+    def skip(self, name: str, why: str) -> None:
+        self.skipped.setdefault(name, why)
+
+    def record(self, name: str, s: Sample) -> bool:
+        self.samples[name].append(s)
+        if not s.ok:
+            self.errors.append(f"{name}: {s.error}")
+        return s.ok
+
+    def run_block(self, block: list[str]) -> None:
+        w = self.work
+        head = block[0]
+        if not any(self.wanted(n) for n in block):
+            return
+        if head == "cp":
+            out = w / "out-cp"
+            self.record("cp", measure(["cp", "-r", str(self.model), str(out)], out))
+            drop(out)
+        elif head == "naive":
+            out = w / "out-naive"
+            ok = self.record("naive", measure(self.py(str(HERE / "naive_split.py"), str(self.model), "-o", str(out), "--tp", str(TP)), out))
+            if ok and self.wanted("naive-load"):
+                self.record("naive-load", measure(self.py(str(HERE / "split_bench.py"), "_child", "load-naive", str(out), "0")))
+            drop(out)
+        elif head == "split":
+            if not self.ts.split:
+                for n in block:
+                    self.skip(n, "tpshard split not available")
+                return
+            out = w / "out-split"
+            drop(out)
+            ok = self.record("split", measure(self.split_cmd(out, 1), out))
+            if ok and self.wanted("check"):
+                if self.ts.check:
+                    self.record("check", measure(self.ts.cmd + ["check", str(out), "--source", str(self.model)]))
+                else:
+                    self.skip("check", "tpshard check not available")
+            if ok and self.wanted("load-presharded"):
+                if self.ts.open_rank:
+                    self.record("load-presharded", measure(self.py(str(HERE / "split_bench.py"), "_child", "load-presharded", str(out), "0")))
+                else:
+                    self.skip("load-presharded", "tpshard.open_rank not available")
+            drop(out)
+        elif head == "split-dp":
+            if not self.ts.split:
+                self.skip("split-dp", "tpshard split not available")
+                return
+            out = w / "out-split-dp"
+            drop(out)
+            self.record("split-dp", measure(self.split_cmd(out, ATTN_DP), out))
+            drop(out)
+        elif head == "load-slice":
+            self.record("load-slice", measure(self.py(str(HERE / "split_bench.py"), "_child", "load-slice", str(self.model), "0", str(TP), "1")))
+
+    def run(self, runs: int, log) -> None:
+        for r in range(runs):
+            order = BLOCKS[r % len(BLOCKS):] + BLOCKS[: r % len(BLOCKS)]
+            for block in order:
+                self.run_block(block)
+                for n in block:
+                    if self.samples[n] and len(self.samples[n]) == r + 1:
+                        s = self.samples[n][-1]
+                        extra = f" load {s.load_s:.2f}s" if s.load_s is not None else ""
+                        state = "ok" if s.ok else "FAILED"
+                        log(f"  round {r + 1}/{runs} {n:16s} {state} {s.total_s:7.2f}s (sync {s.sync_s:.2f}s){extra} maxrss {s.maxrss_mib:8.0f} MiB anon {s.anon_mib:8.0f} MiB")
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def summarize(bench: Bench) -> dict:
+    rows = {}
+    for name, (label, kind) in CASES.items():
+        ok = [s for s in bench.samples[name] if s.ok]
+        if not ok:
+            continue
+        rows[name] = {
+            "label": label,
+            "kind": kind,
+            "runs": len(ok),
+            "failed_runs": len(bench.samples[name]) - len(ok),
+            "total_s": median([s.total_s for s in ok]),
+            "wall_s": median([s.wall_s for s in ok]),
+            "sync_s": median([s.sync_s for s in ok]),
+            "load_s": median([s.load_s for s in ok]),
+            "load_bytes": median([s.load_bytes for s in ok]),
+            "cpu_s": median([s.cpu_s for s in ok]),
+            "loadavg": median([s.loadavg for s in ok]),
+            "maxrss_mib": median([s.maxrss_mib for s in ok]),
+            "anon_mib": median([s.anon_mib for s in ok]),
+            "file_mib": median([s.file_mib for s in ok]),
+            "out_gib": median([s.out_gib for s in ok]),
+            "samples": [asdict(s) for s in bench.samples[name]],
+        }
+    cp = rows.get("cp", {}).get("total_s")
+    ref_load = rows.get("load-slice", {}).get("load_s")
+    for row in rows.values():
+        row["ratio_to_cp"] = row["total_s"] / cp if cp and row["kind"] == "copy" else None
+        row["ratio_to_slice_load"] = (
+            row["load_s"] / ref_load if ref_load and row["kind"] == "load" and row["load_s"] is not None else None
+        )
+    return rows
+
+
+PLAIN = False
+
+
+def print_table(rows: dict, title: str) -> None:
+    headers = ["case", "what", "runs", "time s", "(sync s)", "cpu s", "load s", "x cp", "x slice-load", "maxrss MiB", "anon MiB", "out GiB"]
+
+    def f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    body = [
+        [
+            name, r["label"], str(r["runs"]), f(r["total_s"], ".2f"), f(r["sync_s"], ".2f"), f(r["cpu_s"], ".2f"), f(r["load_s"], ".2f"),
+            f(r["ratio_to_cp"], ".2f"), f(r["ratio_to_slice_load"], ".2f"), f(r["maxrss_mib"], ".0f"),
+            f(r["anon_mib"], ".0f"), f(r["out_gib"], ".2f"),
+        ]
+        for name, r in rows.items()
+    ]
+    try:
+        if PLAIN:
+            raise ImportError("plain output asked for")
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=title)
+        for i, h in enumerate(headers):
+            t.add_column(h, justify="left" if i < 2 else "right", no_wrap=True)
+        for line in body:
+            t.add_row(*line)
+        Console(width=None if sys.stdout.isatty() else 200).print(t)
+    except ImportError:
+        widths = [max(len(h), *(len(line[i]) for line in body)) if body else len(h) for i, h in enumerate(headers)]
+        print(title)
+        print("  ".join(h.ljust(w) if i < 2 else h.rjust(w) for i, (h, w) in enumerate(zip(headers, widths))))
+        for line in body:
+            print("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))))
+
+
+def get_checkpoint(work: Path, layers: int, reuse: bool, log) -> tuple[Path, dict]:
+    path = work / f"llama3-8b-shape-{layers}L"
+    if reuse and make_checkpoint.is_complete(path, layers):
+        log(f"reusing checkpoint {path}")
+        return path, {"reused": True}
+    log(f"writing checkpoint {path} ({layers} layers) ...")
+    info = make_checkpoint.make_checkpoint(path, layers=layers, quiet=True)
+    t = time.perf_counter()
+    os.sync()
+    info["sync_s"] = time.perf_counter() - t
+    log(f"  {info['total_bytes'] / 2**30:.2f} GiB in {info['seconds']:.1f}s + sync {info['sync_s']:.1f}s")
+    return path, info
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_child":
+        return _child(argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers in the checkpoint (default 4, ~3.6 GiB)")
+    ap.add_argument("--runs", type=int, default=3, help="rounds; every case runs once per round (default 3)")
+    ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "tpshard-bench")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--reuse", action="store_true", help="reuse a complete checkpoint in --workdir and keep it")
+    ap.add_argument("--keep", action="store_true", help="keep the generated checkpoint(s) afterwards")
+    ap.add_argument("--workers", type=int, help="passed to tpshard split as --workers")
+    ap.add_argument("--tpshard-cmd", help="how to run the CLI (default: python -m tpshard, else tpshard on PATH)")
+    ap.add_argument("--only", help="comma-separated cases to run: " + ",".join(CASES))
+    ap.add_argument("--check-growth", action="store_true", help="also measure split memory at --growth-layers")
+    ap.add_argument("--growth-layers", type=int, default=8)
+    ap.add_argument("--plain", action="store_true", help="plain-text table instead of rich")
+    args = ap.parse_args(argv)
+    global PLAIN
+    PLAIN = args.plain
+    only = set(args.only.split(",")) if args.only else None
+    if only and only - set(CASES):
+        ap.error(f"unknown cases: {', '.join(sorted(only - set(CASES)))}")
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    work = args.workdir
+    work.mkdir(parents=True, exist_ok=True)
+    for stale in work.glob("out-*"):
+        drop(stale)
+    result: dict = {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "mem_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30},
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "notes": [],
+    }
+    ts = find_tpshard(args.tpshard_cmd)
+    result["tpshard_cmd"] = ts.cmd
+    result["notes"] += ts.notes
+    for n in ts.notes:
+        log(f"note: {n}")
+    generated: list[Path] = []
+    try:
+        model, info = get_checkpoint(work, args.layers, args.reuse, log)
+        if not info.get("reused"):
+            generated.append(model)
+        result["checkpoint"] = {"path": str(model), "layers": args.layers, "bytes": dir_bytes(model), **info}
+        log(f"warming page cache: {warm(model):.1f}s")
+        measure([sys.executable, "-c", "import torch, safetensors"])  # warm the imports too
+        bench = Bench(model, work, ts, args.workers, only)
+        bench.run(args.runs, log)
+        rows = summarize(bench)
+        result["cases"] = rows
+        result["skipped"] = bench.skipped
+        result["errors"] = bench.errors
+        print_table(rows, f"{args.layers}-layer Llama-3-8B-shaped checkpoint, {result['checkpoint']['bytes'] / 2**30:.2f} GiB, medians of {args.runs}")
+
+        if args.check_growth:
+            growth = check_growth(args, work, ts, rows, generated, log)
+            result["growth"] = growth
+        for name, why in bench.skipped.items():
+            print(f"skipped {name}: {why}")
+        for n in ts.notes:
+            print(f"note: {n}")
+        for e in bench.errors:
+            print(f"error: {e}")
+        notes = explain(rows)
+        result["notes"] += notes
+        for n in notes:
+            print(n)
+    finally:
+        for stale in work.glob("out-*"):
+            drop(stale)
+        if not (args.keep or args.reuse):
+            for g in generated:
+                drop(g)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        log(f"wrote {args.json}")
+    return 1 if result.get("errors") else 0
+
+
+def explain(rows: dict) -> list[str]:
+    out = []
+    busy = [r["loadavg"] for r in rows.values() if r["loadavg"] is not None]
+    cpus = os.cpu_count() or 1
+    if busy and max(busy) > 0.5 * cpus:
+        out.append(f"warning: the machine was busy (1-min load average up to {max(busy):.1f} on {cpus} CPUs "
+                   "at case starts); wall times are noisy, compare cpu s or rerun on a quiet machine")
+    loaded = {n: r["load_bytes"] for n, r in rows.items() if r["kind"] == "load" and r["load_bytes"] is not None}
+    if len(set(loaded.values())) > 1:
+        out.append("warning: the load rows loaded different byte counts: "
+                   + ", ".join(f"{n} {b}" for n, b in loaded.items()))
+    for name in ("naive", "split", "split-dp", "check"):
+        if name in rows and rows[name]["ratio_to_cp"] is not None:
+            out.append(f"{CASES[name][0]}: {rows[name]['ratio_to_cp']:.2f}x the time of cp -r")
+    if "load-presharded" in rows and rows["load-presharded"]["ratio_to_slice_load"] is not None:
+        out.append(f"loading rank 0 presharded: {rows['load-presharded']['ratio_to_slice_load']:.2f}x "
+                   "the time of slicing it from the source")
+    return out
+
+
+def check_growth(args, work: Path, ts: Tpshard, rows: dict, generated: list[Path], log) -> dict:
+    """Peak memory of the splits at --layers and --growth-layers; a streaming split stays flat."""
+    big, info = get_checkpoint(work, args.growth_layers, args.reuse, log)
+    if not info.get("reused"):
+        generated.append(big)
+    log(f"warming page cache: {warm(big):.1f}s")
+    bench = Bench(big, work, ts, args.workers, {"naive", "split"})
+    for r in range(args.runs):
+        for block in (BLOCKS[1], BLOCKS[2]) if r % 2 == 0 else (BLOCKS[2], BLOCKS[1]):
+            bench.run_block(block)
+        log(f"  growth round {r + 1}/{args.runs} done")
+    big_rows = summarize(bench)
+    out: dict = {"layers": [args.layers, args.growth_layers], "cases": {}}
+    gib = dir_bytes(big) / 2**30
+    out["checkpoint_gib"] = gib
+    print_table(big_rows, f"{args.growth_layers}-layer checkpoint, {gib:.2f} GiB, medians of {args.runs}")
+    for name in ("split", "naive"):
+        if name not in rows or name not in big_rows:
+            if name == "split":
+                out["note"] = "tpshard split not measured at both sizes; no growth figure"
+                print(f"growth: {out['note']}")
+            continue
+        a, b = rows[name], big_rows[name]
+        g = {
+            "maxrss_mib": [a["maxrss_mib"], b["maxrss_mib"]],
+            "anon_mib": [a["anon_mib"], b["anon_mib"]],
+            "maxrss_growth_mib": b["maxrss_mib"] - a["maxrss_mib"],
+            "anon_growth_mib": b["anon_mib"] - a["anon_mib"],
+            "time_s": [a["total_s"], b["total_s"]],
+        }
+        out["cases"][name] = g
+        print(f"{CASES[name][0]}: peak RSS {a['maxrss_mib']:.0f} -> {b['maxrss_mib']:.0f} MiB "
+              f"({g['maxrss_growth_mib']:+.0f}), anon {a['anon_mib']:.0f} -> {b['anon_mib']:.0f} MiB "
+              f"({g['anon_growth_mib']:+.0f}) from {args.layers} to {args.growth_layers} layers")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
