@@ -14,6 +14,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -62,6 +63,7 @@ def init_distributed(
 ) -> DistInfo:
     """Join (or reuse) the default process group. Arguments override torchrun's environment.
 
+    The backend is `backend`, else $TPSHARD_BACKEND, else NCCL when CUDA is available, else gloo.
     MASTER_ADDR / MASTER_PORT are read by torch's env:// rendezvous; a single process with no
     environment at all becomes a world of one on 127.0.0.1.
     """
@@ -140,6 +142,13 @@ def _worker(
             shutdown_distributed()
         except Exception:  # noqa: BLE001 - a peer that died already; the error above is the news
             pass
+        # Flush the result to the parent, then leave at once: the normal interpreter teardown of a
+        # process that imported torch takes seconds per rank and does nothing we need.
+        results.close()
+        results.join_thread()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def run_local(

@@ -166,6 +166,10 @@ class _ShardedModule(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_weights_after_loading(self)
 
+    def extra_repr(self) -> str:
+        pieces = ", ".join(f"{p.shard_id}:{p.size}" for p in self._pieces)
+        return f"{self.name}, {self.group.describe()}, out pieces per rank [{pieces}]"
+
 
 class _LinearBase(_ShardedModule):
     def _create(self, in_per_rank: int, pieces: Sequence[_Piece], bias: bool, bias_whole: bool, out_total: int) -> None:
@@ -364,6 +368,7 @@ class VocabParallelEmbedding(_ShardedModule):
 
     Rank r holds padded rows [r*pp, (r+1)*pp); rows at or beyond the real vocab are zero. Ids
     outside this rank's real range give a zero row; the all-reduce over the group fills them in.
+    The lookup is the quant method's `embedding(layer, local_ids)` (UnquantizedLinearMethod has it).
     """
 
     def __init__(
