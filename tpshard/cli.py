@@ -14,6 +14,7 @@ from typing import Annotated, Optional
 import msgspec
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tpshard.errors import TpshardError
@@ -78,7 +79,7 @@ def plan(
     unique = sum(f.size for f in p.files)
     err.print(f"{len(p.files)} distinct files, {human_bytes(unique)} written once (hard links share them between ranks)")
     for w in p.warnings:
-        err.print(f"[yellow]warning:[/] {w}")
+        err.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
 
 
 @app.command()
@@ -146,7 +147,7 @@ def split(
         f" read {human_bytes(total)}, wrote {human_bytes(written)} in {seconds:.2f} s"
     )
     for w in manifest.plan.warnings:
-        err.print(f"[yellow]warning:[/] {w}")
+        err.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
 
 
 @app.command()
@@ -167,7 +168,7 @@ def check(
         _emit_json({"ok": report.ok, "seconds": round(seconds, 3), **msgspec.to_builtins(report)})
     else:
         for p in report.problems:
-            err.print(f"[red]FAIL[/] [{p.check}] {p.message}")
+            err.print(f"FAIL [{p.check}] {p.message}", soft_wrap=True, markup=False, style="red")
         what = f"{report.files_checked} files ({human_bytes(report.bytes_checked)})"
         if source:
             what += f", {report.tensors_reassembled} source tensors reassembled bit-exact"
@@ -197,5 +198,5 @@ def main() -> None:
     try:
         app()
     except TpshardError as e:
-        err.print(f"[red]error:[/] {e}")
+        err.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
         sys.exit(e.exit_code)

@@ -226,10 +226,12 @@ def file_header(tensors: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes,
     return build_header(tensors, {"format": "pt"})
 
 
-def _file_label(spec: dict, world: int) -> str:
-    if len(spec["ranks"]) == world:
+def _file_label(spec: dict, topology: Topology) -> str:
+    if len(spec["ranks"]) == topology.world_size:
         return "common"
-    label = spec["group"] if spec["factor"] == 1 else f"{spec['group']}-x{spec['factor']}"
+    # Without attention DP attn_tp is the tp group itself: name it so.
+    group = "tp" if topology.span(spec["group"]) == topology.tp else spec["group"]
+    label = group if spec["factor"] == 1 else f"{group}-x{spec['factor']}"
     return f"{label}-{spec['group_rank']:03d}-of-{spec['group_size']:03d}"
 
 
@@ -243,7 +245,7 @@ def _layout_files(specs: list[dict], topology: Topology, options: Options) -> li
         by_ranks.setdefault(spec["ranks"], []).append(spec)
     files: list[FileLayout] = []
     for ranks, members in by_ranks.items():
-        label = _file_label(members[0], topology.world_size)
+        label = _file_label(members[0], topology)
         parts: list[list[dict]] = [[]]
         size = 0
         for spec in members:

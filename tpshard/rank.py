@@ -5,14 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
-
 from tpshard.errors import OutputError
 from tpshard.manifest import Manifest, rank_dir, read_manifest
 
 
-class RankTensors(Mapping[str, torch.Tensor]):
+class RankTensors(Mapping[str, "torch.Tensor"]):  # noqa: F821
     """HF tensor name -> this rank's tensor. Lazy: each access reads one tensor from its file."""
 
     def __init__(self, out_dir: Path, manifest: Manifest, rank: int):
@@ -26,10 +23,12 @@ class RankTensors(Mapping[str, torch.Tensor]):
             path = self.folder / file
             if not path.is_file():
                 raise OutputError(f"rank {self.rank}: {path} is missing")
+            from safetensors import safe_open  # torch is imported only when tensors are read
+
             self._handles[file] = safe_open(path, framework="pt")
         return self._handles[file]
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def __getitem__(self, name: str):
         return self._handle(self._file_of[name]).get_tensor(name)
 
     def __iter__(self) -> Iterator[str]:

@@ -1,0 +1,284 @@
+"""split then check on real transformers checkpoints; every rank held to the contract in
+tests/contract.py; check shown failing on outputs broken on purpose."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import tpshard
+from contract import expected_rank_tensor
+from tpshard.digest import file_digest
+from tpshard.errors import OutputError
+from tpshard.manifest import MANIFEST_NAME, encode_manifest, rank_dir, read_manifest
+from tpshard.plan import file_header
+from tpshard.topology import Topology
+
+
+def source_tensors(model: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in model.glob("*.safetensors"):
+        out |= load_file(f)
+    return out
+
+
+def split(model: Path, out: Path, **topo) -> Path:
+    tpshard.split(model, out, Topology(**topo))
+    return out
+
+
+def assert_contract(model: Path, out: Path, tp: int, attn_dp: int = 1):
+    config = json.loads((model / "config.json").read_text())
+    full = source_tensors(model)
+    for rank in range(tp):
+        tensors = tpshard.open_rank(out, rank)
+        assert set(tensors) == set(full), f"rank {rank} holds other tensor names than the source"
+        for name, t in tensors.items():
+            want = expected_rank_tensor(name, full[name], rank, tp=tp, attn_dp=attn_dp, config=config)
+            assert t.dtype == want.dtype and torch.equal(t, want), f"rank {rank}: {name} {list(t.shape)} vs {list(want.shape)}"
+
+
+@pytest.mark.parametrize("tp, attn_dp", [(8, 2), (8, 1), (4, 1), (2, 2), (1, 1)])
+def test_llama_every_rank_matches_the_contract(llama, tmp_path, tp, attn_dp):
+    out = split(llama, tmp_path / "out", tp=tp, attn_dp=attn_dp)
+    assert tpshard.check(out, llama).ok
+    assert_contract(llama, out, tp, attn_dp)
+
+
+def test_llama_tp8_attn_dp2_shapes(llama, tmp_path):
+    """The 'done when' of the first issue: q 2 heads, k/v 1 head shared by 2 ranks, MLP 1/8,
+    embedding over attn_tp, lm_head over tp."""
+    out = split(llama, tmp_path / "out", tp=8, attn_dp=2)
+    for rank in range(8):
+        t = tpshard.open_rank(out, rank)
+        assert t["model.layers.0.self_attn.q_proj.weight"].shape == (2 * 8, 64)
+        assert t["model.layers.0.self_attn.k_proj.weight"].shape == (8, 64)
+        assert t["model.layers.0.mlp.gate_proj.weight"].shape == (12, 64)
+        assert t["model.layers.0.mlp.down_proj.weight"].shape == (64, 12)
+        assert t["model.embed_tokens.weight"].shape == (64, 64)  # 256 padded rows / attn_tp 4
+        assert t["lm_head.weight"].shape == (32, 64)  # 256 / tp 8
+    k = [tpshard.open_rank(out, r)["model.layers.1.self_attn.k_proj.weight"] for r in range(8)]
+    assert torch.equal(k[0], k[1]) and torch.equal(k[0], k[4]) and not torch.equal(k[0], k[2])
+
+
+@pytest.mark.parametrize("fixture, tp, attn_dp", [("qwen2_tied", 4, 1), ("qwen2_tied", 8, 2), ("qwen3", 4, 2), ("mistral", 8, 1)])
+def test_other_architectures(request, tmp_path, fixture, tp, attn_dp):
+    model = request.getfixturevalue(fixture)
+    out = split(model, tmp_path / "out", tp=tp, attn_dp=attn_dp)
+    assert tpshard.check(out, model).ok
+    assert_contract(model, out, tp, attn_dp)
+
+
+def test_tied_embeddings_write_no_lm_head(qwen2_tied, tmp_path):
+    out = split(qwen2_tied, tmp_path / "out", tp=2)
+    assert "lm_head.weight" not in tpshard.open_rank(out, 0)
+    assert any("tied" in w for w in read_manifest(out).plan.warnings)
+
+
+def test_mistral_intermediate_100_at_tp8_is_zero_padded(mistral, tmp_path):
+    out = split(mistral, tmp_path / "out", tp=8)
+    last = tpshard.open_rank(out, 7)["model.layers.0.mlp.down_proj.weight"]
+    assert last.shape == (64, 13) and torch.count_nonzero(last[:, 9:]) == 0  # 100 = 7*13 + 9
+
+
+def test_rank_folder_reads_like_an_hf_checkpoint(llama, tmp_path):
+    out = split(llama, tmp_path / "out", tp=4)
+    folder = out / rank_dir(2)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert (folder / "config.json").read_text() == (llama / "config.json").read_text()
+    for name, file in index["weight_map"].items():
+        with safe_open(folder / file, "pt") as f:
+            assert name in f.keys()
+    # shared files are hard links, written once
+    common = [os.stat(out / rank_dir(r) / "model-common.safetensors").st_ino for r in range(4)]
+    assert len(set(common)) == 1
+
+
+def test_output_is_identical_whatever_the_worker_count(llama, tmp_path):
+    a = tmp_path / "a"
+    b = tmp_path / "b"
+    tpshard.split(llama, a, Topology(tp=8, attn_dp=2), workers=1)
+    tpshard.split(llama, b, Topology(tp=8, attn_dp=2), workers=5)
+    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert files_a == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    for rel in files_a:
+        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+
+
+def test_existing_output_needs_force(llama, tmp_path):
+    out = split(llama, tmp_path / "out", tp=2)
+    with pytest.raises(OutputError, match="already exists; pass --force"):
+        split(llama, out, tp=2)
+    tpshard.split(llama, out, Topology(tp=4), force=True)
+    assert read_manifest(out).plan.topology.tp == 4
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging or old copy left behind
+
+
+def test_a_failed_split_leaves_nothing(llama, tmp_path, monkeypatch):
+    import tpshard.writer
+
+    def boom(*args):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(tpshard.writer, "_copy_tensor", boom)
+    with pytest.raises(RuntimeError):
+        split(llama, tmp_path / "out", tp=2)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ranks_subset_writes_only_those_ranks(llama, tmp_path):
+    out = tmp_path / "out"
+    tpshard.split(llama, out, Topology(tp=8, attn_dp=2), ranks=[4, 5])
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["rank-00004", "rank-00005"]
+    assert tpshard.check(out, llama).ok
+    assert_rank = tpshard.open_rank(out, 5)["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(assert_rank, tpshard.open_rank(split(llama, tmp_path / "full", tp=8, attn_dp=2), 5)["model.layers.0.self_attn.q_proj.weight"])
+
+
+# ---- check must fail on outputs broken on purpose -------------------------------------------
+
+
+def rewrite_checksums(out: Path) -> None:
+    """Recompute the manifest's checksums from the files as they are: a breakage only
+    reassembly against the source can see."""
+    m = read_manifest(out)
+    import msgspec
+
+    from tpshard.check import _hash_range
+
+    specs = {f.name: [s for s in m.plan.shards if s.file == f.name] for f in m.plan.files}
+    files = []
+    for w in m.files:
+        f = next(f for f in m.plan.files if f.name == w.name)
+        path = out / rank_dir(min(set(f.ranks) & set(m.written_ranks))) / f.name
+        header, offsets = file_header([(s.name, s.dtype, s.shape) for s in specs[f.name]])
+        fd = os.open(path, os.O_RDONLY)
+        digests = [_hash_range(fd, o, (e - o)) for o, e in zip(offsets, offsets[1:] + [f.size])]
+        os.close(fd)
+        files.append(msgspec.structs.replace(w, sha256=file_digest(header, digests), tensor_sha256=tuple(d.hex() for d in digests)))
+    (out / MANIFEST_NAME).write_bytes(encode_manifest(msgspec.structs.replace(m, files=tuple(files))))
+
+
+def overwrite_tensor(out: Path, rank: int, name: str, tensor: torch.Tensor) -> None:
+    """Replace one tensor's bytes in place (in the shared file, so every holder sees it)."""
+    m = read_manifest(out)
+    spec = next(s for s in m.plan.shards if s.name == name and rank in s.ranks)
+    specs = [s for s in m.plan.shards if s.file == spec.file]
+    _, offsets = file_header([(s.name, s.dtype, s.shape) for s in specs])
+    offset = offsets[specs.index(spec)]
+    with open(out / rank_dir(rank) / spec.file, "r+b") as f:
+        f.seek(offset)
+        f.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+@pytest.fixture(scope="module")
+def good(llama, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("good") / "out"
+    tpshard.split(llama, out, Topology(tp=8, attn_dp=2))
+    return out
+
+
+def problems(out, source):
+    report = tpshard.check(out, source)
+    return [f"[{p.check}] {p.message}" for p in report.problems]
+
+
+def test_kv_heads_swapped_between_ranks_with_checksums_rewritten(good, llama, copy_of):
+    out = copy_of(good)
+    name = "model.layers.1.self_attn.k_proj.weight"
+    k0, k2 = (tpshard.open_rank(out, r)[name].clone() for r in (0, 2))
+    overwrite_tensor(out, 0, name, k2)
+    overwrite_tensor(out, 2, name, k0)
+    rewrite_checksums(out)
+    assert not problems(out, None), "with consistent checksums only the source can tell"
+    found = problems(out, llama)
+    assert any(name in p and "holds the slice of group rank 1" in p for p in found), found
+    assert any(name in p and "holds the slice of group rank 0" in p for p in found), found
+
+
+def test_flipped_byte_is_caught_by_checksums(good, copy_of):
+    out = copy_of(good)
+    path = out / rank_dir(3) / "model-tp-003-of-008.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01
+    path.write_bytes(data)
+    found = problems(out, None)
+    assert any("model-tp-003-of-008" in p and "does not match its sha256" in p for p in found), found
+
+
+def test_flipped_padding_byte_is_caught_by_reassembly(good, llama, copy_of):
+    out = copy_of(good)
+    lm = tpshard.open_rank(out, 7)["lm_head.weight"].clone()
+    lm[-1, 0] = 1.0  # a padding row must be zero
+    overwrite_tensor(out, 7, "lm_head.weight", lm)
+    rewrite_checksums(out)
+    found = problems(out, llama)
+    assert any("lm_head.weight" in p and "(padding (must be zero))" in p for p in found), found
+
+
+def test_truncated_file_is_caught(good, copy_of):
+    out = copy_of(good)
+    path = out / rank_dir(0) / "model-common.safetensors"
+    os.truncate(path, path.stat().st_size - 10)
+    found = problems(out, None)
+    assert any("model-common.safetensors" in p and "truncated" in p for p in found), found
+
+
+def test_shard_from_another_rank_is_caught(good, llama, copy_of):
+    out = copy_of(good)
+    # rank 1's tp file replaced by rank 0's bytes (a broken copy, not a link), manifest untouched
+    dst = out / rank_dir(1) / "model-tp-001-of-008.safetensors"
+    dst.unlink()
+    shutil.copyfile(out / rank_dir(0) / "model-tp-000-of-008.safetensors", dst)
+    found = problems(out, llama)
+    assert any("model-tp-001-of-008" in p and "sha256" in p for p in found), found
+
+
+def test_replica_copy_that_differs_is_caught(good, copy_of):
+    """A kv file shared by ranks 0, 1, 4, 5 whose copy in rank 4 stopped being the same bytes."""
+    out = copy_of(good)
+    name = "model-attn_tp-x2-000-of-002.safetensors"
+    dst = out / rank_dir(4) / name
+    data = bytearray(dst.read_bytes())
+    dst.unlink()
+    data[-1] ^= 0xFF
+    dst.write_bytes(data)
+    found = problems(out, None)
+    assert any(name in p and "[4]" in p for p in found), found
+
+
+def test_manifest_that_disagrees_with_the_rules_is_caught(good, llama, copy_of):
+    import msgspec
+
+    out = copy_of(good)
+    m = read_manifest(out)
+    shards = list(m.plan.shards)
+    i = next(i for i, s in enumerate(shards) if s.name.endswith("o_proj.weight"))
+    shards[i] = msgspec.structs.replace(shards[i], group="tp")  # o_proj sliced over the wrong group
+    plan = msgspec.structs.replace(m.plan, shards=tuple(shards))
+    (out / MANIFEST_NAME).write_bytes(encode_manifest(msgspec.structs.replace(m, plan=plan)))
+    found = problems(out, llama)
+    assert any("[group]" in p and "o_proj" in p for p in found), found
+    assert any("[rules]" in p and "group='tp'" in p for p in found), found
+
+
+def test_row_bias_marked_sliced_is_caught(tmp_path):
+    """Check 5 on a Llama with attention_bias: o_proj.bias must stay whole, added once."""
+    import msgspec
+    from checkpoints import make_checkpoint
+
+    model = make_checkpoint(tmp_path / "m", "llama", attention_bias=True)
+    out = split(model, tmp_path / "out", tp=4)
+    assert tpshard.check(out, model).ok
+    m = read_manifest(out)
+    shards = [msgspec.structs.replace(s, kind="replicated") if s.name.endswith("o_proj.bias") else s for s in m.plan.shards]
+    (out / MANIFEST_NAME).write_bytes(encode_manifest(msgspec.structs.replace(m, plan=msgspec.structs.replace(m.plan, shards=tuple(shards)))))
+    found = problems(out, None)
+    assert any("[reduction]" in p and "o_proj.bias" in p for p in found), found
