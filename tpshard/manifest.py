@@ -59,6 +59,7 @@ class ShardSpec(msgspec.Struct, frozen=True, kw_only=True):
     source: str  # source tensor name
     layer: str  # the engine layer it loads into, e.g. model.layers.0.self_attn.qkv_proj
     layer_class: str  # QKVParallelLinear, RowParallelLinear, ...
+    piece: str = ""  # q / k / v of a QKV layer, gate / up of a merged one
     kind: Kind
     dtype: str  # safetensors dtype string, as on disk
     source_shape: tuple[int, ...]

@@ -185,6 +185,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
                     source=name,
                     layer=layer,
                     layer_class=rule.layer_class,
+                    piece=rule.piece,
                     kind=cutting.kind,
                     dtype=info.dtype,
                     source_shape=info.shape,
