@@ -24,7 +24,7 @@ from tpshard.checkpoint import Checkpoint, open_checkpoint
 from tpshard.digest import file_digest, sha256_file
 from tpshard.errors import TpshardError
 from tpshard.manifest import Manifest, Plan, ShardSpec, rank_dir, read_manifest
-from tpshard.pieces import cut_pieces, read_into
+from tpshard.pieces import VALUE_DTYPES, cut_pieces, read_into, value_bytes
 from tpshard.plan import file_header, make_plan
 from tpshard.safetensors_format import DTYPE_SIZE, nbytes_of
 from tpshard.writer import default_workers
@@ -33,7 +33,7 @@ MAX_PROBLEMS = 50
 
 
 class Problem(msgspec.Struct, frozen=True):
-    check: str  # group | sizes | replicas | reduction | files | checksum | rules | reassembly
+    check: str  # group | sizes | logical | replicas | reduction | files | checksum | rules | reassembly
     message: str
 
 
@@ -73,7 +73,7 @@ def _rel(spec: ShardSpec) -> str:
 
 
 def check_plan(plan: Plan, report: CheckReport) -> None:
-    """The seed's alignment checks that need no bytes: 1 group, 2 global vs per-rank, 4, 5."""
+    """The seed's alignment checks that need no bytes: 1 group, 2 global vs per-rank, 3 logical vs physical, 4, 5."""
     topo = plan.topology
     by_source: dict[str, list[ShardSpec]] = defaultdict(list)
     layer_groups: dict[str, set[str]] = defaultdict(set)
@@ -123,6 +123,8 @@ def check_plan(plan: Plan, report: CheckReport) -> None:
         if wrong:
             report.add("replicas", f"{source}: ranks {wrong} hold {[holders[r] for r in wrong]} pieces instead of one")
 
+    _check_logical(plan, report)
+
     # 5. reduction: a row-parallel bias is whole on every rank and added once, by group rank 0.
     for s in plan.shards:
         if s.layer_class == "RowParallelLinear" and s.name.endswith(".bias"):
@@ -131,6 +133,48 @@ def check_plan(plan: Plan, report: CheckReport) -> None:
                 report.add("reduction", f"{_rel(s)}: bias of a row-parallel layer recorded as '{s.kind}' cut at dim {s.dim}; it must be kept whole and added once per reduction group")
             elif weight_groups and s.group not in weight_groups:
                 report.add("reduction", f"{_rel(s)}: bias recorded for group {s.group}, but {s.layer} reduces over {sorted(weight_groups)}")
+
+
+def _check_logical(plan: Plan, report: CheckReport) -> None:
+    """3. logical vs physical: each quantized cut converts back to its layer's logical range exactly.
+
+    physical start = logical start * ratio (an integer), the end is ceil(logical end * ratio), the
+    logical range sits on the format's atom (or ends the dim), padding fills ceil(per * ratio), and
+    the logical ranges of the group ranks tile [0, logical_size).
+    """
+    tiles: dict[str, list[ShardSpec]] = defaultdict(list)
+    for s in plan.shards:
+        if not s.quant or s.logical_dim is None:
+            continue
+        tiles[s.source].append(s)
+        lo, n, per = s.logical_start, s.logical_length, s.logical_length + s.logical_pad
+        if s.value is not None:
+            if len(s.value) <= s.logical_dim or s.value[s.logical_dim] != per:
+                report.add("logical", f"{_rel(s)}: holds the value {list(s.value)}, but its rank's logical size along dim {s.logical_dim} is {per}")
+            continue
+        if s.dim is None:
+            continue
+        num, den = s.ratio
+        end = lo + n
+        why = []
+        if n and (lo % s.atom or (end % s.atom and end != s.logical_size)):
+            why.append(f"logical range [{lo}, {end}) is off the {s.step} atom {s.atom}")
+        if n and s.start * den != lo * num:
+            why.append(f"physical start {s.start} != logical start {lo} x {num}/{den}")
+        if n and s.start + s.length != -(-end * num // den):
+            why.append(f"physical end {s.start + s.length} != ceil(logical end {end} x {num}/{den})")
+        if s.length + s.pad != -(-per * num // den):
+            why.append(f"per-rank physical size {s.length + s.pad} != ceil({per} x {num}/{den})")
+        if why:
+            report.add("logical", f"{_rel(s)} ({s.quant} {s.step}): {'; '.join(why)}")
+    for source, specs in tiles.items():
+        covered = 0
+        for s in sorted(specs, key=lambda s: s.group_rank):
+            if s.logical_length and s.logical_start != covered:
+                report.add("logical", f"{_rel(s)}: logical start {s.logical_start}, but group ranks before it end at {covered}")
+            covered = max(covered, s.logical_start + s.logical_length)
+        if covered != specs[0].logical_size:
+            report.add("logical", f"{source}: logical ranges cover {covered} of {specs[0].logical_size}")
 
 
 def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: int) -> None:
@@ -198,7 +242,7 @@ def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: in
                 report.add(c, m)
     for extra in manifest.extra_files:
         path = out / rank_dir(manifest.written_ranks[0]) / extra.name
-        if path.is_file() and sha256_file(path) != extra.sha256:
+        if path.is_file() and sha256_file(path) != extra.checksum:
             report.add("checksum", f"{extra.name}: sha256 differs from the manifest")
 
 
@@ -255,6 +299,10 @@ def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckRe
 
     def rebuild(source: str) -> list[tuple[str, str]]:
         info, specs = ckpt.tensors[source], by_source[source]
+        given = [s for s in specs if s.value is not None]  # content set by the plan, not cut from the source
+        specs = [s for s in specs if s.value is None]
+        found = [("reassembly", f"{_rel(s)}: holds {_read_value(out, written, s, offsets)}, not the planned {list(s.value)}")
+                 for s in given if _read_value(out, written, s, offsets) != list(s.value)]  # fmt: skip
         fds = [os.open(out / rank_dir(min(written & set(s.ranks))) / s.file, os.O_RDONLY) for s in specs]
         src_fd = os.open(ckpt.path / info.file, os.O_RDONLY)
         bad: dict[int, int] = {}  # spec index -> first differing byte
@@ -268,7 +316,7 @@ def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckRe
                 actual = read_into(fds[i], buf, offsets[id(specs[i])] + at, len(data))
                 if not np.array_equal(actual, data):
                     bad[i] = at + int(np.argmax(actual != data))
-            return [("reassembly", _diagnose(src_fd, info, specs, i, fds[i], offsets, byte)) for i, byte in bad.items()]
+            return found + [("reassembly", _diagnose(src_fd, info, specs, i, fds[i], offsets, byte)) for i, byte in bad.items()]
         finally:
             for fd in fds + [src_fd]:
                 os.close(fd)
@@ -278,6 +326,15 @@ def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckRe
             report.tensors_reassembled += 1
             for c, m in found:
                 report.add(c, m)
+
+
+def _read_value(out: Path, written: set[int], spec: ShardSpec, offsets: dict[int, int]) -> list[int]:
+    """The content of a value spec as written (to compare with `spec.value`)."""
+    n = len(value_bytes(spec))
+    with open(out / rank_dir(min(written & set(spec.ranks))) / spec.file, "rb") as fh:
+        fh.seek(offsets[id(spec)])
+        raw = fh.read(n)
+    return np.frombuffer(raw, dtype=VALUE_DTYPES[spec.dtype]).tolist() if len(raw) == n else []
 
 
 def _diagnose(src_fd: int, info, specs: list[ShardSpec], i: int, fd: int, offsets: dict[int, int], byte: int) -> str:

@@ -50,6 +50,7 @@ class Options(msgspec.Struct, frozen=True, kw_only=True):
     dp_lm_head: bool = False  # lm_head over attn_tp instead of tp (SGLang --enable-dp-lm-head)
     vocab_multiple: int = 64  # vocab padded to this multiple before the split (vLLM/SGLang)
     max_file_bytes: int = 5 << 30  # a rank's tensors for one group go to parts of at most this size
+    pad_blocks: bool = False  # FP8 block formats: pad each rank's MLP shard up to whole 128-blocks instead of refusing
 
 
 class ShardSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -74,6 +75,19 @@ class ShardSpec(msgspec.Struct, frozen=True, kw_only=True):
     group_size: int = 1
     ranks: tuple[int, ...]  # world ranks holding these bytes
     file: str  # FileLayout.name holding it
+    # Quantized layers (docs/quantization.md). The physical cut above is the layer's logical cut
+    # along N (logical_dim 0) or K (1) converted by the format's layout: physical = logical * ratio,
+    # offsets on multiples of `atom` logical values, a partial last word/group/block taken at the end.
+    quant: str = ""  # format name (tpshard.quant.formats.LAYOUTS); "" = not a quantized tensor
+    step: str = ""  # how a logical index maps onto `dim`: packed, group, block_n, tile, marlin_n, ...
+    ratio: tuple[int, int] = (1, 1)  # physical indices per logical index, as numerator / denominator
+    atom: int = 1  # logical offsets and sizes must be multiples of this (pack unit, group, block, tile)
+    logical_dim: int | None = None  # 0 = N (output), 1 = K (input) of the layer's [N, K]; None = not cut
+    logical_size: int = 0  # N or K of the whole layer
+    logical_start: int = 0
+    logical_length: int = 0
+    logical_pad: int = 0
+    value: tuple[int, ...] | None = None  # exact content, written instead of source bytes (CT weight_shape)
 
 
 class FileLayout(msgspec.Struct, frozen=True, kw_only=True):
@@ -103,7 +117,7 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
 class SourceFile(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     size: int
-    sha256: str
+    checksum: str  # weight files: tpshard.digest.file_digest over crc32s; others: sha256
 
 
 class WrittenFile(msgspec.Struct, frozen=True, kw_only=True):

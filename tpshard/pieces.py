@@ -8,6 +8,7 @@ compares them with what the output holds. Neither knows how a tensor is cut.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -17,6 +18,18 @@ from tpshard.manifest import ShardSpec
 from tpshard.safetensors_format import TensorInfo
 
 CHUNK_BYTES = 32 << 20  # read granularity; bounds memory per worker
+
+_local = threading.local()
+
+
+def scratch(name: str, n: int) -> np.ndarray:
+    """A per-thread buffer of at least n bytes, reused across tensors: fresh allocations of tens
+    of MB per tensor would cost a page fault per 4 KiB each time."""
+    buf = getattr(_local, name, None)
+    if buf is None or len(buf) < n:
+        buf = np.empty(n, np.uint8)
+        setattr(_local, name, buf)
+    return buf[:n]
 
 
 def cut_pieces(
@@ -38,7 +51,7 @@ def cut_pieces(
     rows = shape[dim]
     inner = info.nbytes // (outer * rows)  # bytes per index of the cut dim
     row_bytes = rows * inner
-    buf = np.empty(min(info.nbytes, max(CHUNK_BYTES, row_bytes if outer > 1 else inner)), np.uint8)
+    buf = scratch("read", min(info.nbytes, max(CHUNK_BYTES, row_bytes if outer > 1 else inner)))
 
     if outer == 1:  # cut along the leading dim: each piece is a contiguous run of the chunk
         step = max(1, len(buf) // inner)
@@ -64,9 +77,18 @@ def cut_pieces(
             source_hash.update(chunk)
         view = chunk.reshape(b - a, rows, inner)  # [outer rows, cut dim, bytes per index]
         for i, s in enumerate(specs):
-            piece = np.zeros((b - a, s.length + s.pad, inner), np.uint8)  # pad stays zero
+            piece = scratch("piece", (b - a) * (s.length + s.pad) * inner).reshape(b - a, s.length + s.pad, inner)
             piece[:, : s.length] = view[:, s.start : s.start + s.length]
+            piece[:, s.length :] = 0
             yield i, a * (s.length + s.pad) * inner, piece.reshape(-1)
+
+
+VALUE_DTYPES = {"I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1", "U16": "<u2", "U32": "<u4", "U64": "<u8"}
+
+
+def value_bytes(spec: ShardSpec) -> np.ndarray:
+    """The bytes of a spec whose content is given (`spec.value`, e.g. CT weight_shape), not read."""
+    return np.asarray(spec.value, dtype=VALUE_DTYPES[spec.dtype]).reshape(-1).view(np.uint8)
 
 
 def read_into(fd: int, buf: np.ndarray, offset: int, n: int) -> np.ndarray:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tpshard import __version__
 from tpshard.checkpoint import Checkpoint, open_checkpoint
-from tpshard.digest import file_digest, sha256_file
+from tpshard.digest import Crc32, file_digest, sha256_file
 from tpshard.errors import OutputError, TopologyError
 from tpshard.manifest import (
     MANIFEST_NAME,
@@ -38,7 +38,7 @@ from tpshard.manifest import (
     encode_manifest,
     rank_dir,
 )
-from tpshard.pieces import cut_pieces
+from tpshard.pieces import cut_pieces, value_bytes
 from tpshard.plan import file_header, make_plan
 from tpshard.safetensors_format import TensorInfo, nbytes_of
 from tpshard.topology import Topology
@@ -182,7 +182,7 @@ def _write(
     for name in ckpt.extra_files():
         canonical = staging / rank_dir(selected[0]) / name
         shutil.copyfile(ckpt.path / name, canonical)
-        extra.append(SourceFile(name=name, size=canonical.stat().st_size, sha256=sha256_file(canonical)))
+        extra.append(SourceFile(name=name, size=canonical.stat().st_size, checksum=sha256_file(canonical)))
         for r in selected[1:]:
             _link(canonical, staging / rank_dir(r) / name)
 
@@ -204,8 +204,12 @@ def _write(
 
 
 def _copy_tensor(src_fd: int, info: TensorInfo, targets: list[_Target]) -> bytes:
-    """Read one source tensor once and write every target's piece of it. Returns its sha256."""
-    source_hash = hashlib.sha256()
+    """Read one source tensor once and write every target's piece of it. Returns its crc32."""
+    source_hash = Crc32()
+    for t in targets:
+        if t.spec.value is not None:  # content given by the plan (e.g. a rank's weight_shape)
+            t.write(value_bytes(t.spec), 0)
+    targets = [t for t in targets if t.spec.value is None]
     for i, at, data in cut_pieces(src_fd, info, [t.spec for t in targets], source_hash):
         targets[i].write(data, at)
     return source_hash.digest()
@@ -238,10 +242,10 @@ def _source_files(ckpt: Checkpoint, digests: dict[str, bytes]) -> tuple[SourceFi
             SourceFile(
                 name=name,
                 size=path.stat().st_size,
-                sha256=file_digest(read_header_bytes(path), [digests[t] for _, t in tensors]),
+                checksum=file_digest(read_header_bytes(path), [digests[t] for _, t in tensors]),
             )
         )
     if ckpt.index_file:
         path = ckpt.path / ckpt.index_file
-        files.append(SourceFile(name=ckpt.index_file, size=path.stat().st_size, sha256=sha256_file(path)))
+        files.append(SourceFile(name=ckpt.index_file, size=path.stat().st_size, checksum=sha256_file(path)))
     return tuple(files)
