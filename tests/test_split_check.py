@@ -14,11 +14,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import tpshard
+from broken import overwrite_tensor, rewrite_checksums
 from contract import expected_rank_tensor
-from tpshard.digest import file_digest
 from tpshard.errors import OutputError
 from tpshard.manifest import MANIFEST_NAME, encode_manifest, rank_dir, read_manifest
-from tpshard.plan import file_header
 from tpshard.topology import Topology
 
 
@@ -145,39 +144,6 @@ def test_ranks_subset_writes_only_those_ranks(llama, tmp_path):
 # ---- check must fail on outputs broken on purpose -------------------------------------------
 
 
-def rewrite_checksums(out: Path) -> None:
-    """Recompute the manifest's checksums from the files as they are: a breakage only
-    reassembly against the source can see."""
-    m = read_manifest(out)
-    import msgspec
-
-    from tpshard.check import _hash_range
-
-    specs = {f.name: [s for s in m.plan.shards if s.file == f.name] for f in m.plan.files}
-    files = []
-    for w in m.files:
-        f = next(f for f in m.plan.files if f.name == w.name)
-        path = out / rank_dir(min(set(f.ranks) & set(m.written_ranks))) / f.name
-        header, offsets = file_header([(s.name, s.dtype, s.shape) for s in specs[f.name]])
-        fd = os.open(path, os.O_RDONLY)
-        digests = [_hash_range(fd, o, (e - o)) for o, e in zip(offsets, offsets[1:] + [f.size])]
-        os.close(fd)
-        files.append(msgspec.structs.replace(w, sha256=file_digest(header, digests), tensor_sha256=tuple(d.hex() for d in digests)))
-    (out / MANIFEST_NAME).write_bytes(encode_manifest(msgspec.structs.replace(m, files=tuple(files))))
-
-
-def overwrite_tensor(out: Path, rank: int, name: str, tensor: torch.Tensor) -> None:
-    """Replace one tensor's bytes in place (in the shared file, so every holder sees it)."""
-    m = read_manifest(out)
-    spec = next(s for s in m.plan.shards if s.name == name and rank in s.ranks)
-    specs = [s for s in m.plan.shards if s.file == spec.file]
-    _, offsets = file_header([(s.name, s.dtype, s.shape) for s in specs])
-    offset = offsets[specs.index(spec)]
-    with open(out / rank_dir(rank) / spec.file, "r+b") as f:
-        f.seek(offset)
-        f.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
-
-
 @pytest.fixture(scope="module")
 def good(llama, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("good") / "out"
@@ -282,3 +248,26 @@ def test_row_bias_marked_sliced_is_caught(tmp_path):
     (out / MANIFEST_NAME).write_bytes(encode_manifest(msgspec.structs.replace(m, plan=msgspec.structs.replace(m.plan, shards=tuple(shards)))))
     found = problems(out, None)
     assert any("[reduction]" in p and "o_proj.bias" in p for p in found), found
+
+
+def test_parts_split_on_different_nodes_merge_into_one_output(llama, tmp_path):
+    from tpshard.merge import merge
+
+    topo = Topology(tp=8, attn_dp=2)
+    tpshard.split(llama, tmp_path / "a", topo, ranks=range(0, 4))
+    tpshard.split(llama, tmp_path / "b", topo, ranks=range(4, 8))
+    merged = merge([tmp_path / "a", tmp_path / "b"], tmp_path / "out")
+    assert merged.written_ranks == tuple(range(8))
+    assert tpshard.check(tmp_path / "out", llama).ok
+    whole = split(llama, tmp_path / "whole", tp=8, attn_dp=2)
+    assert (tmp_path / "out" / MANIFEST_NAME).read_bytes() == (whole / MANIFEST_NAME).read_bytes()
+
+
+def test_merge_refuses_parts_of_different_splits(llama, tmp_path):
+    from tpshard.merge import merge
+
+    tpshard.split(llama, tmp_path / "a", Topology(tp=8, attn_dp=2), ranks=[0])
+    tpshard.split(llama, tmp_path / "b", Topology(tp=8), ranks=[1])
+    with pytest.raises(OutputError, match="different plans"):
+        merge([tmp_path / "a", tmp_path / "b"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -180,6 +180,19 @@ def check(
         raise typer.Exit(1)
 
 
+@app.command()
+def merge(
+    parts: Annotated[list[Path], typer.Argument(help="Outputs of `split --ranks` for different ranks of one split.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Merged output folder.")],
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+) -> None:
+    """Join outputs written for different ranks (split --ranks on several nodes) into one."""
+    from tpshard.merge import merge as do_merge
+
+    manifest = do_merge(parts, out, force=force)
+    err.print(f"[green]merged[/] {len(parts)} parts -> {out}: ranks {list(manifest.written_ranks)}")
+
+
 def parse_ranks(text: str | None) -> list[int] | None:
     """'0-3,6' -> [0, 1, 2, 3, 6]."""
     if text is None:

@@ -176,7 +176,7 @@ def _write(
         canonical = staging / rank_dir(min(chosen & set(f.ranks))) / f.name
         for r in sorted(chosen & set(f.ranks)):
             if (staging / rank_dir(r) / f.name) != canonical:
-                _link(canonical, staging / rank_dir(r) / f.name)
+                link_or_copy(canonical, staging / rank_dir(r) / f.name)
 
     extra = []
     for name in ckpt.extra_files():
@@ -184,7 +184,7 @@ def _write(
         shutil.copyfile(ckpt.path / name, canonical)
         extra.append(SourceFile(name=name, size=canonical.stat().st_size, checksum=sha256_file(canonical)))
         for r in selected[1:]:
-            _link(canonical, staging / rank_dir(r) / name)
+            link_or_copy(canonical, staging / rank_dir(r) / name)
 
     for r in selected:
         index = _rank_index(plan, r)
@@ -215,7 +215,7 @@ def _copy_tensor(src_fd: int, info: TensorInfo, targets: list[_Target]) -> bytes
     return source_hash.digest()
 
 
-def _link(src: Path, dst: Path) -> None:
+def link_or_copy(src: Path, dst: Path) -> None:
     try:
         os.link(src, dst)
     except OSError:  # a filesystem without hard links: a copy holds the same bytes
