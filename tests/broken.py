@@ -1,0 +1,46 @@
+"""Helpers that break a tpshard output on purpose and keep its manifest checksums consistent, so
+that only a check against the source (check --source, verify) can tell."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from tpshard.digest import file_digest
+from tpshard.manifest import MANIFEST_NAME, encode_manifest, rank_dir, read_manifest
+from tpshard.plan import file_header
+
+
+def rewrite_checksums(out: Path) -> None:
+    """Recompute the manifest's checksums from the files as they are: a breakage only
+    reassembly against the source can see."""
+    m = read_manifest(out)
+    import msgspec
+
+    from tpshard.check import _hash_range
+
+    specs = {f.name: [s for s in m.plan.shards if s.file == f.name] for f in m.plan.files}
+    files = []
+    for w in m.files:
+        f = next(f for f in m.plan.files if f.name == w.name)
+        path = out / rank_dir(min(set(f.ranks) & set(m.written_ranks))) / f.name
+        header, offsets = file_header([(s.name, s.dtype, s.shape) for s in specs[f.name]])
+        fd = os.open(path, os.O_RDONLY)
+        digests = [_hash_range(fd, o, (e - o)) for o, e in zip(offsets, offsets[1:] + [f.size])]
+        os.close(fd)
+        files.append(msgspec.structs.replace(w, sha256=file_digest(header, digests), tensor_sha256=tuple(d.hex() for d in digests)))
+    (out / MANIFEST_NAME).write_bytes(encode_manifest(msgspec.structs.replace(m, files=tuple(files))))
+
+
+def overwrite_tensor(out: Path, rank: int, name: str, tensor: torch.Tensor) -> None:
+    """Replace one tensor's bytes in place (in the shared file, so every holder sees it)."""
+    m = read_manifest(out)
+    spec = next(s for s in m.plan.shards if s.name == name and rank in s.ranks)
+    specs = [s for s in m.plan.shards if s.file == spec.file]
+    _, offsets = file_header([(s.name, s.dtype, s.shape) for s in specs])
+    offset = offsets[specs.index(spec)]
+    with open(out / rank_dir(rank) / spec.file, "r+b") as f:
+        f.seek(offset)
+        f.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
