@@ -271,3 +271,12 @@ def test_merge_refuses_parts_of_different_splits(llama, tmp_path):
     with pytest.raises(OutputError, match="different plans"):
         merge([tmp_path / "a", tmp_path / "b"], tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_consolidated_files_beside_the_hf_files_are_ignored(llama, tmp_path, copy_of):
+    model = copy_of(llama)
+    shutil.copyfile(model / "model-00001-of-00002.safetensors", model / "consolidated.safetensors")
+    out = split(model, tmp_path / "out", tp=2)
+    assert not (out / rank_dir(0) / "consolidated.safetensors").exists()
+    assert [f.name for f in read_manifest(out).source_files if "consolidated" in f.name] == []
+    assert tpshard.check(out, model).ok
