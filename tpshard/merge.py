@@ -15,7 +15,7 @@ import msgspec
 
 from tpshard.errors import OutputError
 from tpshard.manifest import MANIFEST_NAME, Manifest, encode_manifest, rank_dir, read_manifest
-from tpshard.writer import link_or_copy
+from tpshard.writer import link_or_copy, write_durably
 
 
 def merge_manifests(parts: list[Manifest]) -> Manifest:
@@ -58,7 +58,7 @@ def merge(parts: list[str | Path], out: str | Path, *, force: bool = False) -> M
                 dst.mkdir()
                 for entry in sorted(os.listdir(src)):
                     link_or_copy(src / entry, dst / entry)
-        (staging / MANIFEST_NAME).write_bytes(encode_manifest(merged))
+        write_durably(staging / MANIFEST_NAME, encode_manifest(merged))
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)

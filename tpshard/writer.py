@@ -10,8 +10,8 @@ the order workers finish in.
 Checksums are computed while writing: sha256 of each tensor's bytes, and a file's checksum is sha256
 over its header followed by its tensors' digests (tpshard.digest). `check` recomputes both.
 
-Output is staged in a hidden sibling folder and renamed into place after the manifest, written
-last, is on disk: an output folder with a manifest is complete.
+Output is staged in a hidden sibling folder; the data is fsynced, the manifest written last, and
+the folder renamed into place: an output folder with a manifest is complete.
 """
 
 from __future__ import annotations
@@ -154,6 +154,8 @@ def _write(
 
             with ThreadPoolExecutor(max(1, workers)) as pool:
                 source_digests = dict(zip((n for n, _ in order), pool.map(job, order)))
+                # On disk before the manifest says the output is complete.
+                list(pool.map(os.fsync, fds.values()))
         finally:
             for fd in src_fds.values():
                 os.close(fd)
@@ -199,8 +201,15 @@ def _write(
         written_ranks=tuple(selected),
         files=tuple(written),
     )
-    (staging / MANIFEST_NAME).write_bytes(encode_manifest(manifest))
+    write_durably(staging / MANIFEST_NAME, encode_manifest(manifest))
     return manifest
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _copy_tensor(src_fd: int, info: TensorInfo, targets: list[_Target]) -> bytes:
