@@ -17,7 +17,7 @@ What it does, in one process:
 
 Cases: cp (the floor), naive (benchmarks/naive_split.py --tp 8), naive-load (rank 0 of the naive
 output via safe_open), split (`tpshard split --tp 8`), check (`tpshard check` on that output),
-load-presharded (tpshard.open_rank(out, 0), every tensor copied into a fresh parameter), split-dp
+load-presharded (tpshard.load_rank(out, 0): each file read straight into process memory), split-dp
 (`tpshard split --tp 8 --attn-dp 2`), load-engine (rank 0 cut from the source at load time the
 way vLLM's and SGLang's default loaders do: every full tensor, then narrow), load-slice (the best
 case of slicing at load: safe_open get_slice reads only the rank's bytes). Cases whose tpshard
@@ -61,22 +61,6 @@ READ_CHUNK = 16 * 1024 * 1024
 # ---------------------------------------------------------------------------------------------
 
 
-def _iter_rank_tensors(obj):
-    """Yield (name, tensor) from whatever tpshard.open_rank returns: a mapping, a safe_open-like
-    object (keys + get_tensor), or an iterable of names or (name, tensor) pairs."""
-    if hasattr(obj, "items"):
-        yield from obj.items()
-    elif hasattr(obj, "keys") and hasattr(obj, "get_tensor"):
-        for name in obj.keys():
-            yield name, obj.get_tensor(name)
-    else:
-        for item in obj:
-            if isinstance(item, tuple) and len(item) == 2:
-                yield item
-            else:
-                yield item, obj[item]
-
-
 def _child(argv: list[str]) -> int:
     """Load one rank and print {"load_s", "bytes", "tensors"} as JSON on the last stdout line.
 
@@ -98,14 +82,9 @@ def _child(argv: list[str]) -> int:
         out, rank = argv[1], int(argv[2])
         import tpshard
 
-        handle = tpshard.open_rank(out, rank)
-        if hasattr(handle, "__enter__"):
-            with handle as h:
-                for name, t in _iter_rank_tensors(h):
-                    keep(name, t)
-        else:
-            for name, t in _iter_rank_tensors(handle):
-                keep(name, t)
+        # load_rank reads each file straight into memory the process owns: that memory is the
+        # parameters (an engine would read into its own parameter storage), so no second copy.
+        params.update(tpshard.load_rank(out, rank))
     elif kind == "load-naive":
         out, rank = Path(argv[1]), int(argv[2])
         with safe_open(str(out / f"rank-{rank:03d}" / "model.safetensors"), framework="pt") as f:
@@ -364,10 +343,10 @@ def find_tpshard(override: str | None) -> Tpshard:
         why = why_split
     else:
         ts.notes.append(f"tpshard CLI not available ({why}); split/check rows skipped")
-    ok, why = _runs_ok([sys.executable, "-c", "from tpshard import open_rank"])
+    ok, why = _runs_ok([sys.executable, "-c", "from tpshard import load_rank"])
     ts.open_rank = ok
     if not ok:
-        ts.notes.append(f"tpshard.open_rank not importable ({why}); load-presharded row skipped")
+        ts.notes.append(f"tpshard.load_rank not importable ({why}); load-presharded row skipped")
     return ts
 
 
@@ -382,7 +361,7 @@ CASES = {
     "naive-load": ("load rank 0: naive per-rank file", "load"),
     "split": (f"tpshard split --tp {TP}", "copy"),
     "check": ("tpshard check (split output)", "copy"),
-    "load-presharded": ("load rank 0: tpshard.open_rank", "load"),
+    "load-presharded": ("load rank 0: tpshard.load_rank", "load"),
     "split-dp": (f"tpshard split --tp {TP} --attn-dp {ATTN_DP}", "copy"),
     "load-slice": ("load rank 0: get_slice from source", "load"),
     "load-engine": ("load rank 0: full tensors + narrow (engines)", "load"),
@@ -453,7 +432,7 @@ class Bench:
                 if self.ts.open_rank:
                     self.record("load-presharded", measure(self.py(str(HERE / "split_bench.py"), "_child", "load-presharded", str(out), "0")))
                 else:
-                    self.skip("load-presharded", "tpshard.open_rank not available")
+                    self.skip("load-presharded", "tpshard.load_rank not available")
             drop(out)
         elif head == "split-dp":
             if not self.ts.split:

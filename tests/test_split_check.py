@@ -280,3 +280,14 @@ def test_consolidated_files_beside_the_hf_files_are_ignored(llama, tmp_path, cop
     assert not (out / rank_dir(0) / "consolidated.safetensors").exists()
     assert [f.name for f in read_manifest(out).source_files if "consolidated" in f.name] == []
     assert tpshard.check(out, model).ok
+
+
+def test_load_rank_reads_what_open_rank_reads(llama, tmp_path):
+    from tpshard.rank import load_rank
+
+    out = split(llama, tmp_path / "out", tp=8, attn_dp=2)
+    for rank in range(8):
+        lazy, eager = tpshard.open_rank(out, rank), load_rank(out, rank)
+        assert set(lazy) == set(eager)
+        for name, t in eager.items():
+            assert t.dtype == lazy[name].dtype and torch.equal(t, lazy[name]), (rank, name)
