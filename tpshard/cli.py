@@ -181,6 +181,53 @@ def check(
 
 
 @app.command()
+def verify(
+    out: Annotated[Path, typer.Argument(help="A tpshard output folder (every rank written).")],
+    source: Annotated[Path, typer.Option("--source", help="The checkpoint it was split from: the reference.")],
+    model: Annotated[bool, typer.Option("--model", help="Also run the TP decoder and compare logits with transformers.")] = False,
+    backend: Annotated[Optional[str], typer.Option("--backend", help="nccl or gloo (default: nccl with a GPU per rank, else gloo).")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="Layer-level compute dtype: float32, bfloat16 or float16.")] = "float32",
+    tokens: Annotated[int, typer.Option("--tokens", help="Rows of each random layer input; sequence length for --model.")] = 16,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")] = 0,
+    report: Annotated[Optional[Path], typer.Option("--report", help="Write the report as JSON here.")] = None,
+    junit: Annotated[Optional[Path], typer.Option("--junit", help="Write JUnit XML here, for CI systems.")] = None,
+    json: Json = False,
+) -> None:  # fmt: skip
+    """Load the shards into tensor-parallel layers and compare their outputs with the source. Exit 1 on any mismatch.
+
+    Spawns one process per rank, or runs in place under torchrun (rank 0 reports)."""
+    import os
+
+    from tpshard.verify import verify as do_verify
+    from tpshard.verify import write_junit, write_report
+    from tpshard.verify.report import encode_report, layer_rows
+
+    result = do_verify(out, source, model=model, backend=backend, dtype=dtype, tokens=tokens, seed=seed)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 speaks and writes
+        if report:
+            write_report(result, report)
+        if junit:
+            write_junit(result, junit)
+        if json:
+            sys.stdout.buffer.write(encode_report(result))
+        else:
+            title = f"verify {out}: {result.topology.describe()}, {result.backend}, {result.dtype}, tolerance {layer_rows(result)[0]['tol'] if result.layers else '-'}"
+            err.print(_table(title, [{k: v for k, v in row.items() if k != "tol"} for row in layer_rows(result)]))
+            if result.model is not None:
+                m = result.model
+                err.print(
+                    f"model {m.architecture} vs transformers ({m.batches} batches of {m.sequences}x{m.tokens} tokens):"
+                    f" max abs logit diff {m.max_abs:.3g} (rel {m.max_rel:.3g}), top-1 agreement {m.top1:.4f}, KL {m.kl:.3g}"
+                )
+            for line in result.failures():
+                err.print(f"FAIL {line}", soft_wrap=True, markup=False, style="red")
+            verdict = "[green]ok[/]" if result.ok else f"[red]{len(result.failures())} failing check(s)[/]"
+            err.print(f"{verdict} {out}: {len(result.layers)} layers" + (" + model" if model else "") + f" in {result.seconds:.2f} s")
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
 def merge(
     parts: Annotated[list[Path], typer.Argument(help="Outputs of `split --ranks` for different ranks of one split.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Merged output folder.")],

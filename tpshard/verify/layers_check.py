@@ -1,0 +1,217 @@
+"""Layer-level verification: every sharded layer's tensor-parallel output against the source math.
+
+Every rank runs its shard of a layer on a seeded random input (token ids for an embedding) and
+sends its local output to rank 0. One input per group instance: a layer over `tp` sees one batch;
+a layer over `attn_tp` under attention DP sees one batch per DP replica, and its reduction runs
+inside the replica only. Rank 0 regenerates the same inputs and computes the reference in float64
+from the *source* tensors, then compares:
+
+- column-style outputs (q/k/v, gate/up, column): the group ranks' pieces concatenated in group-rank
+  order (the combined result the next layer consumes), padding included and expected zero; replica
+  ranks (GQA kv heads, DP replicas of nothing) must agree with each other;
+- reduced outputs (row-parallel, embedding, lm_head): every rank's output, which already went
+  through the layer's all-reduce or all-gather.
+
+A failure names the layer, the piece, the group rank and world ranks, and what the numbers look
+like (another group rank's slice, a bias counted N times, the vocab rows of one group rank).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tpshard.manifest import Plan
+from tpshard.verify.build import Built, LayerSpecs, run_row
+from tpshard.verify.report import LayerResult
+
+COLUMN = ("QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear")
+MAX_MESSAGES = 6
+
+
+def generator(seed: int, what: str, batch: int) -> torch.Generator:
+    """Same numbers on every rank and in every process: seeded from (seed, layer, batch) only."""
+    return torch.Generator().manual_seed(zlib.crc32(f"{seed}/{what}/{batch}".encode()))
+
+
+def layer_input(lay: LayerSpecs, batch: int, *, seed: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """Token ids [n] for an embedding, else activations [tokens, in] rounded to the compute dtype."""
+    w = lay.first(lay.pieces()[0])
+    g = generator(seed, lay.layer, batch)
+    if lay.layer_class == "VocabParallelEmbedding":
+        vocab = w.source_shape[0]
+        n = max(tokens, 2 * w.group_size)
+        # Stratified over the vocab, so every rank's rows are looked up; both ends included.
+        u = torch.rand(n, generator=g, dtype=torch.float64)
+        ids = ((torch.arange(n, dtype=torch.float64) + u) * vocab / n).long().clamp(0, vocab - 1)
+        ids[0], ids[-1] = 0, vocab - 1
+        return ids
+    return torch.randn(tokens, w.source_shape[-1], generator=g).to(dtype)
+
+
+def batch_of(plan: Plan, group: str, rank: int) -> int:
+    """Which input a world rank runs: one per instance of the layer's group (its DP replica)."""
+    return rank // plan.topology.span(group)  # type: ignore[arg-type]
+
+
+def rank_outputs(built: Built, x: torch.Tensor) -> dict[str, tuple[int, torch.Tensor]]:
+    """This rank's outputs of one layer: piece -> (group rank of the piece, tensor on the CPU)."""
+    module, cls = built.module, built.spec.layer_class
+    with torch.no_grad():
+        if cls in COLUMN:
+            out = module(x)
+            pieces = built.spec.pieces()
+            parts = module.split(out) if hasattr(module, "split") else (out,)
+            return {
+                p: (module.shard_info(p or None).group_rank, part.double().cpu()) for p, part in zip(pieces, parts)
+            }
+        if cls == "RowParallelLinear":
+            module.input_is_parallel = False
+            out = run_row(built, x)
+        else:
+            out = module(x)
+    return {"": (built.group.rank, out.double().cpu())}
+
+
+class SourceTensors:
+    """Source checkpoint tensors by name, in float64, read through safetensors' memory map."""
+
+    def __init__(self, source: str | Path):
+        from tpshard.checkpoint import open_checkpoint
+
+        self.ckpt = open_checkpoint(source)
+        self._handles: dict[str, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.ckpt.tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        file = self.ckpt.tensors[name].file
+        if file not in self._handles:
+            self._handles[file] = safe_open(self.ckpt.path / file, framework="pt")
+        return self._handles[file].get_tensor(name).double()
+
+
+def reference(lay: LayerSpecs, src: SourceTensors, piece: str, x: torch.Tensor) -> torch.Tensor:
+    """The unsharded output of one piece, float64, from the source tensors."""
+    w = src[lay.first(piece).source]
+    if lay.layer_class == "VocabParallelEmbedding":
+        return F.embedding(x, w)
+    b = lay.first(piece, "bias")
+    return F.linear(x.double(), w, src[b.source] if b is not None else None)
+
+
+def compare_layer(
+    lay: LayerSpecs, plan: Plan, sent: list[dict], src: SourceTensors, *, seed: int, tokens: int,
+    dtype: torch.dtype, tolerance: float,
+) -> LayerResult:  # fmt: skip
+    """Rank 0: every rank's output of `lay` (sent[rank]) against the float64 reference."""
+    topo = plan.topology
+    nbatch = topo.world_size // topo.span(lay.group)  # type: ignore[arg-type]
+    result = LayerResult(
+        layer=lay.layer, layer_class=lay.layer_class, group=lay.group, pieces=lay.pieces(), batches=nbatch,
+        tolerance=tolerance,
+    )  # fmt: skip
+    problems: dict[str, None] = {}
+    for rank, msg in enumerate(sent):
+        for p in msg["problems"]:
+            problems.setdefault(p)
+    inputs = [layer_input(lay, b, seed=seed, tokens=tokens, dtype=dtype) for b in range(nbatch)]
+    refs = {p: [reference(lay, src, p, x) for x in inputs] for p in lay.pieces()}
+    scale = max(r.abs().max().item() for rs in refs.values() for r in rs) or 1.0
+    max_abs = 0.0
+    findings: dict[str, list[int]] = defaultdict(list)  # diagnosis -> world ranks
+
+    if lay.layer_class in COLUMN:
+        for p in lay.pieces():
+            spec = lay.first(p)
+            for b in range(nbatch):
+                blocks: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)
+                for rank, msg in enumerate(sent):
+                    if msg["batch"] == b and p in msg["outputs"]:
+                        gr, t = msg["outputs"][p]
+                        blocks[gr].append((rank, t))
+                missing = [gr for gr in range(spec.group_size) if gr not in blocks]
+                if missing:
+                    problems.setdefault(f"piece {p}: no rank of batch {b} holds group ranks {missing}")
+                    continue
+                for gr, holders in blocks.items():
+                    first = holders[0][1]
+                    for rank, t in holders[1:]:
+                        if t.shape != first.shape or (t - first).abs().max().item() > tolerance * scale:
+                            findings[f"piece {p}: replicas of group rank {gr} disagree"].append(rank)
+                combined = torch.cat([blocks[gr][0][1] for gr in range(spec.group_size)], dim=-1)  # [T, padded]
+                ref = refs[p][b]
+                if combined.shape[-1] < ref.shape[-1]:
+                    problems.setdefault(f"piece {p}: ranks give {combined.shape[-1]} outputs, the source has {ref.shape[-1]}")
+                    continue
+                ref = F.pad(ref, (0, combined.shape[-1] - ref.shape[-1]))  # padding outputs must be zero
+                max_abs = max(max_abs, (combined - ref).abs().max().item())
+                width = combined.shape[-1] // spec.group_size
+                for gr in range(spec.group_size):
+                    block = combined[:, gr * width : (gr + 1) * width]
+                    err = (block - ref[:, gr * width : (gr + 1) * width]).abs().max().item() / scale
+                    if err <= tolerance:
+                        continue
+                    ranks = [r for r, _ in blocks[gr]]
+                    other = [
+                        k for k in range(spec.group_size)
+                        if k != gr and (block - ref[:, k * width : (k + 1) * width]).abs().max().item() / scale <= tolerance
+                    ]  # fmt: skip
+                    what = f"it is group rank {other[0]}'s slice" if other else f"rel error {err:.3g}"
+                    findings[f"piece {p or lay.layer_class} of group rank {gr}/{spec.group_size} differs ({what})"].extend(ranks)
+    else:
+        spec = lay.first("")
+        for rank, msg in enumerate(sent):
+            _, out = msg["outputs"][""]
+            ref = refs[""][msg["batch"]]
+            if out.shape != ref.shape:
+                problems.setdefault(f"rank {rank}: output shape {list(out.shape)}, reference {list(ref.shape)}")
+                continue
+            diff = out - ref
+            err = diff.abs().max().item()
+            max_abs = max(max_abs, err)
+            if err / scale > tolerance:
+                findings[_diagnose_reduced(lay, spec, src, inputs[msg["batch"]], diff, scale, tolerance)].append(rank)
+
+    for what, ranks in findings.items():
+        problems.setdefault(f"{what} on world ranks {sorted(set(ranks))}")
+    result.max_abs = max_abs
+    result.max_rel = max_abs / scale
+    result.problems = list(problems)[:MAX_MESSAGES] + (
+        [f"... {len(problems) - MAX_MESSAGES} more"] if len(problems) > MAX_MESSAGES else []
+    )
+    return result
+
+
+def _diagnose_reduced(
+    lay: LayerSpecs, spec, src: SourceTensors, x: torch.Tensor, diff: torch.Tensor, scale: float, tol: float
+) -> str:
+    """Say what a wrong reduced output looks like: a bias counted N times, or one rank's vocab rows."""
+    rel = diff.abs().max().item() / scale
+    bias = lay.first("", "bias")
+    if lay.layer_class == "RowParallelLinear" and bias is not None:
+        b = src[bias.source]  # [N]
+        c = (diff * b).sum().item() / (diff.shape[0] * (b * b).sum().item())
+        if round(c) and abs(c - round(c)) < 0.05 and (diff - round(c) * b).abs().max().item() / scale <= tol:
+            return f"the bias is added {round(c) + 1} times instead of once"
+    if lay.layer_class in ("VocabParallelEmbedding", "ParallelLMHead"):
+        rows = spec.shape[0]  # vocab rows per group rank, padding included
+        if lay.layer_class == "VocabParallelEmbedding":
+            bad = diff.abs().amax(dim=-1) > tol * scale  # [n] per looked-up id
+            ranks = sorted({int(i) // rows for i in x[bad]})  # ids whose rows came out wrong
+            what = "rows for the token ids"
+        else:
+            bad = diff.abs().amax(dim=0) > tol * scale  # [V] per vocab column
+            ranks = sorted({int(i) // rows for i in bad.nonzero().flatten()})
+            what = "logits for the vocab rows"
+        holders = sorted({r for s in lay.specs if s.group_rank in ranks and s.name.endswith(".weight") for r in s.ranks})
+        return f"wrong {what} of group rank(s) {ranks} (shards held by world ranks {holders})"
+    return f"output differs from the reference (rel error up to {rel:.1g})"
+

@@ -1,0 +1,177 @@
+"""Model-level verification: a tensor-parallel dense decoder built from the shards, vs transformers.
+
+The decoder of the supported dense architectures (Llama, Mistral, Qwen2, Qwen3): RMSNorm, RoPE
+(default rope type), causal GQA attention (Qwen3: per-head q/k RMSNorm before RoPE), SwiGLU MLP.
+Its linear and vocab layers are the runtime's, built from the manifest (tpshard.verify.build);
+the reductions sit at the layer boundary as in the engines: o_proj all-reduces over attn_tp,
+down_proj over tp, the embedding all-reduces over its group, lm_head all-gathers its vocab slice.
+Norm weights are replicated tensors read from the rank's own files. Everything runs in float32.
+
+Attention DP: each DP replica embeds and attends to its own batch. Before a layer over a larger
+group (the MLP over tp), the replicas' tokens are gathered (every rank then runs the MLP on all
+tokens, as SGLang's dp gather does) and afterwards each replica keeps its own rows again. Context
+parallel attention (attn_cp > 1) is not modelled.
+
+Rank 0 runs AutoModelForCausalLM on the source checkpoint in float32 on the same token batches and
+compares logits: max abs (and relative to max |logit|) difference, top-1 agreement, mean KL.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tpshard.errors import TpshardError
+from tpshard.manifest import Plan
+from tpshard.runtime import LogicalGroup
+from tpshard.verify.build import TIED_LM_HEAD, Built, run_row
+from tpshard.verify.layers_check import generator
+from tpshard.verify.report import MODEL_TOLERANCE, ModelResult
+
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SEQUENCES = 2  # sequences per batch
+
+# HF module names of the dense decoder (the engine layer names the rule tables give).
+EMBED, NORM, LM_HEAD = "model.embed_tokens", "model.norm.weight", "lm_head"
+LAYER = "model.layers.{i}"
+QKV, O_PROJ, GATE_UP, DOWN = "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"
+INPUT_NORM, POST_NORM = "input_layernorm.weight", "post_attention_layernorm.weight"
+Q_NORM, K_NORM = "self_attn.q_norm.weight", "self_attn.k_norm.weight"
+
+
+def unsupported_reason(plan: Plan, config: dict) -> str | None:
+    """Why --model cannot run on this output, or None."""
+    if plan.model.architecture not in SUPPORTED:
+        return f"model-level verify supports {', '.join(SUPPORTED)}, not {plan.model.architecture}"
+    if plan.topology.attn_cp > 1:
+        return "model-level verify does not model context-parallel attention (attn_cp > 1); use layer-level verify"
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", None):
+        return f"model-level verify implements the default RoPE only, not rope_type {kind!r}"
+    return None
+
+
+def model_tokens(plan: Plan, batch: int, *, seed: int, tokens: int) -> torch.Tensor:
+    """Token ids [SEQUENCES, tokens] of one attention-DP replica."""
+    return torch.randint(0, plan.model.vocab_size, (SEQUENCES, tokens), generator=generator(seed, "model", batch))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class TPDecoder:
+    """One rank's part of the decoder. `layers`: engine layer name -> Built (float32, loaded)."""
+
+    def __init__(self, plan: Plan, rank: int, layers: dict[str, Built], norms: dict[str, torch.Tensor], device):
+        self.plan, self.rank, self.layers, self.norms, self.device = plan, rank, layers, norms, device
+        m = plan.model
+        self.eps, self.head_dim = m.rms_norm_eps, m.head_dim
+        self.lm_head = layers.get(LM_HEAD) or layers[TIED_LM_HEAD]
+        inv_freq = 1.0 / (m.rope_theta ** (torch.arange(0, m.head_dim, 2, dtype=torch.float32) / m.head_dim))
+        self.inv_freq = inv_freq.to(device)  # [hd/2]
+
+    # -- gathering attention-DP replicas' tokens for a layer over a larger group, and back
+
+    def _gather(self, x: torch.Tensor, small: LogicalGroup, big: LogicalGroup) -> torch.Tensor:
+        """This instance's x [B, ...] -> every `small` instance's x inside `big`, [n*B, ...]."""
+        topo = self.plan.topology
+        step = topo.span(small.name)
+        if step == topo.span(big.name):
+            return x
+        everyone = big.all_gather(x.unsqueeze(0), dim=0)  # [span(big), B, ...], member order
+        return everyone[::step].flatten(0, 1)  # one member per small instance
+
+    def _scatter(self, x: torch.Tensor, small: LogicalGroup, big: LogicalGroup, b: int) -> torch.Tensor:
+        topo = self.plan.topology
+        step = topo.span(small.name)
+        if step == topo.span(big.name):
+            return x
+        mine = (self.rank % topo.span(big.name)) // step
+        return x.unflatten(0, (-1, b))[mine]  # [n, B, ...] -> this instance's [B, ...]
+
+    def _big(self, group: LogicalGroup) -> LogicalGroup:
+        return LogicalGroup.of(self.plan.topology, group.name, self.rank)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, S] of this rank's attention-DP replica -> logits [B, S, V] (full vocab)."""
+        b, s = ids.shape
+        embed = self.layers[EMBED]
+        h = embed.module(ids.to(self.device))  # [B, S, H], reduced over the embedding's group
+        pos = torch.arange(s, device=self.device, dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq)  # [S, hd/2]
+        cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()  # [S, hd]
+        for i in range(self.plan.model.num_layers):
+            p = LAYER.format(i=i)
+            x = rms_norm(h, self.norms[f"{p}.{INPUT_NORM}"], self.eps)
+            h = h + self._attention(p, x, cos, sin)
+            x = rms_norm(h, self.norms[f"{p}.{POST_NORM}"], self.eps)
+            gate_up, down = self.layers[f"{p}.{GATE_UP}"], self.layers[f"{p}.{DOWN}"]
+            attn_group = self.layers[f"{p}.{QKV}"].group
+            x = self._gather(x, attn_group, gate_up.group)  # [n*B, S, H]
+            g, u = gate_up.module.split(gate_up.module(x))  # [n*B, S, I_r] each
+            down.module.input_is_parallel = True
+            y = run_row(down, F.silu(g) * u)  # [n*B, S, H], reduced over tp
+            h = h + self._scatter(y, attn_group, gate_up.group, b)
+        h = rms_norm(h, self.norms[NORM], self.eps)
+        x = self._gather(h, embed.group, self.lm_head.group)
+        logits = self.lm_head.module(x)  # [n*B, S, V]
+        return self._scatter(logits, embed.group, self.lm_head.group, b)
+
+    def _attention(self, p: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        qkv, o = self.layers[f"{p}.{QKV}"], self.layers[f"{p}.{O_PROJ}"]
+        b, s, _ = x.shape
+        q, k, v = qkv.module.split(qkv.module(x))  # [B, S, nh*hd], [B, S, nkv*hd] x2: this rank's heads
+        q = q.unflatten(-1, (-1, self.head_dim))  # [B, S, nh, hd]
+        k = k.unflatten(-1, (-1, self.head_dim))  # [B, S, nkv, hd]
+        v = v.unflatten(-1, (-1, v.shape[-1] // k.shape[-2]))  # [B, S, nkv, v_hd]
+        if f"{p}.{Q_NORM}" in self.norms:  # Qwen3: RMSNorm per head before RoPE
+            q = rms_norm(q, self.norms[f"{p}.{Q_NORM}"], self.eps)
+            k = rms_norm(k, self.norms[f"{p}.{K_NORM}"], self.eps)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, hd]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        rep = q.shape[1] // k.shape[1]  # query heads per kv head on this rank
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim**-0.5)  # [B, nh, S, v_hd]
+        out = out.transpose(1, 2).flatten(2)  # [B, S, nh*v_hd]
+        o.module.input_is_parallel = True
+        return run_row(o, out)  # [B, S, H], reduced over attn_tp
+
+
+def hf_logits(source: str, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    """transformers' float32 forward on the source checkpoint: logits [B, S, V] per batch, float64."""
+    try:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        raise TpshardError("model-level verify needs transformers (pip install transformers)") from None
+    hf_logging.disable_progress_bar()  # stderr belongs to the report
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        return [model(input_ids=ids).logits.double() for ids in batches]
+
+
+def compare_logits(plan: Plan, tp: list[torch.Tensor], ref: list[torch.Tensor], *, tokens: int) -> ModelResult:
+    result = ModelResult(
+        architecture=plan.model.architecture, batches=len(ref), sequences=SEQUENCES, tokens=tokens,
+        tolerance=dict(MODEL_TOLERANCE),
+    )  # fmt: skip
+    t = torch.cat([x.double().flatten(0, 1) for x in tp])  # [N, V]
+    r = torch.cat([x.flatten(0, 1) for x in ref])
+    if t.shape != r.shape:
+        result.problems.append(f"logits shape {list(t.shape)}, transformers gives {list(r.shape)}")
+        return result
+    result.max_abs = (t - r).abs().max().item()
+    result.max_rel = result.max_abs / (r.abs().max().item() or 1.0)
+    result.top1 = (t.argmax(-1) == r.argmax(-1)).double().mean().item()
+    logp_r, logp_t = r.log_softmax(-1), t.log_softmax(-1)
+    result.kl = (logp_r.exp() * (logp_r - logp_t)).sum(-1).mean().item()
+    return result

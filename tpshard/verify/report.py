@@ -1,0 +1,160 @@
+"""What `verify` found: per-layer and model-level results, their tolerances, report.json and junit.xml.
+
+Plain msgspec structs, built on rank 0 and broadcast to every rank, so that under torchrun every
+process knows the verdict (and exits with the same code). No torch here.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import msgspec
+
+from tpshard.topology import Topology
+
+REPORT_FORMAT = "tpshard-verify-report"
+REPORT_VERSION = 1
+
+# Layer level: error = max |tp - ref| over every output element, ref computed in float64 from the
+# source tensors on rank 0. `max_rel` divides it by max |ref| of that layer (elementwise relative
+# error is meaningless where an output crosses zero). A layer passes when max_rel <= the tolerance
+# of the compute dtype. Measured on CPU: float32 ~1e-7; a wrong shard moves max_rel to ~0.1..10.
+LAYER_TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
+
+# Model level (always float32, TF32 off): logits of the TP decoder vs transformers' forward.
+MODEL_TOLERANCE = {
+    "max_rel": 1e-4,  # max |logit diff| / max |reference logit|
+    "top1": 1.0,  # fraction of positions whose argmax agrees (must be all of them)
+    "kl": 1e-6,  # mean over positions of KL(reference || tp), nats
+}
+
+
+class LayerResult(msgspec.Struct, kw_only=True):
+    layer: str  # engine layer name, e.g. model.layers.0.self_attn.qkv_proj
+    layer_class: str
+    group: str  # group it reduces/gathers over, as the manifest records it
+    pieces: list[str]  # q/k/v, gate/up, or [""]
+    batches: int  # distinct inputs: 1 per group instance (attention DP replicas get their own)
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    tolerance: float = 0.0
+    problems: list[str] = []
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and self.max_rel <= self.tolerance
+
+
+class ModelResult(msgspec.Struct, kw_only=True):
+    architecture: str
+    batches: int  # one per attention-DP replica
+    sequences: int  # per batch
+    tokens: int  # per sequence
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    top1: float = 0.0
+    kl: float = 0.0
+    tolerance: dict[str, float] = {}
+    problems: list[str] = []
+
+    @property
+    def ok(self) -> bool:
+        t = self.tolerance
+        return not self.problems and self.max_rel <= t["max_rel"] and self.top1 >= t["top1"] and self.kl <= t["kl"]
+
+
+class VerifyReport(msgspec.Struct, kw_only=True):
+    format: str = REPORT_FORMAT
+    version: int = REPORT_VERSION
+    out_dir: str
+    source: str
+    topology: Topology
+    backend: str
+    device: str  # device of rank 0's layers: cpu or cuda:N
+    dtype: str  # layer-level compute dtype
+    seed: int
+    tokens: int
+    layers: list[LayerResult] = []
+    model: ModelResult | None = None
+    problems: list[str] = []  # not tied to one layer (a launch, a missing rank folder)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and all(r.ok for r in self.layers) and (self.model is None or self.model.ok)
+
+    def failures(self) -> list[str]:
+        """One line per failing check, naming the layer: what the CLI prints and CI shows."""
+        lines = list(self.problems)
+        for r in self.layers:
+            if not r.ok:
+                why = "; ".join(r.problems) or f"max rel error {r.max_rel:.3g} > {r.tolerance:g}"
+                lines.append(f"{r.layer} ({r.layer_class}): {why}")
+        if self.model is not None and not self.model.ok:
+            m, t = self.model, self.model.tolerance
+            why = "; ".join(m.problems) or (
+                f"max rel logit error {m.max_rel:.3g} (tol {t['max_rel']:g}), top-1 agreement {m.top1:.4f}"
+                f" (need {t['top1']:g}), KL {m.kl:.3g} (tol {t['kl']:g})"
+            )
+            lines.append(f"model ({m.architecture} vs transformers): {why}")
+        return lines
+
+
+def layer_rows(report: VerifyReport) -> list[dict]:
+    return [
+        dict(
+            layer=r.layer.removeprefix("model."), cls=r.layer_class.replace("ParallelLinear", "").replace("Parallel", ""),
+            group=r.group, inputs=r.batches, max_abs=f"{r.max_abs:.2g}", max_rel=f"{r.max_rel:.2g}",
+            tol=f"{r.tolerance:g}", result="ok" if r.ok else "FAIL",
+        )  # fmt: skip
+        for r in report.layers
+    ]
+
+
+_encoder = msgspec.json.Encoder(order="sorted")
+
+
+def encode_report(report: VerifyReport) -> bytes:
+    data = msgspec.to_builtins(report)
+    data["ok"] = report.ok
+    return msgspec.json.format(_encoder.encode(data), indent=1) + b"\n"
+
+
+def write_report(report: VerifyReport, path: str | Path) -> None:
+    Path(path).write_bytes(encode_report(report))
+
+
+def write_junit(report: VerifyReport, path: str | Path) -> None:
+    """JUnit XML as CI systems read it: one test case per layer, one for the model, one for launch."""
+    suite = ET.Element("testsuite", name="tpshard.verify", time=f"{report.seconds:.3f}")
+    cases = 0
+    failures = 0
+
+    def case(classname: str, name: str, failure: str | None, detail: str) -> None:
+        nonlocal cases, failures
+        cases += 1
+        tc = ET.SubElement(suite, "testcase", classname=classname, name=name)
+        if failure is not None:
+            failures += 1
+            ET.SubElement(tc, "failure", message=failure).text = detail
+        else:
+            ET.SubElement(tc, "system-out").text = detail
+
+    if report.problems:
+        case("tpshard.verify", "launch", "; ".join(report.problems), "\n".join(report.problems))
+    for r in report.layers:
+        detail = f"{r.layer_class} over {r.group}: max abs {r.max_abs:.3g}, max rel {r.max_rel:.3g}, tolerance {r.tolerance:g}"
+        why = "; ".join(r.problems) or f"max rel error {r.max_rel:.3g} > {r.tolerance:g}"
+        case("tpshard.verify.layers", r.layer, None if r.ok else why, detail if r.ok else f"{why}\n{detail}")
+    if report.model is not None:
+        m = report.model
+        detail = f"max abs {m.max_abs:.3g}, max rel {m.max_rel:.3g}, top-1 {m.top1:.4f}, KL {m.kl:.3g}"
+        case("tpshard.verify.model", m.architecture, None if m.ok else (report.failures()[-1]), detail)
+    suite.set("tests", str(cases))
+    suite.set("failures", str(failures))
+    suite.set("errors", "0")
+    root = ET.Element("testsuites")
+    root.append(suite)
+    ET.indent(root)
+    Path(path).write_bytes(ET.tostring(root, encoding="utf-8", xml_declaration=True) + b"\n")
