@@ -172,7 +172,8 @@ def _check_logical(plan: Plan, report: CheckReport) -> None:
         for s in sorted(specs, key=lambda s: s.group_rank):
             if s.logical_length and s.logical_start != covered:
                 report.add("logical", f"{_rel(s)}: logical start {s.logical_start}, but group ranks before it end at {covered}")
-            covered = max(covered, s.logical_start + s.logical_length)
+            if s.logical_length:
+                covered = max(covered, s.logical_start + s.logical_length)
         if covered != specs[0].logical_size:
             report.add("logical", f"{source}: logical ranges cover {covered} of {specs[0].logical_size}")
 

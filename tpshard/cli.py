@@ -36,11 +36,12 @@ AttnCp = Annotated[int, typer.Option("--attn-cp", help="Attention context-parall
 Pad = Annotated[bool, typer.Option("--pad/--no-pad", help="Zero-pad MLP dims the group does not divide (or refuse).")]
 DpLmHead = Annotated[bool, typer.Option("--dp-lm-head", help="Shard lm_head over attn_tp instead of tp.")]
 Json = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
+PadBlocks = Annotated[bool, typer.Option("--pad-blocks", help="FP8 block formats: zero-pad each rank's MLP shard to whole 128-blocks instead of refusing.")]
 Workers = Annotated[Optional[int], typer.Option("--workers", help="I/O threads (default: from the CPU count).")]
 
 
-def _options(pad: bool, dp_lm_head: bool) -> Options:
-    return Options(pad=pad, dp_lm_head=dp_lm_head)
+def _options(pad: bool, dp_lm_head: bool, pad_blocks: bool = False) -> Options:
+    return Options(pad=pad, dp_lm_head=dp_lm_head, pad_blocks=pad_blocks)
 
 
 def _emit_json(obj) -> None:
@@ -59,16 +60,19 @@ def _table(title: str, rows: list[dict]) -> Table:
 @app.command()
 def plan(
     model: Model, tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, pad: Pad = True,
-    dp_lm_head: DpLmHead = False, json: Json = False,
+    dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False, json: Json = False,
 ) -> None:  # fmt: skip
     """Show what every rank will hold, before a byte is written."""
     from tpshard.checkpoint import open_checkpoint
     from tpshard.plan import make_plan
     from tpshard.report import human_bytes, kind_rows, rank_rows
 
-    p = make_plan(open_checkpoint(model), Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp), _options(pad, dp_lm_head))
+    from tpshard.quant.shards import alignment_rows
+
+    p = make_plan(open_checkpoint(model), Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp), _options(pad, dp_lm_head, pad_blocks))
+    alignment = alignment_rows(p)  # quantized tensors: the pre-flight (misaligned cuts were refused above)
     if json:
-        _emit_json({"plan": p, "by_kind": kind_rows(p), "by_rank": rank_rows(p)})
+        _emit_json({"plan": p, "by_kind": kind_rows(p), "by_rank": rank_rows(p), "alignment": alignment})
         return
     err.print(f"[bold]{model}[/] {p.model.architecture}, {p.topology.describe()}")
     err.print(_table("Per weight kind", kind_rows(p)))
@@ -76,6 +80,8 @@ def plan(
     for row in ranks:
         row["bytes"] = human_bytes(row["bytes"])
     err.print(_table("Per rank", ranks))
+    if alignment:
+        err.print(_table("Quantized tensors: cut, atom (pack unit / group / tile / block) and per-rank shape", alignment))
     unique = sum(f.size for f in p.files)
     err.print(f"{len(p.files)} distinct files, {human_bytes(unique)} written once (hard links share them between ranks)")
     for w in p.warnings:
@@ -109,7 +115,7 @@ def split(
     model: Model,
     out: Annotated[Path, typer.Option("-o", "--out", help="Output folder (must not exist unless --force).")],
     tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, pad: Pad = True, dp_lm_head: DpLmHead = False,
-    workers: Workers = None,
+    pad_blocks: PadBlocks = False, workers: Workers = None,
     ranks: Annotated[Optional[str], typer.Option("--ranks", help="Write only these ranks, e.g. 0-3 or 0,2,4.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
     json: Json = False,
@@ -130,7 +136,7 @@ def split(
     ) as progress:  # fmt: skip
         task = progress.add_task("splitting", total=total)
         manifest = do_split(
-            model, out, topology, _options(pad, dp_lm_head), workers=workers, force=force,
+            model, out, topology, _options(pad, dp_lm_head, pad_blocks), workers=workers, force=force,
             ranks=parse_ranks(ranks), on_tensor=lambda n: progress.advance(task, n),
         )  # fmt: skip
     seconds = time.perf_counter() - start

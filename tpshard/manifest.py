@@ -106,6 +106,9 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     shards: tuple[ShardSpec, ...]
     files: tuple[FileLayout, ...]
     warnings: tuple[str, ...] = ()
+    # HF module prefix -> its tpshard.quant.formats.QuantSpec as plain data (format, bits,
+    # group_size, desc_act, sym, block, static_input), for readers that dequantize (verify).
+    quant_layers: dict[str, dict] = {}
 
     def rank_shards(self, rank: int) -> list[ShardSpec]:
         return [s for s in self.shards if rank in s.ranks]

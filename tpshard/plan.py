@@ -10,9 +10,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import msgspec
+
 from tpshard.checkpoint import Checkpoint, model_info
 from tpshard.errors import PlanError
 from tpshard.manifest import FileLayout, Kind, ModelInfo, Options, Plan, ShardSpec
+from tpshard.quant.config import read_quant_config
+from tpshard.quant.formats import QuantSpec, alignment
+from tpshard.quant import shards as qshards
 from tpshard.rules import ARCHITECTURES, DROPPED, Matcher, Rule
 from tpshard.safetensors_format import TensorInfo, build_header, nbytes_of
 from tpshard.topology import GroupName, Topology
@@ -162,6 +167,8 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
 
     specs: list[dict] = []
     unknown: list[str] = []
+    quant = read_quant_config(ckpt.path, ckpt.config)
+    qlayers = _QuantLayers(topology, model, options)
     # Source order by (file, offset): the writer then reads each file front to back.
     for name, info in sorted(ckpt.tensors.items(), key=lambda kv: (kv[1].file, kv[1].begin)):
         if DROPPED.fullmatch(name):
@@ -173,6 +180,10 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
             unknown.append(name)
             continue
         rule, layer = found
+        qspec = quant.spec_for(module, rule.layer_class in _LINEAR) if quant else None
+        if qspec is not None and param != "bias":
+            specs.extend(qlayers.specs(name, info, module, param, qspec, rule, layer))
+            continue
         cutting = cut_tensor(name, info, rule, param, topology, model, options)
         group = group_of(rule, options) if cutting.kind != "replicated" else "replicated"
         for cut in cutting.cuts:
@@ -207,6 +218,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
             f"no {model.architecture} rule covers {', '.join(unknown[:5])}{more}; tpshard never"
             " replicates a tensor it does not understand"
         )
+    warnings.extend(qlayers.finish())
     pad_notes = sorted({f"{s['layer_class']} {s['name'].rsplit('.', 3)[-2]}" for s in specs if s["pad"] and s["kind"] != "vocab"})
     if pad_notes:
         warnings.append(f"zero-padded to divide: {', '.join(pad_notes)}")
@@ -219,7 +231,150 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
         shards=tuple(ShardSpec(**s) for s in specs),
         files=tuple(files),
         warnings=tuple(warnings),
+        quant_layers={m: msgspec.to_builtins(q) for m, (q, _) in sorted(qlayers.suffixes.items())},
     )
+
+
+_LINEAR = ("QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "ParallelLMHead")
+
+
+class _QuantLayers:
+    """Specs of quantized linears: the layer's logical cut (dense rules) converted per tensor.
+
+    Collects alignment errors over the whole checkpoint, so that `finish` refuses once with every
+    (tensor, rank, misalignment), and engine-kernel warnings.
+    """
+
+    def __init__(self, topology: Topology, model: ModelInfo, options: Options):
+        self.topology, self.model, self.options = topology, model, options
+        self.layers: dict[str, tuple] = {}  # module -> (logical cutting, n, k, misaligned suffixes)
+        self.suffixes: dict[str, tuple[QuantSpec, set[str]]] = {}
+        self.errors: list[str] = []
+        self.engine = qshards.group_findings()
+
+    def _layer(self, module: str, info: TensorInfo, qspec: QuantSpec, rule: Rule, layer: str):
+        if module in self.layers:
+            return self.layers[module]
+        shape = expected_shape(rule, self.model)
+        if shape is None:
+            raise PlanError(f"{module}: quantized ({qspec.format}), but {rule.layer_class} has no quantized load rule")
+        n, k = shape
+        logical = msgspec.structs.replace(info, shape=(n, k))
+        cutting = cut_tensor(f"{module}.weight", logical, rule, "weight", self.topology, self.model, self.options)
+        cuts = [qshards.LogicalCut(*c) for c in cutting.cuts]
+        group = group_of(rule, self.options)
+        if cutting.dim is not None:
+            full = (n, k)[cutting.dim]
+            roles = qspec.roles()
+            bad = qshards.misalignments(qspec, roles, cutting.dim, full, cuts)
+            pad_hint = ""
+            if bad and qspec.format in qshards.PAD_BLOCK_FORMATS and rule.role == "mlp":
+                atom = alignment(qspec, n, k)[cutting.dim]
+                per = qshards.pad_blocks_per(qspec, full, cutting.group_size, atom)
+                if self.options.pad_blocks:
+                    cuts = [qshards.LogicalCut(*c) for c in even_cuts(full, cutting.group_size, per)]
+                    cutting = cutting._replace(cuts=[Cut(*c) for c in cuts])
+                    bad = qshards.misalignments(qspec, roles, cutting.dim, full, cuts)
+                else:
+                    pad_hint = f" Pass --pad-blocks to zero-pad each rank to {per} ({per // atom} blocks)."
+            by_role: dict[str, tuple] = {}
+            for role, c, step, atom in bad:
+                ranks = self.topology.ranks_of(group, c.group_rank, cutting.factor)
+                by_role.setdefault(role.suffix, (role, step, atom, []))[3].append((c, ranks))
+            for role, step, atom, cut_ranks in by_role.values():
+                self.errors.append(qshards.misalignment_message(
+                    module, qspec, role, cut_ranks, step, atom, cutting.dim, full, group, cutting.group_size, pad_hint,
+                ))  # fmt: skip
+            self._engine_check(module, qspec, rule, group, cutting, n, k)
+            if bad:
+                cuts = []  # refused in finish(); no spec is made from a misaligned cut
+        self.layers[module] = (cutting, cuts, n, k, group)
+        return self.layers[module]
+
+    def _engine_check(self, module, qspec, rule, group, cutting, n, k) -> None:
+        if qspec.format not in qshards.ENGINE_MULTIPLES or cutting.dim is None:
+            return
+        kernel, n_mult, k_mult = qshards.ENGINE_MULTIPLES[qspec.format]
+        per = cutting.cuts[0].length + cutting.cuts[0].pad
+        n_r, k_r = (per, k) if cutting.dim == 0 else (n, per)
+        g = self.topology.group_size(group)
+        for nk, size, mult in (("N", n_r, n_mult), ("K", k_r, k_mult)):
+            if size % mult:
+                self.engine[(qspec.format, kernel, nk, size, mult, rule.layer_class, group, g)].append(module)
+
+    def specs(self, name: str, info: TensorInfo, module: str, suffix: str, qspec: QuantSpec, rule: Rule, layer: str) -> list[dict]:
+        try:
+            role = qspec.role(suffix)
+        except KeyError:
+            have = [r.suffix for r in qspec.roles()]
+            raise PlanError(
+                f"{name}: config.json quantizes {module} as {qspec.format} ({qspec.bits}-bit), whose tensors are"
+                f" {', '.join(have)}; '{suffix}' is not one of them (is the module left unquantized? see docs/quantization.md)"
+            ) from None
+        cutting, cuts, n, k, group = self._layer(module, info, qspec, rule, layer)
+        self.suffixes.setdefault(module, (qspec, set()))[1].add(suffix)
+        if role.dtype is not None and info.dtype != role.dtype:
+            raise PlanError(f"{name}: dtype {info.dtype} on disk; {qspec.format} stores {suffix} as {role.dtype}")
+        want = qshards.expected_physical_shape(qspec, role, info.shape, n, k)
+        if want != info.shape:
+            raise PlanError(
+                f"{name}: shape {list(info.shape)} on disk, but a {qspec.format} {qspec.bits}-bit layer"
+                f" [N={n}, K={k}] (group {qspec.group_size}) stores {suffix} as {list(want)}"
+            )
+        base = dict(
+            name=name, source=name, layer=layer, layer_class=rule.layer_class, piece=rule.piece, dtype=info.dtype,
+            source_shape=info.shape, quant=qspec.format, logical_dim=cutting.dim, logical_size=(n, k)[cutting.dim or 0],
+        )  # fmt: skip
+        whole = dict(
+            base, kind="replicated", shape=info.shape, dim=None, start=0, length=info.shape[0] if info.shape else 1,
+            pad=0, group=group, factor=self.topology.group_size(group), group_rank=0, group_size=1,
+            ranks=self.topology.ranks_of(group, 0, self.topology.group_size(group)),
+        )  # fmt: skip
+        if cutting.dim is None:
+            return [whole]
+        if not cuts:
+            return []
+        out = []
+        for c in cuts:
+            per_rank = dict(
+                base, kind=cutting.kind, group=group, factor=cutting.factor, group_rank=c.group_rank,
+                group_size=cutting.group_size, ranks=self.topology.ranks_of(group, c.group_rank, cutting.factor),
+                logical_start=c.start, logical_length=c.length, logical_pad=c.pad,
+            )  # fmt: skip
+            if role.rewrite_shape:  # CT weight_shape: the rank's own [N_r, K] / [N, K_r]
+                value = [n, k]
+                value[cutting.dim] = c.length + c.pad
+                out.append(dict(per_rank, shape=info.shape, dim=None, start=0, length=info.shape[0], pad=0, value=tuple(value)))
+                continue
+            phys = qshards.physical_cut(qspec, role, cutting.dim, (n, k)[cutting.dim], c)
+            if phys is None:
+                return [dict(whole, logical_dim=None)]
+            dim, start, length, pad, ratio, atom, step = phys
+            shape = list(info.shape)
+            shape[dim] = length + pad
+            out.append(dict(
+                per_rank, shape=tuple(shape), dim=dim, start=start, length=length, pad=pad,
+                step=step, ratio=(ratio.numerator, ratio.denominator), atom=atom,
+            ))  # fmt: skip
+        return out
+
+    def finish(self) -> list[str]:
+        """Refuse misaligned cuts (all of them, with numbers); otherwise the engine-kernel warnings."""
+        missing = []
+        for module, (qspec, have) in self.suffixes.items():
+            need = {r.suffix for r in qspec.roles()} - have
+            if qspec.format in ("gptq", "gptq_v2") and not qspec.desc_act:
+                need.discard("g_idx")  # optional without act order; engines regenerate it
+            missing += [f"{module}.{s}" for s in sorted(need)]
+        if missing:
+            raise PlanError(f"quantized tensors missing from the checkpoint: {', '.join(missing[:6])}" + (f" and {len(missing) - 6} more" if len(missing) > 6 else ""))
+        if self.errors:
+            shown = "\n  ".join(self.errors[:8])
+            more = f"\n  ... and {len(self.errors) - 8} more" if len(self.errors) > 8 else ""
+            raise PlanError(
+                f"{len(self.errors)} quantized tensor cut(s) do not align at {self.topology.describe()}; nothing was written:\n  {shown}{more}"
+            )
+        return qshards.engine_warnings(self.engine)
 
 
 def file_header(tensors: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, list[int]]:
