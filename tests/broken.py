@@ -19,7 +19,7 @@ def rewrite_checksums(out: Path) -> None:
     m = read_manifest(out)
     import msgspec
 
-    from tpshard.check import _hash_range
+    from tpshard.check import hash_range
 
     specs = {f.name: [s for s in m.plan.shards if s.file == f.name] for f in m.plan.files}
     files = []
@@ -28,9 +28,9 @@ def rewrite_checksums(out: Path) -> None:
         path = out / rank_dir(min(set(f.ranks) & set(m.written_ranks))) / f.name
         header, offsets = file_header([(s.name, s.dtype, s.shape) for s in specs[f.name]])
         fd = os.open(path, os.O_RDONLY)
-        digests = [_hash_range(fd, o, (e - o)) for o, e in zip(offsets, offsets[1:] + [f.size])]
+        digests = [hash_range(fd, o, e - o, m.plan.options.checksum) for o, e in zip(offsets, offsets[1:] + [f.size])]
         os.close(fd)
-        files.append(msgspec.structs.replace(w, sha256=file_digest(header, digests), tensor_sha256=tuple(d.hex() for d in digests)))
+        files.append(msgspec.structs.replace(w, checksum=file_digest(header, digests), tensor_checksums=tuple(d.hex() for d in digests)))
     (out / MANIFEST_NAME).write_bytes(encode_manifest(msgspec.structs.replace(m, files=tuple(files))))
 
 

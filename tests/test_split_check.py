@@ -176,7 +176,7 @@ def test_flipped_byte_is_caught_by_checksums(good, copy_of):
     data[-5] ^= 0x01
     path.write_bytes(data)
     found = problems(out, None)
-    assert any("model-tp-003-of-008" in p and "does not match its sha256" in p for p in found), found
+    assert any("model-tp-003-of-008" in p and "does not match its crc32" in p for p in found), found
 
 
 def test_flipped_padding_byte_is_caught_by_reassembly(good, llama, copy_of):
@@ -204,7 +204,7 @@ def test_shard_from_another_rank_is_caught(good, llama, copy_of):
     dst.unlink()
     shutil.copyfile(out / rank_dir(0) / "model-tp-000-of-008.safetensors", dst)
     found = problems(out, llama)
-    assert any("model-tp-001-of-008" in p and "sha256" in p for p in found), found
+    assert any("model-tp-001-of-008" in p and "crc32" in p for p in found), found
 
 
 def test_replica_copy_that_differs_is_caught(good, copy_of):
@@ -291,3 +291,21 @@ def test_load_rank_reads_what_open_rank_reads(llama, tmp_path):
         assert set(lazy) == set(eager)
         for name, t in eager.items():
             assert t.dtype == lazy[name].dtype and torch.equal(t, lazy[name]), (rank, name)
+
+
+def test_sha256_tensor_digests_on_request(llama, tmp_path):
+    import msgspec
+
+    from tpshard.manifest import Options
+
+    out = tmp_path / "out"
+    tpshard.split(llama, out, Topology(tp=2), Options(checksum="sha256"))
+    assert tpshard.check(out, llama).ok
+    assert {len(c) for f in read_manifest(out).files for c in f.tensor_checksums} == {64}
+    path = out / rank_dir(0) / "model-tp-000-of-002.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x80
+    path.write_bytes(data)
+    assert any("does not match its sha256" in p for p in problems(out, None))
+    with pytest.raises(Exception, match="choose crc32 or sha256"):
+        msgspec.structs.replace(Options(), checksum="md5")

@@ -21,7 +21,7 @@ import msgspec
 import numpy as np
 
 from tpshard.checkpoint import Checkpoint, open_checkpoint
-from tpshard.digest import file_digest, sha256_file
+from tpshard.digest import file_digest, new_hash, sha256_file
 from tpshard.errors import TpshardError
 from tpshard.manifest import Manifest, Plan, ShardSpec, rank_dir, read_manifest
 from tpshard.pieces import VALUE_DTYPES, cut_pieces, read_into, value_bytes
@@ -180,6 +180,7 @@ def _check_logical(plan: Plan, report: CheckReport) -> None:
 
 def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: int) -> None:
     plan = manifest.plan
+    algorithm = plan.options.checksum
     written = {f.name: f for f in manifest.files}
     layouts = {f.name: f for f in plan.files}
     specs_by_file: dict[str, list[ShardSpec]] = defaultdict(list)
@@ -226,12 +227,12 @@ def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: in
             if fh.read(len(header)) != header:
                 return [("files", f"{where}: safetensors header differs from the planned one")]
             digests = []
-            for s, offset, want in zip(specs, offsets, rec.tensor_sha256):
-                d = _hash_range(fh.fileno(), offset, nbytes_of(s.dtype, s.shape))
+            for s, offset, want in zip(specs, offsets, rec.tensor_checksums):
+                d = hash_range(fh.fileno(), offset, nbytes_of(s.dtype, s.shape), algorithm)
                 digests.append(d)
                 if d.hex() != want:
-                    found.append(("checksum", f"{where}: tensor {s.name} does not match its sha256 in the manifest"))
-        if file_digest(header, digests) != rec.sha256:
+                    found.append(("checksum", f"{where}: tensor {s.name} does not match its {algorithm} in the manifest"))
+        if file_digest(header, digests) != rec.checksum:
             found.append(("checksum", f"{where}: file checksum differs from the manifest"))
         return found
 
@@ -247,8 +248,8 @@ def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: in
             report.add("checksum", f"{extra.name}: sha256 differs from the manifest")
 
 
-def _hash_range(fd: int, offset: int, n: int) -> bytes:
-    h = hashlib.sha256()
+def hash_range(fd: int, offset: int, n: int, algorithm: str = "sha256") -> bytes:
+    h = new_hash(algorithm)
     buf = np.empty(min(n, 16 << 20), np.uint8)
     while n > 0:
         k = min(n, len(buf))
@@ -350,7 +351,7 @@ def _diagnose(src_fd: int, info, specs: list[ShardSpec], i: int, fd: int, offset
     """Say what rank `specs[i]` holds instead: another group rank's slice, or where it first differs."""
     spec = specs[i]
     size = nbytes_of(spec.dtype, spec.shape)
-    actual = _hash_range(fd, offsets[id(spec)], size)
+    actual = hash_range(fd, offsets[id(spec)], size)
     hashes = [hashlib.sha256() for _ in specs]
     for j, _, data in cut_pieces(src_fd, info, specs):
         hashes[j].update(data)

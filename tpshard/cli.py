@@ -116,6 +116,7 @@ def split(
     out: Annotated[Path, typer.Option("-o", "--out", help="Output folder (must not exist unless --force).")],
     tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, pad: Pad = True, dp_lm_head: DpLmHead = False,
     pad_blocks: PadBlocks = False, workers: Workers = None,
+    checksum: Annotated[str, typer.Option("--checksum", help="Tensor digests in the manifest: crc32 (fast) or sha256.")] = "crc32",
     ranks: Annotated[Optional[str], typer.Option("--ranks", help="Write only these ranks, e.g. 0-3 or 0,2,4.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
     json: Json = False,
@@ -136,7 +137,8 @@ def split(
     ) as progress:  # fmt: skip
         task = progress.add_task("splitting", total=total)
         manifest = do_split(
-            model, out, topology, _options(pad, dp_lm_head, pad_blocks), workers=workers, force=force,
+            model, out, topology, msgspec.structs.replace(_options(pad, dp_lm_head, pad_blocks), checksum=checksum),
+            workers=workers, force=force,
             ranks=parse_ranks(ranks), on_tensor=lambda n: progress.advance(task, n),
         )  # fmt: skip
     seconds = time.perf_counter() - start

@@ -1,10 +1,11 @@
 """Checksums.
 
-An output weight file's checksum is sha256 over its header bytes followed by the sha256 digests of
-its tensors in data order: it can be computed while tensors are written in any order, and the
-per-tensor digests pinpoint the tensor that differs. A source weight file's checksum has the same
-shape with crc32 per tensor: it identifies the checkpoint that was split, and crc32 (several GB/s)
-keeps that from costing the split a second full hash of the model. Other files use plain sha256.
+A weight file's checksum is sha256 over its header bytes followed by the digests of its tensors in
+data order: the writer computes tensor digests while tensors arrive in any order from its threads,
+and the per-tensor digests pinpoint the tensor that differs. Tensor digests are crc32 by default
+(7 GB/s here, against 2 GB/s for sha256, which would be the largest cost of a split) or sha256
+(`split --checksum sha256`) where a cryptographic digest is wanted. Source weight files get the
+same shape with crc32: it identifies the checkpoint that was split. Other files use plain sha256.
 """
 
 from __future__ import annotations
@@ -12,6 +13,14 @@ from __future__ import annotations
 import hashlib
 import zlib
 from pathlib import Path
+
+
+ALGORITHMS = ("crc32", "sha256")
+
+
+def new_hash(algorithm: str):
+    """A hashlib-style object for a tensor digest."""
+    return Crc32() if algorithm == "crc32" else hashlib.new(algorithm)
 
 
 class Crc32:

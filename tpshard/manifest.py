@@ -50,7 +50,14 @@ class Options(msgspec.Struct, frozen=True, kw_only=True):
     dp_lm_head: bool = False  # lm_head over attn_tp instead of tp (SGLang --enable-dp-lm-head)
     vocab_multiple: int = 64  # vocab padded to this multiple before the split (vLLM/SGLang)
     max_file_bytes: int = 5 << 30  # a rank's tensors for one group go to parts of at most this size
+    checksum: Literal["crc32", "sha256"] = "crc32"  # tensor digests in the manifest (tpshard.digest)
     pad_blocks: bool = False  # FP8 block formats: pad each rank's MLP shard up to whole 128-blocks instead of refusing
+
+    def __post_init__(self) -> None:
+        from tpshard.errors import PlanError
+
+        if self.checksum not in ("crc32", "sha256"):
+            raise PlanError(f"--checksum {self.checksum}: choose crc32 or sha256")
 
 
 class ShardSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -126,8 +133,8 @@ class SourceFile(msgspec.Struct, frozen=True, kw_only=True):
 class WrittenFile(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     size: int
-    sha256: str  # tpshard.digest.file_digest: header, then the tensor digests
-    tensor_sha256: tuple[str, ...]  # per tensor, in FileLayout.tensors order
+    checksum: str  # tpshard.digest.file_digest: sha256 of the header, then the tensor digests
+    tensor_checksums: tuple[str, ...]  # per tensor (Options.checksum), in FileLayout.tensors order
 
 
 class Manifest(msgspec.Struct, frozen=True, kw_only=True):

@@ -16,7 +16,6 @@ the folder renamed into place: an output folder with a manifest is complete.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from collections.abc import Callable, Iterable
@@ -25,7 +24,7 @@ from pathlib import Path
 
 from tpshard import __version__
 from tpshard.checkpoint import Checkpoint, open_checkpoint
-from tpshard.digest import Crc32, file_digest, sha256_file
+from tpshard.digest import Crc32, file_digest, new_hash, sha256_file
 from tpshard.errors import OutputError, TopologyError
 from tpshard.manifest import (
     MANIFEST_NAME,
@@ -95,9 +94,9 @@ def split(
 class _Target:
     """Where one spec's bytes go: an open output file and the data offset inside it."""
 
-    def __init__(self, spec: ShardSpec, fd: int, offset: int):
+    def __init__(self, spec: ShardSpec, fd: int, offset: int, checksum: str):
         self.spec, self.fd, self.offset = spec, fd, offset
-        self.hash = hashlib.sha256()
+        self.hash = new_hash(checksum)
 
     def write(self, data, at: int) -> None:
         view = memoryview(data).cast("B")
@@ -137,7 +136,7 @@ def _write(
             os.pwrite(fd, header, 0)
             os.ftruncate(fd, f.size)
             for spec, offset in zip(specs, offsets):
-                targets_by_source.setdefault(spec.source, []).append(_Target(spec, fd, offset))
+                targets_by_source.setdefault(spec.source, []).append(_Target(spec, fd, offset, plan.options.checksum))
 
         src_fds = {name: os.open(ckpt.path / name, os.O_RDONLY) for name in ckpt.weight_files}
         try:
@@ -171,8 +170,8 @@ def _write(
             WrittenFile(
                 name=f.name,
                 size=f.size,
-                sha256=file_digest(headers[f.name], digests),
-                tensor_sha256=tuple(d.hex() for d in digests),
+                checksum=file_digest(headers[f.name], digests),
+                tensor_checksums=tuple(d.hex() for d in digests),
             )
         )
         canonical = staging / rank_dir(min(chosen & set(f.ranks))) / f.name
