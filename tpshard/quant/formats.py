@@ -30,9 +30,11 @@ from fractions import Fraction
 from typing import Literal, Mapping
 
 import msgspec
-import torch
 
-from tpshard.quant import packing
+# torch is imported inside the functions that compute: planning reads only the layout table, and
+# the CLI should not pay torch's import for it.
+SUPPORTED_BITS = (2, 3, 4, 8)
+MARLIN_TILE = 16  # Marlin B rows are 16-row K strips; tiles are 16x16
 
 FormatName = Literal[
     "gptq",  # AutoGPTQ / GPTQModel checkpoint_format "gptq" (v1: qzeros store z - 1)
@@ -165,8 +167,8 @@ class QuantSpec(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.format not in LAYOUTS:
             raise ValueError(f"unknown quantized format {self.format!r}; known: {sorted(LAYOUTS)}")
-        if LAYOUTS[self.format].int_bits and self.bits not in packing.SUPPORTED_BITS:
-            raise ValueError(f"{self.format}: bits must be one of {packing.SUPPORTED_BITS}, got {self.bits}")
+        if LAYOUTS[self.format].int_bits and self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"{self.format}: bits must be one of {SUPPORTED_BITS}, got {self.bits}")
         if self.format in ("awq", "marlin", "ct_nvfp4") and self.bits != 4:
             raise ValueError(f"{self.format} is 4-bit only, got bits={self.bits}")
         if self.format == "ct_nvfp4" and self.group_size != 16:
@@ -211,7 +213,7 @@ def step_ratio(spec: QuantSpec, role: TensorRole, step: Step, full: int) -> tupl
         b = spec.block[0 if step == "block_n" else 1]
         return Fraction(1, b), b
     if step == "tile":
-        return Fraction(1, packing.MARLIN_TILE), packing.MARLIN_TILE
+        return Fraction(1, MARLIN_TILE), MARLIN_TILE
     if step == "marlin_n":
         return Fraction(2), 64
     if step == "perm64":
@@ -282,6 +284,8 @@ def slice_tensors(
     full: int,
 ) -> dict[str, torch.Tensor]:
     """One rank's tensors for a logical split, by `physical_range` (weight_shape rewritten)."""
+    import torch
+
     out = {}
     for suffix, t in tensors.items():
         role = spec.role(suffix)
@@ -311,6 +315,8 @@ def alignment(spec: QuantSpec, n: int, k: int) -> tuple[int, int]:
 
 def _group_index(spec: QuantSpec, k: int, g_idx: torch.Tensor | None) -> torch.Tensor:
     """Group of each of the `k` input features: g_idx (act order, global ids) or k // G (local)."""
+    import torch
+
     if spec.desc_act:
         if g_idx is None:
             raise ValueError(f"{spec.format} with act order needs g_idx")
@@ -322,12 +328,16 @@ def _group_index(spec: QuantSpec, k: int, g_idx: torch.Tensor | None) -> torch.T
 
 def _int_weight(codes, zeros, scales, groups) -> torch.Tensor:
     """codes [N, K], zeros/scales [N, n_groups], groups [K] -> float32 [N, K]."""
+    import torch
+
     z = zeros.to(torch.float32)[:, groups]
     return (codes.to(torch.float32) - z) * scales.to(torch.float32)[:, groups]
 
 
 def _block_scale(scale: torch.Tensor, n: int, k: int, block: tuple[int, int]) -> torch.Tensor:
     """[ceil(N/bn), ceil(K/bk)] -> [N, K] (one scale per element)."""
+    import torch
+
     s = scale.to(torch.float32)
     return s.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
 
@@ -338,6 +348,10 @@ def dequantize(spec: QuantSpec, tensors: Mapping[str, torch.Tensor], *, k: int |
     Works on a whole layer or on one rank's slice of it (as `slice_tensors` cuts it). `k` is needed
     only where the tensors cannot tell it: GPTQ without g_idx and K not a multiple of 32.
     """
+    import torch
+
+    from tpshard.quant import packing
+
     t = dict(tensors)
     missing = sorted({r.suffix for r in spec.roles()} - set(t) - {"g_idx"})
     if missing:
@@ -403,6 +417,10 @@ def pack_layer(
 
     Scales keep their dtype. Returns {suffix: tensor} with exactly `spec.roles()` (plus GPTQ g_idx).
     """
+    import torch
+
+    from tpshard.quant import packing
+
     f, b = spec.format, spec.bits
     n, k = codes.shape
     if LAYOUTS[f].int_bits:
@@ -464,19 +482,26 @@ def pack_layer(
 
 def _random_fp8(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     """Random finite float8_e4m3fn values (every bit pattern except the two NaNs)."""
+    import torch
+
     raw = torch.randint(0, 256, shape, generator=gen, dtype=torch.int64)
     raw = torch.where((raw & 0x7F) == 0x7F, raw & 0x80, raw)  # NaN -> +-0
     return raw.to(torch.uint8).view(torch.float8_e4m3fn)
 
 
 def random_layer(
-    spec: QuantSpec, n: int, k: int, *, seed: int = 0, scale_dtype: torch.dtype = torch.float16
+    spec: QuantSpec, n: int, k: int, *, seed: int = 0, scale_dtype: torch.dtype | None = None
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Random codes/scales/zeros for an [N, K] layer: (on-disk tensors, expected float32 weight).
 
     The expected weight is computed from the logical codes directly (no unpacking), so comparing it
     with `dequantize(spec, tensors)` tests the packers and the dequantizer together.
     """
+    import torch
+
+    from tpshard.quant import packing
+
+    scale_dtype = scale_dtype or torch.float16
     gen = torch.Generator().manual_seed(seed)
     f, b = spec.format, spec.bits
     if LAYOUTS[f].int_bits:

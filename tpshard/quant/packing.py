@@ -25,10 +25,10 @@ import functools
 
 import torch
 
-SUPPORTED_BITS = (2, 3, 4, 8)
+from tpshard.quant.formats import MARLIN_TILE, SUPPORTED_BITS
+
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column 8c + AWQ_ORDER[i]
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # inverse permutation of AWQ_ORDER
-MARLIN_TILE = 16  # B rows are 16-row K strips; tiles are 16x16
 MARLIN_PERM_LEN = 1024  # the weight permutation acts on 1024-element chunks = 64 output columns
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of e2m1 code idx; bit 3 = sign
 
