@@ -27,7 +27,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Presharded tensor-parallel checkpoints: plan, split, check, verify.",
 )
-err = Console(stderr=True, highlight=False)
+# Piped into a CI log, rich would wrap tables at 80 columns and cut tensor names.
+err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
 
 Model = Annotated[Path, typer.Argument(help="Hugging Face checkpoint folder (config.json + safetensors).")]
 Tp = Annotated[int, typer.Option("--tp", help="Tensor-parallel size (world size).")]
