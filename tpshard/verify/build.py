@@ -6,6 +6,15 @@ group it is sharded over (group), the global sizes (source_shape) and what each 
 `load_shard` asserts their shapes. Each load is first compared with what the layer expects
 (`shard_info`: group, replica factor, group rank, group size, shape), the seed's check 1.
 
+Quantized layers (specs carrying `quant`) are built with `ReferenceQuantMethod(quant_spec_of(plan,
+module))`: each on-disk tensor goes in as the rank's file holds it (`load_quant`), and
+`process_weights_after_loading` dequantizes every piece with torch into a float32 weight, placed
+by `load_shard` (which asserts its per-rank logical shape). Sizes come from the manifest's logical
+cut: per rank `logical_length + logical_pad` along the cut dim (what --pad-blocks may make larger
+than ceil(n / size)), `logical_size` in total; the other dim of a quantized linear is the hidden
+size (q/k/v/gate/up read the residual stream, o/down write it), checked against every tensor's
+on-disk shape. Their alignment check compares the same group numbers with the logical shape.
+
 How a spec's kind is applied is data too (`APPLIED`): a row-parallel bias recorded as `row_bias`
 is added once per reduction group (group rank 0); the same bias recorded as `replicated` is, like
 any replicated parameter, applied by every rank, so the all-reduce sums it group-size times. That
@@ -22,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tpshard.manifest import Plan, ShardSpec
+from tpshard.quant.shards import expected_physical_shape
 from tpshard.runtime import (
     ColumnParallelLinear,
     LogicalGroup,
@@ -31,6 +41,7 @@ from tpshard.runtime import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from tpshard.runtime.quant_methods import ReferenceQuantMethod, quant_spec_of
 from tpshard.topology import Topology
 
 # How a parameter of a sharded layer is applied, by the kind its spec records.
@@ -49,17 +60,26 @@ class LayerSpecs:
     layer: str
     layer_class: str
     specs: list[ShardSpec]
+    hidden: int = 0  # the model's hidden size: the uncut dim of a quantized linear
+
+    @property
+    def quant(self) -> str:
+        """The quantized format of the layer's weights ("" for a dense layer)."""
+        return next((s.quant for s in self.specs if s.quant), "")
 
     @property
     def group(self) -> str:
         # The weights decide the group; a bias recorded over another group is an alignment problem.
-        weights = [s for s in self.specs if s.name.endswith(".weight")] or self.specs
-        return weights[0].group
+        w = self.main(self.pieces()[0]) if self.pieces() else None
+        return (w or self.specs[0]).group
+
+    def _is_weight(self, s: ShardSpec) -> bool:
+        return bool(s.quant) or s.name.endswith(".weight")
 
     def pieces(self) -> list[str]:
         seen: dict[str, None] = {}
         for s in self.specs:
-            if s.name.endswith(".weight"):
+            if self._is_weight(s):
                 seen.setdefault(s.piece)
         order = {"q": 0, "k": 1, "v": 2, "gate": 0, "up": 1}
         return sorted(seen, key=lambda p: (order.get(p, 9), p))
@@ -69,6 +89,36 @@ class LayerSpecs:
             if s.piece == piece and s.name.rsplit(".", 1)[1] == param:
                 return s
         return None
+
+    def main(self, piece: str = "") -> ShardSpec | None:
+        """The spec that carries a piece's cut: its dense weight, or a quantized tensor cut along N or K."""
+        if not self.quant:
+            return self.first(piece)
+        quant = [s for s in self.specs if s.quant and s.piece == piece]
+        return next((s for s in quant if s.logical_dim is not None), quant[0] if quant else None)
+
+    def module(self, piece: str = "") -> str:
+        """The HF module of a piece (model.layers.0.self_attn.q_proj): its QuantSpec's key in the plan."""
+        return self.main(piece).source.rpartition(".")[0]
+
+    def logical_shape(self, piece: str = "") -> tuple[int, int]:
+        """[N, K] of one piece: the source weight's shape; for a quantized piece the logical size
+        along its cut dim and the hidden size on the other."""
+        w = self.main(piece)
+        if w is None:
+            raise ValueError(f"{self.layer}: the manifest has no weight for piece {piece!r}")
+        if not w.quant:
+            return w.source_shape[0], w.source_shape[-1]
+        if w.logical_dim is None:
+            raise ValueError(f"{w.name}: a quantized tensor with no logical cut; verify cannot size {self.layer}")
+        nk = [self.hidden, self.hidden]
+        nk[w.logical_dim] = w.logical_size
+        return nk[0], nk[1]
+
+    def per_rank(self, piece: str = "") -> int:
+        """A quantized piece's logical size per rank along its cut dim, padding included."""
+        w = self.main(piece)
+        return w.logical_length + w.logical_pad
 
     def has_bias(self, kind: str | None = None) -> bool:
         return any(s.name.endswith(".bias") and (kind is None or s.kind == kind) for s in self.specs)
@@ -80,11 +130,12 @@ def sharded_layers(plan: Plan) -> list[LayerSpecs]:
     for s in plan.shards:
         if s.layer_class != "Replicated":
             by_layer[s.layer].append(s)
-    layers = [LayerSpecs(name, specs[0].layer_class, specs) for name, specs in by_layer.items()]
+    hidden = plan.model.hidden_size
+    layers = [LayerSpecs(name, specs[0].layer_class, specs, hidden) for name, specs in by_layer.items()]
     if plan.model.tie_word_embeddings and TIED_LM_HEAD not in by_layer:
         embed = next((lay for lay in layers if lay.layer_class == "VocabParallelEmbedding"), None)
         if embed is not None:  # the engines' tie: lm_head reuses the embedding's shards and group
-            layers.append(LayerSpecs(TIED_LM_HEAD, "ParallelLMHead", embed.specs))
+            layers.append(LayerSpecs(TIED_LM_HEAD, "ParallelLMHead", embed.specs, hidden))
     return sorted(layers, key=_forward_order)
 
 
@@ -116,29 +167,34 @@ def build_layer(
     topo: Topology = plan.topology
     model = plan.model
     group = LogicalGroup.of(topo, lay.group, rank)  # type: ignore[arg-type]
-    kw = dict(group=group, dtype=dtype, name=lay.layer)
+    method = _quant_method(lay, plan) if lay.quant else None
+    kw = dict(group=group, dtype=dtype, name=lay.layer, quant_method=method)
     cls = lay.layer_class
-    w = lay.first(lay.pieces()[0] if lay.pieces() else "")
-    if w is None:
+    if lay.main(lay.pieces()[0] if lay.pieces() else "") is None:
         raise ValueError(f"{lay.layer}: the manifest has no weight for it")
-    out_size, in_size = w.source_shape[0], w.source_shape[-1]
+    pieces = lay.pieces()
+    out_size, in_size = lay.logical_shape(pieces[0])
+    if method is not None and cls not in _QUANT_CLASSES:
+        raise ValueError(f"{lay.layer}: quantized ({lay.quant}), but verify has no quantized {cls}")
     if cls == "QKVParallelLinear":
-        q, k = lay.first("q"), lay.first("k")
+        (nq, _), (nk, _), (nv, _) = (lay.logical_shape(p) for p in ("q", "k", "v"))
         hd = model.head_dim
         module = QKVParallelLinear(
-            in_size, hd, q.source_shape[0] // hd, k.source_shape[0] // hd, bias=lay.has_bias(),
-            v_head_size=lay.first("v").source_shape[0] // (k.source_shape[0] // hd), **kw,
+            in_size, hd, nq // hd, nk // hd, bias=lay.has_bias(), v_head_size=nv // (nk // hd), **kw,
         )  # fmt: skip
     elif cls == "MergedColumnParallelLinear":
-        pieces = lay.pieces()
-        sizes = [lay.first(p).source_shape[0] for p in pieces]
+        sizes = [lay.logical_shape(p)[0] for p in pieces]
+        if method is not None:  # the manifest's per-rank size (--pad-blocks may exceed ceil(n / size))
+            sizes = [lay.per_rank(p) * group.size for p in pieces]
         module = MergedColumnParallelLinear(in_size, sizes, piece_names=pieces, bias=lay.has_bias(), pad=True, **kw)
     elif cls == "ColumnParallelLinear":
-        module = ColumnParallelLinear(in_size, out_size, bias=lay.has_bias(), pad=True, **kw)
+        n = out_size if method is None else lay.per_rank() * group.size
+        module = ColumnParallelLinear(in_size, n, bias=lay.has_bias(), pad=True, **kw)
     elif cls == "RowParallelLinear":
+        k = in_size if method is None else lay.per_rank() * group.size
         # The full input goes in; the layer narrows it to this rank's columns (input_is_parallel=False).
         module = RowParallelLinear(
-            in_size, out_size, bias=lay.has_bias("row_bias"), input_is_parallel=False, pad=True, **kw
+            k, out_size, bias=lay.has_bias("row_bias"), input_is_parallel=False, pad=True, **kw
         )  # fmt: skip
     elif cls in ("VocabParallelEmbedding", "ParallelLMHead"):
         layer_cls = VocabParallelEmbedding if cls == "VocabParallelEmbedding" else ParallelLMHead
@@ -156,6 +212,9 @@ def build_layer(
             where = f"{s.name} (tied lm_head)"
         else:
             where = s.name
+        if s.quant:
+            _load_quant(built, s, rank, tensors[s.name])
+            continue
         tensor = tensors[s.name].to(device=device, dtype=dtype)
         if s.kind == "replicated":
             # Applied by every rank, whatever the layer: see APPLIED and the module docstring.
@@ -172,22 +231,82 @@ def build_layer(
         except KeyError as e:
             built.problems.append(f"{where}: {e.args[0]}")
             continue
-        got = (s.group, s.factor, s.group_rank, s.group_size, tuple(s.shape))
-        want = (info.group, info.factor, info.group_rank, info.group_size, tuple(info.shape))
-        if got != want:
-            built.problems.append(
-                f"{where} on rank {rank}: manifest says group {got[0]} x{got[1]} rank {got[2]}/{got[3]} shape"
-                f" {list(got[4])}; the {cls} expects group {want[0]} x{want[1]} rank {want[2]}/{want[3]} shape {list(want[4])}"
-            )
+        _compare_info(built, where, rank, s, tuple(s.shape), info)
         try:
             module.load_shard(shard_id, tensor, param=param)
         except (ValueError, KeyError) as e:
             built.problems.append(f"{where} on rank {rank}: {e}")
+    if method is not None:
+        # Dequantize every piece into the float32 weight; a tensor missing or of the wrong shape is this layer's failure.
+        try:
+            module.process_weights_after_loading()
+        except (ValueError, KeyError, RuntimeError, IndexError) as e:
+            built.problems.append(f"{lay.layer} on rank {rank}: cannot dequantize its {lay.quant} shards: {e}")
     missing = module.missing_shards()
     if missing:
         built.problems.append(f"{lay.layer} on rank {rank}: never loaded {missing}")
-    module.process_weights_after_loading()
+    if method is None:
+        module.process_weights_after_loading()
     return built
+
+
+# Layer classes a quantized linear can be (the plan's quantized load rules).
+_QUANT_CLASSES = ("QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear")
+
+
+def _quant_method(lay: LayerSpecs, plan: Plan) -> ReferenceQuantMethod:
+    """The reference quant method of a quantized layer: one QuantSpec, shared by all its pieces."""
+    specs = {p: quant_spec_of(plan, lay.module(p)) for p in lay.pieces()}
+    if None in specs.values() or len(set(specs.values())) != 1:
+        raise ValueError(
+            f"{lay.layer}: its pieces need one quantized format, the plan records "
+            + ", ".join(f"{lay.module(p)}: {q}" for p, q in specs.items())
+        )
+    return ReferenceQuantMethod(next(iter(specs.values())))
+
+
+def _load_quant(built: Built, s: ShardSpec, rank: int, tensor: torch.Tensor) -> None:
+    """Keep one on-disk tensor of a quantized piece as the file holds it (dequantized after loading).
+
+    First the tensor's on-disk source shape is checked against the layer's logical [N, K], and, for
+    a tensor cut along N or K, the spec's group numbers and per-rank logical shape against the
+    layer's `shard_info` of the dequantized weight (the alignment check).
+    """
+    lay, module = built.spec, built.module
+    method: ReferenceQuantMethod = module.quant_method  # type: ignore[assignment]
+    shard_id = s.piece or None
+    suffix = s.name.rpartition(".")[2]
+    n, k = lay.logical_shape(s.piece)
+    try:
+        want = expected_physical_shape(method.spec, method.spec.role(suffix), s.source_shape, n, k)
+    except KeyError as e:
+        built.problems.append(f"{s.name}: {e.args[0]}")
+        return
+    if want != tuple(s.source_shape):
+        built.problems.append(
+            f"{s.name}: source shape {list(s.source_shape)} is not a {method.spec.format} [N={n}, K={k}] layer's {list(want)}"
+        )
+    if s.logical_dim is not None:
+        try:
+            info = module.shard_info(shard_id, "weight")
+        except KeyError as e:
+            built.problems.append(f"{s.name}: {e.args[0]}")
+            return
+        logical = [n, k]
+        logical[s.logical_dim] = s.logical_length + s.logical_pad
+        _compare_info(built, f"{s.name} ({s.quant}, logical)", rank, s, tuple(logical), info)
+    method.load_quant(module, shard_id, suffix, tensor)  # on the CPU, bit patterns untouched
+
+
+def _compare_info(built: Built, where: str, rank: int, s: ShardSpec, shape: tuple, info) -> None:
+    """The seed's check 1: the spec's group, replica factor, group rank and shape vs the layer's shard_info."""
+    got = (s.group, s.factor, s.group_rank, s.group_size, shape)
+    want = (info.group, info.factor, info.group_rank, info.group_size, tuple(info.shape))
+    if got != want:
+        built.problems.append(
+            f"{where} on rank {rank}: manifest says group {got[0]} x{got[1]} rank {got[2]}/{got[3]} shape"
+            f" {list(got[4])}; the {built.spec.layer_class} expects group {want[0]} x{want[1]} rank {want[2]}/{want[3]} shape {list(want[4])}"
+        )
 
 
 def run_row(built: Built, x: torch.Tensor) -> torch.Tensor:

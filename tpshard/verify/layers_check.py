@@ -12,6 +12,11 @@ from the *source* tensors, then compares:
 - reduced outputs (row-parallel, embedding, lm_head): every rank's output, which already went
   through the layer's all-reduce or all-gather.
 
+A quantized layer's reference weight is the dequantized *source* tensor: `dequantize(spec, source
+tensors of the module)` (float32, the format's own arithmetic, as the ranks dequantize their shards)
+promoted to float64; the GEMM and the bias are float64 as for dense layers, so a correct split
+differs from it only by the ranks' float32 GEMM.
+
 A failure names the layer, the piece, the group rank and world ranks, and what the numbers look
 like (another group rank's slice, a bias counted N times, the vocab rows of one group rank).
 """
@@ -26,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from tpshard.manifest import Plan
+from tpshard.quant.formats import dequantize
+from tpshard.runtime.quant_methods import quant_spec_of
 from tpshard.verify.build import Built, LayerSpecs, run_row
 from tpshard.verify.report import LayerResult
 
@@ -40,7 +47,7 @@ def generator(seed: int, what: str, batch: int) -> torch.Generator:
 
 def layer_input(lay: LayerSpecs, batch: int, *, seed: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
     """Token ids [n] for an embedding, else activations [tokens, in] rounded to the compute dtype."""
-    w = lay.first(lay.pieces()[0])
+    w = lay.main(lay.pieces()[0])
     g = generator(seed, lay.layer, batch)
     if lay.layer_class == "VocabParallelEmbedding":
         vocab = w.source_shape[0]
@@ -50,7 +57,7 @@ def layer_input(lay: LayerSpecs, batch: int, *, seed: int, tokens: int, dtype: t
         ids = ((torch.arange(n, dtype=torch.float64) + u) * vocab / n).long().clamp(0, vocab - 1)
         ids[0], ids[-1] = 0, vocab - 1
         return ids
-    return torch.randn(tokens, w.source_shape[-1], generator=g).to(dtype)
+    return torch.randn(tokens, lay.logical_shape(lay.pieces()[0])[1], generator=g).to(dtype)
 
 
 def batch_of(plan: Plan, group: str, rank: int) -> int:
@@ -90,17 +97,30 @@ class SourceTensors:
         return name in self.ckpt.tensors
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        return self.raw(name).double()
+
+    def raw(self, name: str) -> torch.Tensor:
+        """A tensor as the file holds it (packed codes, scales in their dtype)."""
         from safetensors import safe_open
 
         file = self.ckpt.tensors[name].file
         if file not in self._handles:
             self._handles[file] = safe_open(self.ckpt.path / file, framework="pt")
-        return self._handles[file].get_tensor(name).double()
+        return self._handles[file].get_tensor(name)
 
 
-def reference(lay: LayerSpecs, src: SourceTensors, piece: str, x: torch.Tensor) -> torch.Tensor:
-    """The unsharded output of one piece, float64, from the source tensors."""
-    w = src[lay.first(piece).source]
+def source_weight(lay: LayerSpecs, plan: Plan, src: SourceTensors, piece: str) -> torch.Tensor:
+    """The unsharded weight [N, K] of one piece in float64: the source tensor, or its dequantization."""
+    if not lay.quant:
+        return src[lay.main(piece).source]
+    spec = quant_spec_of(plan, lay.module(piece))
+    names = {s.source for s in lay.specs if s.quant and s.piece == piece}
+    tensors = {name.rpartition(".")[2]: src.raw(name) for name in names}
+    return dequantize(spec, tensors, k=lay.logical_shape(piece)[1]).double()  # float32 math, as on the ranks
+
+
+def reference(lay: LayerSpecs, w: torch.Tensor, src: SourceTensors, piece: str, x: torch.Tensor) -> torch.Tensor:
+    """The unsharded output of one piece, float64, from its source weight `w` and the source bias."""
     if lay.layer_class == "VocabParallelEmbedding":
         return F.embedding(x, w)
     b = lay.first(piece, "bias")
@@ -116,21 +136,22 @@ def compare_layer(
     nbatch = topo.world_size // topo.span(lay.group)  # type: ignore[arg-type]
     result = LayerResult(
         layer=lay.layer, layer_class=lay.layer_class, group=lay.group, pieces=lay.pieces(), batches=nbatch,
-        tolerance=tolerance,
+        tolerance=tolerance, quant=lay.quant,
     )  # fmt: skip
     problems: dict[str, None] = {}
     for rank, msg in enumerate(sent):
         for p in msg["problems"]:
             problems.setdefault(p)
     inputs = [layer_input(lay, b, seed=seed, tokens=tokens, dtype=dtype) for b in range(nbatch)]
-    refs = {p: [reference(lay, src, p, x) for x in inputs] for p in lay.pieces()}
+    weights = {p: source_weight(lay, plan, src, p) for p in lay.pieces()}
+    refs = {p: [reference(lay, weights[p], src, p, x) for x in inputs] for p in lay.pieces()}
     scale = max(r.abs().max().item() for rs in refs.values() for r in rs) or 1.0
     max_abs = 0.0
     findings: dict[str, list[int]] = defaultdict(list)  # diagnosis -> world ranks
 
     if lay.layer_class in COLUMN:
         for p in lay.pieces():
-            spec = lay.first(p)
+            spec = lay.main(p)
             for b in range(nbatch):
                 blocks: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)
                 for rank, msg in enumerate(sent):
@@ -167,7 +188,7 @@ def compare_layer(
                     what = f"it is group rank {other[0]}'s slice" if other else f"rel error {err:.3g}"
                     findings[f"piece {p or lay.layer_class} of group rank {gr}/{spec.group_size} differs ({what})"].extend(ranks)
     else:
-        spec = lay.first("")
+        spec = lay.main("")
         for rank, msg in enumerate(sent):
             _, out = msg["outputs"][""]
             ref = refs[""][msg["batch"]]

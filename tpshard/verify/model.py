@@ -43,6 +43,12 @@ def unsupported_reason(plan: Plan, config: dict) -> str | None:
     """Why --model cannot run on this output, or None."""
     if plan.model.architecture not in SUPPORTED:
         return f"model-level verify supports {', '.join(SUPPORTED)}, not {plan.model.architecture}"
+    if plan.quant_layers:
+        formats = sorted({str(q.get("format")) for q in plan.quant_layers.values()})
+        return (
+            f"model-level verify compares with transformers' dense forward, not {', '.join(formats)} checkpoints;"
+            " layer-level verify covers quantized layers (reference: the dequantized source)"
+        )
     if plan.topology.attn_cp > 1:
         return "model-level verify does not model context-parallel attention (attn_cp > 1); use layer-level verify"
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}

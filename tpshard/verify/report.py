@@ -20,6 +20,8 @@ REPORT_VERSION = 1
 # source tensors on rank 0. `max_rel` divides it by max |ref| of that layer (elementwise relative
 # error is meaningless where an output crosses zero). A layer passes when max_rel <= the tolerance
 # of the compute dtype. Measured on CPU: float32 ~1e-7; a wrong shard moves max_rel to ~0.1..10.
+# Quantized layers use the same tolerances: their reference weight is the dequantized source
+# (float32, as the ranks dequantize), so only the GEMM's accumulation order differs.
 LAYER_TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
 
 # Model level (always float32, TF32 off): logits of the TP decoder vs transformers' forward.
@@ -36,6 +38,7 @@ class LayerResult(msgspec.Struct, kw_only=True):
     group: str  # group it reduces/gathers over, as the manifest records it
     pieces: list[str]  # q/k/v, gate/up, or [""]
     batches: int  # distinct inputs: 1 per group instance (attention DP replicas get their own)
+    quant: str = ""  # quantized format of the weights (tpshard.quant.formats.LAYOUTS), "" = dense
     max_abs: float = 0.0
     max_rel: float = 0.0
     tolerance: float = 0.0
@@ -90,7 +93,8 @@ class VerifyReport(msgspec.Struct, kw_only=True):
         for r in self.layers:
             if not r.ok:
                 why = "; ".join(r.problems) or f"max rel error {r.max_rel:.3g} > {r.tolerance:g}"
-                lines.append(f"{r.layer} ({r.layer_class}): {why}")
+                what = f"{r.layer_class}, {r.quant}" if r.quant else r.layer_class
+                lines.append(f"{r.layer} ({what}): {why}")
         if self.model is not None and not self.model.ok:
             m, t = self.model, self.model.tolerance
             why = "; ".join(m.problems) or (
@@ -105,7 +109,7 @@ def layer_rows(report: VerifyReport) -> list[dict]:
     return [
         dict(
             layer=r.layer.removeprefix("model."), cls=r.layer_class.replace("ParallelLinear", "").replace("Parallel", ""),
-            group=r.group, inputs=r.batches, max_abs=f"{r.max_abs:.2g}", max_rel=f"{r.max_rel:.2g}",
+            group=r.group, format=r.quant or "-", inputs=r.batches, max_abs=f"{r.max_abs:.2g}", max_rel=f"{r.max_rel:.2g}",
             tol=f"{r.tolerance:g}", result="ok" if r.ok else "FAIL",
         )  # fmt: skip
         for r in report.layers
@@ -144,7 +148,8 @@ def write_junit(report: VerifyReport, path: str | Path) -> None:
     if report.problems:
         case("tpshard.verify", "launch", "; ".join(report.problems), "\n".join(report.problems))
     for r in report.layers:
-        detail = f"{r.layer_class} over {r.group}: max abs {r.max_abs:.3g}, max rel {r.max_rel:.3g}, tolerance {r.tolerance:g}"
+        fmt = f" ({r.quant})" if r.quant else ""
+        detail = f"{r.layer_class}{fmt} over {r.group}: max abs {r.max_abs:.3g}, max rel {r.max_rel:.3g}, tolerance {r.tolerance:g}"
         why = "; ".join(r.problems) or f"max rel error {r.max_rel:.3g} > {r.tolerance:g}"
         case("tpshard.verify.layers", r.layer, None if r.ok else why, detail if r.ok else f"{why}\n{detail}")
     if report.model is not None:
