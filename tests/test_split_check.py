@@ -309,3 +309,25 @@ def test_sha256_tensor_digests_on_request(llama, tmp_path):
     assert any("does not match its sha256" in p for p in problems(out, None))
     with pytest.raises(Exception, match="choose crc32 or sha256"):
         msgspec.structs.replace(Options(), checksum="md5")
+
+
+def test_missing_and_truncated_files_are_reported_not_raised(good, llama, copy_of):
+    out = copy_of(good)
+    (out / rank_dir(0) / "model-tp-000-of-008.safetensors").unlink()
+    (out / rank_dir(1) / "model-tp-001-of-008.safetensors").unlink()
+    path = out / rank_dir(2) / "model-tp-002-of-008.safetensors"
+    os.truncate(path, path.stat().st_size // 2)
+    found = problems(out, llama)
+    assert any("rank 0: model-tp-000-of-008.safetensors is missing" in p for p in found), found
+    assert any("model-tp-002-of-008" in p and "truncated" in p for p in found), found
+    assert any("cannot be reassembled" in p for p in found), found
+
+
+def test_a_changed_config_copy_in_one_rank_is_caught(good, copy_of):
+    out = copy_of(good)
+    path = out / rank_dir(6) / "config.json"
+    text = path.read_text()
+    path.unlink()  # break the hard link: rank 6 gets its own, different copy
+    path.write_text(text.replace("silu", "gelu"))
+    found = problems(out, None)
+    assert any("config.json of ranks [6]" in p for p in found), found

@@ -44,6 +44,7 @@ class CheckReport(msgspec.Struct, kw_only=True):
     files_checked: int = 0
     bytes_checked: int = 0
     tensors_reassembled: int = 0
+    omitted: int = 0  # problems past MAX_PROBLEMS, counted but not listed
 
     @property
     def ok(self) -> bool:
@@ -52,6 +53,8 @@ class CheckReport(msgspec.Struct, kw_only=True):
     def add(self, check: str, message: str) -> None:
         if len(self.problems) < MAX_PROBLEMS:
             self.problems.append(Problem(check, message))
+        else:
+            self.omitted += 1
 
 
 def check(out_dir: str | Path, source: str | Path | None = None, *, workers: int | None = None) -> CheckReport:
@@ -188,6 +191,7 @@ def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: in
         specs_by_file[s.file].append(s)
 
     units: dict[tuple[int, int], tuple[Path, str, list[int]]] = {}  # inode -> (path, file, ranks)
+    extras: dict[tuple[int, int], tuple[Path, object, list[int]]] = {}  # the same for copied files
     for r in manifest.written_ranks:
         folder = out / rank_dir(r)
         expected_map = {s.name: s.file for s in plan.rank_shards(r)}
@@ -209,8 +213,11 @@ def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: in
             units.setdefault((st.st_dev, st.st_ino), (path, f.name, []))[2].append(r)
         for extra in manifest.extra_files:
             path = folder / extra.name
-            if not path.is_file() or path.stat().st_size != extra.size:
-                report.add("files", f"rank {r}: {extra.name} is missing or has the wrong size")
+            if not path.is_file():
+                report.add("files", f"rank {r}: {extra.name} is missing")
+                continue
+            st = path.stat()
+            extras.setdefault((st.st_dev, st.st_ino), (path, extra, []))[2].append(r)
 
     def verify(unit: tuple[Path, str, list[int]]) -> list[tuple[str, str]]:
         path, name, ranks = unit
@@ -242,10 +249,9 @@ def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: in
             report.bytes_checked += layouts[unit[1]].size
             for c, m in found:
                 report.add(c, m)
-    for extra in manifest.extra_files:
-        path = out / rank_dir(manifest.written_ranks[0]) / extra.name
-        if path.is_file() and sha256_file(path) != extra.checksum:
-            report.add("checksum", f"{extra.name}: sha256 differs from the manifest")
+    for path, extra, ranks in extras.values():
+        if path.stat().st_size != extra.size or sha256_file(path) != extra.checksum:
+            report.add("checksum", f"{extra.name} of ranks {ranks}: sha256 differs from the manifest")
 
 
 def hash_range(fd: int, offset: int, n: int, algorithm: str = "sha256") -> bytes:
@@ -301,14 +307,22 @@ def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckRe
 
     def rebuild(source: str) -> list[tuple[str, str]]:
         info, specs = ckpt.tensors[source], by_source[source]
-        given = [s for s in specs if s.value is not None]  # content set by the plan, not cut from the source
-        specs = [s for s in specs if s.value is None]
-        found = [("reassembly", f"{_rel(s)}: holds {_read_value(out, written, s, offsets)}, not the planned {list(s.value)}")
-                 for s in given if _read_value(out, written, s, offsets) != list(s.value)]  # fmt: skip
-        fds = [os.open(out / rank_dir(min(written & set(s.ranks))) / s.file, os.O_RDONLY) for s in specs]
-        src_fd = os.open(ckpt.path / info.file, os.O_RDONLY)
-        bad: dict[int, int] = {}  # spec index -> first differing byte
+        opened: list[int] = []
         try:
+            found = []
+            for s in specs:
+                if s.value is not None:  # content set by the plan, not cut from the source
+                    held = _read_value(out, written, s, offsets)
+                    if held != list(s.value):
+                        found.append(("reassembly", f"{_rel(s)}: holds {held}, not the planned {list(s.value)}"))
+            specs = [s for s in specs if s.value is None]
+            src_fd = os.open(ckpt.path / info.file, os.O_RDONLY)
+            opened.append(src_fd)
+            fds = []
+            for s in specs:
+                fds.append(os.open(out / rank_dir(min(written & set(s.ranks))) / s.file, os.O_RDONLY))
+                opened.append(fds[-1])
+            bad: dict[int, int] = {}  # spec index -> first differing byte
             buf = np.empty(0, np.uint8)
             for i, at, data in cut_pieces(src_fd, info, specs):
                 if i in bad:
@@ -319,8 +333,10 @@ def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckRe
                 if not same_bytes(actual, data):
                     bad[i] = at + int(np.argmax(actual != data))
             return found + [("reassembly", _diagnose(src_fd, info, specs, i, fds[i], offsets, byte)) for i, byte in bad.items()]
+        except (OSError, TpshardError) as e:  # a missing or truncated file, already reported by name
+            return [("files", f"{source}: cannot be reassembled: {e}")]
         finally:
-            for fd in fds + [src_fd]:
+            for fd in opened:
                 os.close(fd)
 
     with ThreadPoolExecutor(workers) as pool:

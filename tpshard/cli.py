@@ -178,6 +178,8 @@ def check(
     else:
         for p in report.problems:
             err.print(f"FAIL [{p.check}] {p.message}", soft_wrap=True, markup=False, style="red")
+        if report.omitted:
+            err.print(f"FAIL ... and {report.omitted} more problems", style="red")
         what = f"{report.files_checked} files ({human_bytes(report.bytes_checked)})"
         if source:
             what += f", {report.tensors_reassembled} source tensors reassembled bit-exact"
