@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 import tpshard
 from broken import overwrite_tensor, rewrite_checksums
 from contract import expected_rank_tensor
+from tpshard.digest import file_digest
 from tpshard.errors import OutputError
 from tpshard.manifest import MANIFEST_NAME, encode_manifest, rank_dir, read_manifest
 from tpshard.topology import Topology
@@ -331,3 +332,23 @@ def test_a_changed_config_copy_in_one_rank_is_caught(good, copy_of):
     path.write_text(text.replace("silu", "gelu"))
     found = problems(out, None)
     assert any("config.json of ranks [6]" in p for p in found), found
+
+
+@pytest.mark.parametrize("topo, ranks, checksum", [(dict(tp=8, attn_dp=2), None, "crc32"), (dict(tp=8), [3], "crc32"), (dict(tp=4), None, "sha256")])
+def test_source_checksums_do_not_depend_on_how_the_split_read_the_source(llama, tmp_path, topo, ranks, checksum):
+    """The writer derives a tensor's crc32 from its pieces' when they tile it; the manifest must
+    hold what hashing the source directly gives, whatever the topology, rank subset or digest."""
+    import zlib
+
+    from tpshard.checkpoint import open_checkpoint
+    from tpshard.manifest import Options
+    from tpshard.safetensors_format import read_header_bytes
+
+    ckpt = open_checkpoint(llama)
+    expected = {}
+    for name in ckpt.weight_files:
+        data = (llama / name).read_bytes()
+        spans = sorted((i.begin, i.end) for i in ckpt.tensors.values() if i.file == name)
+        expected[name] = file_digest(read_header_bytes(llama / name), [zlib.crc32(data[b:e]).to_bytes(4, "big") for b, e in spans])
+    m = tpshard.split(llama, tmp_path / "out", Topology(**topo), Options(checksum=checksum), ranks=ranks)
+    assert {f.name: f.checksum for f in m.source_files if f.name in expected} == expected

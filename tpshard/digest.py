@@ -10,6 +10,7 @@ same shape with crc32: it identifies the checkpoint that was split. Other files 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import zlib
 from pathlib import Path
@@ -49,3 +50,42 @@ def sha256_file(path: Path) -> str:
         while block := f.read(8 << 20):
             h.update(block)
     return h.hexdigest()
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """crc32(A + B) from crc32(A), crc32(B) and len(B), as zlib's crc32_combine.
+
+    Appending len2 bytes maps crc(A) through a fixed linear operator over GF(2); it is built once
+    per length (tensor pieces come in a few sizes), so a combine costs microseconds.
+    """
+    return _gf2_times(_shift_operator(len2), crc1) ^ crc2
+
+
+def _gf2_times(matrix: tuple[int, ...], vector: int) -> int:
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
+
+
+def _gf2_compose(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    """The operator a(b(x))."""
+    return tuple(_gf2_times(a, column) for column in b)
+
+
+@functools.lru_cache(maxsize=64)
+def _shift_operator(nbytes: int) -> tuple[int, ...]:
+    # One zero bit: the CRC-32 polynomial (reflected) in column 0, a shift elsewhere.
+    op = (0xEDB88320,) + tuple(1 << (n - 1) for n in range(1, 32))
+    for _ in range(3):  # one zero byte = eight zero bits
+        op = _gf2_compose(op, op)
+    result = tuple(1 << n for n in range(32))  # identity
+    while nbytes:
+        if nbytes & 1:
+            result = _gf2_compose(op, result)
+        op = _gf2_compose(op, op)
+        nbytes >>= 1
+    return result
