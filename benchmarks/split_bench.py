@@ -54,6 +54,7 @@ import make_checkpoint  # noqa: E402
 TP = 8
 ATTN_DP = 2
 READ_CHUNK = 16 * 1024 * 1024
+SETTLE_S = 3.0  # idle time after deleting an output, before the next case (--settle)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,6 +284,9 @@ def drop(path: Path) -> None:
     elif path.exists():
         shutil.rmtree(path)
     os.sync()
+    # Freeing GBs of just-written pages goes on in the kernel after unlink returns; whatever ran
+    # next paid for it (here: +40 % on the case after cp). Let it settle before the next case.
+    time.sleep(SETTLE_S)
 
 
 def warm(model: Path) -> float:
@@ -565,8 +569,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-growth", action="store_true", help="also measure split memory at --growth-layers")
     ap.add_argument("--growth-layers", type=int, default=8)
     ap.add_argument("--plain", action="store_true", help="plain-text table instead of rich")
+    ap.add_argument("--settle", type=float, default=3.0, help="seconds idle after deleting an output, before the next case")
     args = ap.parse_args(argv)
-    global PLAIN
+    global PLAIN, SETTLE_S
+    SETTLE_S = args.settle
     PLAIN = args.plain
     only = set(args.only.split(",")) if args.only else None
     if only and only - set(CASES):

@@ -17,7 +17,7 @@ from tpshard.errors import CheckpointError
 from tpshard.manifest import ShardSpec
 from tpshard.safetensors_format import TensorInfo
 
-CHUNK_BYTES = 32 << 20  # read granularity; bounds memory per worker
+CHUNK_BYTES = 4 << 20  # read granularity; bounds memory per worker (4 MiB measured best of 1-32)
 
 _local = threading.local()
 
