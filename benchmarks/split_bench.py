@@ -289,6 +289,12 @@ def drop(path: Path) -> None:
     time.sleep(SETTLE_S)
 
 
+def drop_caches() -> None:
+    """Empty the page cache (root only): the next read comes from the disk."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
 def warm(model: Path) -> float:
     """Read every file of `model` once (untimed for the benchmark), so the page cache is warm."""
     t = time.perf_counter()
@@ -359,7 +365,7 @@ def find_tpshard(override: str | None) -> Tpshard:
 # ---------------------------------------------------------------------------------------------
 
 CASES = {
-    # name: (label, kind) -- kind "copy" rows compare to cp, "load" rows to load-engine
+    # name: (label, kind) -- "copy" rows compare to cp, "load" rows to load-engine, "cold" to load-engine-cold
     "cp": ("cp -r checkpoint (floor)", "copy"),
     "naive": (f"naive split --tp {TP}", "copy"),
     "naive-load": ("load rank 0: naive per-rank file", "load"),
@@ -369,14 +375,21 @@ CASES = {
     "split-dp": (f"tpshard split --tp {TP} --attn-dp {ATTN_DP}", "copy"),
     "load-slice": ("load rank 0: get_slice from source", "load"),
     "load-engine": ("load rank 0: full tensors + narrow (engines)", "load"),
+    # the same two loads from a cold page cache (a node that just started), with --cold
+    "load-presharded-cold": ("cold cache: tpshard.load_rank", "cold"),
+    "load-engine-cold": ("cold cache: full tensors + narrow (engines)", "cold"),
 }
 # Blocks run together (later cases use the first one's output); rounds rotate the block order.
-BLOCKS = [["cp"], ["naive", "naive-load"], ["split", "check", "load-presharded"], ["split-dp"], ["load-slice"], ["load-engine"]]
+BLOCKS = [
+    ["cp"], ["naive", "naive-load"], ["split", "check", "load-presharded", "load-presharded-cold"], ["split-dp"],
+    ["load-slice"], ["load-engine"], ["load-engine-cold"],
+]  # fmt: skip
 
 
 class Bench:
-    def __init__(self, model: Path, work: Path, ts: Tpshard, workers: int | None, only: set[str] | None):
+    def __init__(self, model: Path, work: Path, ts: Tpshard, workers: int | None, only: set[str] | None, cold: bool = False):
         self.model, self.work, self.ts, self.workers, self.only = model, work, ts, workers, only
+        self.cold = cold
         self.samples: dict[str, list[Sample]] = {name: [] for name in CASES}
         self.skipped: dict[str, str] = {}
         self.errors: list[str] = []
@@ -393,7 +406,15 @@ class Bench:
         return cmd
 
     def wanted(self, name: str) -> bool:
+        if CASES[name][1] == "cold" and not self.cold:
+            return False
         return self.only is None or name in self.only
+
+    def load_cold(self, name: str, cmd: list[str]) -> None:
+        """Measure a load from a cold page cache, then warm the source again (untimed)."""
+        drop_caches()
+        self.record(name, measure(cmd))
+        warm(self.model)
 
     def skip(self, name: str, why: str) -> None:
         self.skipped.setdefault(name, why)
@@ -437,6 +458,8 @@ class Bench:
                     self.record("load-presharded", measure(self.py(str(HERE / "split_bench.py"), "_child", "load-presharded", str(out), "0")))
                 else:
                     self.skip("load-presharded", "tpshard.load_rank not available")
+            if ok and self.wanted("load-presharded-cold") and self.ts.open_rank:
+                self.load_cold("load-presharded-cold", self.py(str(HERE / "split_bench.py"), "_child", "load-presharded", str(out), "0"))
             drop(out)
         elif head == "split-dp":
             if not self.ts.split:
@@ -448,6 +471,8 @@ class Bench:
             drop(out)
         elif head in ("load-slice", "load-engine"):
             self.record(head, measure(self.py(str(HERE / "split_bench.py"), "_child", head, str(self.model), "0", str(TP), "1")))
+        elif head == "load-engine-cold":
+            self.load_cold(head, self.py(str(HERE / "split_bench.py"), "_child", "load-engine", str(self.model), "0", str(TP), "1"))
 
     def run(self, runs: int, log) -> None:
         for r in range(runs):
@@ -492,12 +517,11 @@ def summarize(bench: Bench) -> dict:
             "samples": [asdict(s) for s in bench.samples[name]],
         }
     cp = rows.get("cp", {}).get("total_s")
-    ref_load = rows.get("load-engine", {}).get("load_s")
+    ref_load = {kind: rows.get(name, {}).get("load_s") for kind, name in (("load", "load-engine"), ("cold", "load-engine-cold"))}
     for row in rows.values():
         row["ratio_to_cp"] = row["total_s"] / cp if cp and row["kind"] == "copy" else None
-        row["ratio_to_engine_load"] = (
-            row["load_s"] / ref_load if ref_load and row["kind"] == "load" and row["load_s"] is not None else None
-        )
+        ref = ref_load.get(row["kind"])
+        row["ratio_to_engine_load"] = row["load_s"] / ref if ref and row["load_s"] is not None else None
     return rows
 
 
@@ -569,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-growth", action="store_true", help="also measure split memory at --growth-layers")
     ap.add_argument("--growth-layers", type=int, default=8)
     ap.add_argument("--plain", action="store_true", help="plain-text table instead of rich")
+    ap.add_argument("--cold", action="store_true", help="also load from a cold page cache (root: drops caches)")
     ap.add_argument("--settle", type=float, default=3.0, help="seconds idle after deleting an output, before the next case")
     args = ap.parse_args(argv)
     global PLAIN, SETTLE_S
@@ -604,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         result["checkpoint"] = {"path": str(model), "layers": args.layers, "bytes": dir_bytes(model), **info}
         log(f"warming page cache: {warm(model):.1f}s")
         measure([sys.executable, "-c", "import torch, safetensors"])  # warm the imports too
-        bench = Bench(model, work, ts, args.workers, only)
+        bench = Bench(model, work, ts, args.workers, only, cold=args.cold)
         bench.run(args.runs, log)
         rows = summarize(bench)
         result["cases"] = rows
@@ -654,6 +679,9 @@ def explain(rows: dict) -> list[str]:
     if "load-presharded" in rows and rows["load-presharded"]["ratio_to_engine_load"] is not None:
         out.append(f"loading rank 0 presharded: {rows['load-presharded']['ratio_to_engine_load']:.2f}x "
                    "the time of slicing it from the source as engines do (full tensors, then narrow)")
+    if rows.get("load-presharded-cold", {}).get("ratio_to_engine_load") is not None:
+        out.append(f"cold cache: loading rank 0 presharded: {rows['load-presharded-cold']['ratio_to_engine_load']:.2f}x "
+                   "the time of slicing it from the source as engines do")
     if "load-presharded" in rows and "load-slice" in rows:
         ratio = rows["load-presharded"]["load_s"] / rows["load-slice"]["load_s"]
         out.append(f"loading rank 0 presharded: {ratio:.2f}x the time of the best-case get_slice from the source")
