@@ -345,3 +345,19 @@ def test_config_and_disk_disagree(checkpoints, tmp_path):
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(PlanError, match=r"qweight: shape \[\d+, \d+\] on disk, but a gptq 8-bit layer \[N=\d+, K=\d+\] \(group 128\) stores qweight as"):
         make_plan(open_checkpoint(bad), Topology(tp=2))
+
+
+@pytest.mark.parametrize("name", ["fp8_block", "ct_nvfp4", "gptq"])
+def test_load_rank_reads_every_dtype_as_open_rank(checkpoints, tmp_path, name):
+    """load_rank reinterprets raw bytes per dtype (fp8, uint8, int32, int64 ...); safetensors is the reference."""
+    from tpshard.rank import load_rank
+
+    src, _ = checkpoints(name)
+    out = tmp_path / "out"
+    split(src, out, Topology(tp=2))
+    for rank in range(2):
+        lazy, eager = open_rank(out, rank), load_rank(out, rank)
+        assert set(lazy) == set(eager)
+        for key, t in eager.items():
+            assert t.dtype == lazy[key].dtype and t.shape == lazy[key].shape, key
+            assert torch.equal(t.view(torch.uint8), lazy[key].view(torch.uint8)), key

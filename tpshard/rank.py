@@ -55,9 +55,8 @@ _TORCH_DTYPES = {
 
 
 def load_rank(out_dir: str | Path, rank: int) -> dict:
-    """Every tensor of rank `rank`, in memory the process owns: each file copied in one pass into
-    one buffer, each tensor a view of it. What presharding buys at start-up: no slicing, and no
-    per-tensor allocation or narrow/copy."""
+    """Every tensor of rank `rank`, copied into memory the process owns, from a memory map of each
+    of the rank's files: no slicing, no reading of other ranks' bytes."""
     import mmap
 
     import torch
@@ -75,20 +74,20 @@ def load_rank(out_dir: str | Path, rank: int) -> dict:
     tensors = {}
     for f in manifest.plan.rank_files(rank):
         specs = specs_by_file[f.name]
-        header, offsets = file_header([(s.name, s.dtype, s.shape) for s in specs])
+        _, offsets = file_header([(s.name, s.dtype, s.shape) for s in specs])
         path = folder / f.name
         if not path.is_file() or path.stat().st_size != f.size:
             raise OutputError(f"rank {rank}: {path} is missing or not the size the manifest says")
-        buf = torch.empty(f.size - len(header), dtype=torch.uint8)
-        if len(buf):
-            # A copy from a memory map (torch copies with all its threads) measured 1.7x faster
-            # here than read() into fresh memory, whose pages fault inside the kernel's copy.
-            with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
-                mapped = torch.frombuffer(mm, dtype=torch.uint8, offset=len(header), count=len(buf))
-                buf.copy_(mapped)
-                del mapped  # the map closes only once no tensor views it
-        for s, offset in zip(specs, offsets):
-            start = offset - len(header)
-            raw = buf[start : start + nbytes_of(s.dtype, s.shape)]
-            tensors[s.name] = raw.view(getattr(torch, _TORCH_DTYPES[s.dtype])).reshape(s.shape)
+        # A copy per tensor from a private map measured fastest here: faster than read() into one
+        # buffer, whose fresh pages fault inside the kernel's copy.
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
+            for s, offset in zip(specs, offsets):
+                dtype = getattr(torch, _TORCH_DTYPES[s.dtype])
+                n = nbytes_of(s.dtype, s.shape)
+                t = torch.empty(s.shape, dtype=dtype)
+                if n:
+                    mapped = torch.frombuffer(mm, dtype=torch.uint8, offset=offset, count=n)
+                    t.reshape(-1).view(torch.uint8).copy_(mapped)  # reshape of a fresh tensor is a view
+                    del mapped  # the map closes only once no tensor views it
+                tensors[s.name] = t
     return tensors
