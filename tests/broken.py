@@ -10,7 +10,7 @@ import torch
 
 from tpshard.digest import file_digest
 from tpshard.manifest import MANIFEST_NAME, encode_manifest, rank_dir, read_manifest
-from tpshard.plan import file_header
+from tpshard.plan import spec_layout
 
 
 def rewrite_checksums(out: Path) -> None:
@@ -21,12 +21,12 @@ def rewrite_checksums(out: Path) -> None:
 
     from tpshard.check import hash_range
 
-    specs = {f.name: [s for s in m.plan.shards if s.file == f.name] for f in m.plan.files}
+    specs = m.plan.specs_by_file()
     files = []
     for w in m.files:
         f = next(f for f in m.plan.files if f.name == w.name)
         path = out / rank_dir(min(set(f.ranks) & set(m.written_ranks))) / f.name
-        header, offsets = file_header([(s.name, s.dtype, s.shape) for s in specs[f.name]])
+        header, offsets = spec_layout(specs[f.name])
         fd = os.open(path, os.O_RDONLY)
         digests = [hash_range(fd, o, e - o, m.plan.options.checksum) for o, e in zip(offsets, offsets[1:] + [f.size])]
         os.close(fd)
@@ -39,7 +39,7 @@ def overwrite_tensor(out: Path, rank: int, name: str, tensor: torch.Tensor) -> N
     m = read_manifest(out)
     spec = next(s for s in m.plan.shards if s.name == name and rank in s.ranks)
     specs = [s for s in m.plan.shards if s.file == spec.file]
-    _, offsets = file_header([(s.name, s.dtype, s.shape) for s in specs])
+    _, offsets = spec_layout(specs)
     offset = offsets[specs.index(spec)]
     with open(out / rank_dir(rank) / spec.file, "r+b") as f:
         f.seek(offset)

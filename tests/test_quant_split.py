@@ -29,7 +29,7 @@ from quant_fixtures import DEFAULT_SPECS, TINY, TinyLlama, write_quant_checkpoin
 from tpshard.check import check, check_plan, CheckReport
 from tpshard.checkpoint import open_checkpoint
 from tpshard.errors import PlanError
-from tpshard.manifest import MANIFEST_NAME, Options, read_manifest
+from tpshard.manifest import Options, read_manifest
 from tpshard.plan import make_plan
 from tpshard.quant.config import read_quant_config
 from tpshard.quant.formats import QuantSpec, dequantize
@@ -116,7 +116,7 @@ def verify_layers(out: Path, spec: QuantSpec, expected: dict[str, torch.Tensor],
     manifest = read_manifest(out)
     topo = manifest.plan.topology
     gen = torch.Generator().manual_seed(7)
-    h, i = shape.hidden, shape.intermediate
+    h = shape.hidden
     for layer in range(shape.layers):
         p = f"model.layers.{layer}"
         x = torch.randn(3, h, generator=gen)

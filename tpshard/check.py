@@ -25,7 +25,7 @@ from tpshard.digest import file_digest, new_hash, sha256_file
 from tpshard.errors import TpshardError
 from tpshard.manifest import Manifest, Plan, ShardSpec, rank_dir, read_manifest
 from tpshard.pieces import VALUE_DTYPES, cut_pieces, read_into, value_bytes
-from tpshard.plan import file_header, make_plan
+from tpshard.plan import make_plan, spec_layout
 from tpshard.safetensors_format import DTYPE_SIZE, nbytes_of
 from tpshard.writer import default_workers
 
@@ -186,9 +186,7 @@ def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: in
     algorithm = plan.options.checksum
     written = {f.name: f for f in manifest.files}
     layouts = {f.name: f for f in plan.files}
-    specs_by_file: dict[str, list[ShardSpec]] = defaultdict(list)
-    for s in plan.shards:
-        specs_by_file[s.file].append(s)
+    specs_by_file = plan.specs_by_file()
 
     units: dict[tuple[int, int], tuple[Path, str, list[int]]] = {}  # inode -> (path, file, ranks)
     extras: dict[tuple[int, int], tuple[Path, object, list[int]]] = {}  # the same for copied files
@@ -228,7 +226,7 @@ def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: in
         size = path.stat().st_size
         if size != layout.size:
             return [("files", f"{where}: {size} bytes, the manifest says {layout.size} (truncated or extended)")]
-        header, offsets = file_header([(s.name, s.dtype, s.shape) for s in specs])
+        header, offsets = spec_layout(specs)
         found: list[tuple[str, str]] = []
         with open(path, "rb") as fh:
             if fh.read(len(header)) != header:
@@ -293,13 +291,9 @@ def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckRe
     """Every source tensor, rebuilt from the shards, equals the source bit for bit."""
     plan = manifest.plan
     written = set(manifest.written_ranks)
-    specs_by_file: dict[str, list[ShardSpec]] = defaultdict(list)
-    for s in plan.shards:
-        specs_by_file[s.file].append(s)
     offsets: dict[int, int] = {}
-    for specs in specs_by_file.values():
-        _, offs = file_header([(s.name, s.dtype, s.shape) for s in specs])
-        offsets.update({id(s): o for s, o in zip(specs, offs)})
+    for specs in plan.specs_by_file().values():
+        offsets.update({id(s): o for s, o in zip(specs, spec_layout(specs)[1])})
     by_source: dict[str, list[ShardSpec]] = defaultdict(list)
     for s in plan.shards:
         if written & set(s.ranks):

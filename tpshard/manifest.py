@@ -123,6 +123,13 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     def rank_files(self, rank: int) -> list[FileLayout]:
         return [f for f in self.files if rank in f.ranks]
 
+    def specs_by_file(self) -> dict[str, list[ShardSpec]]:
+        """File name -> its tensors' specs, in data order."""
+        by_file: dict[str, list[ShardSpec]] = {}
+        for s in self.shards:
+            by_file.setdefault(s.file, []).append(s)
+        return by_file
+
 
 class SourceFile(msgspec.Struct, frozen=True, kw_only=True):
     name: str

@@ -382,6 +382,11 @@ def file_header(tensors: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes,
     return build_header(tensors, {"format": "pt"})
 
 
+def spec_layout(specs: list[ShardSpec]) -> tuple[bytes, list[int]]:
+    """Header bytes and each tensor's absolute data offset in a file holding `specs` in order."""
+    return file_header([(s.name, s.dtype, s.shape) for s in specs])
+
+
 def _file_label(spec: dict, topology: Topology) -> str:
     if len(spec["ranks"]) == topology.world_size:
         return "common"

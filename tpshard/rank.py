@@ -61,20 +61,18 @@ def load_rank(out_dir: str | Path, rank: int) -> dict:
 
     import torch
 
-    from tpshard.plan import file_header
+    from tpshard.plan import spec_layout
     from tpshard.safetensors_format import nbytes_of
 
     manifest = read_manifest(out_dir)
     if rank not in manifest.written_ranks:
         raise OutputError(f"{out_dir}: holds ranks {list(manifest.written_ranks)}, not rank {rank}")
     folder = Path(out_dir) / rank_dir(rank)
-    specs_by_file: dict[str, list] = {}
-    for s in manifest.plan.shards:
-        specs_by_file.setdefault(s.file, []).append(s)
+    specs_by_file = manifest.plan.specs_by_file()
     tensors = {}
     for f in manifest.plan.rank_files(rank):
         specs = specs_by_file[f.name]
-        _, offsets = file_header([(s.name, s.dtype, s.shape) for s in specs])
+        _, offsets = spec_layout(specs)
         path = folder / f.name
         if not path.is_file() or path.stat().st_size != f.size:
             raise OutputError(f"rank {rank}: {path} is missing or not the size the manifest says")

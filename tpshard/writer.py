@@ -38,7 +38,7 @@ from tpshard.manifest import (
     rank_dir,
 )
 from tpshard.pieces import cut_pieces, value_bytes
-from tpshard.plan import file_header, make_plan
+from tpshard.plan import make_plan, spec_layout
 from tpshard.safetensors_format import TensorInfo, nbytes_of
 from tpshard.topology import Topology
 
@@ -130,13 +130,11 @@ def _write(
     fds: dict[str, int] = {}
     headers: dict[str, bytes] = {}
     targets_by_source: dict[str, list[_Target]] = {}
-    specs_by_file: dict[str, list[ShardSpec]] = {}
-    for spec in plan.shards:
-        specs_by_file.setdefault(spec.file, []).append(spec)
+    specs_by_file = plan.specs_by_file()
     try:
         for f in files:
             specs = specs_by_file[f.name]
-            header, offsets = file_header([(s.name, s.dtype, s.shape) for s in specs])
+            header, offsets = spec_layout(specs)
             path = staging / rank_dir(min(chosen & set(f.ranks))) / f.name
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             fds[f.name], headers[f.name] = fd, header

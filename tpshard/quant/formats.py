@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import Literal, Mapping
+from typing import TYPE_CHECKING, Literal, Mapping
 
 import msgspec
+
+if TYPE_CHECKING:
+    import torch
 
 # torch is imported inside the functions that compute: planning reads only the layout table, and
 # the CLI should not pay torch's import for it.
@@ -284,8 +287,6 @@ def slice_tensors(
     full: int,
 ) -> dict[str, torch.Tensor]:
     """One rank's tensors for a logical split, by `physical_range` (weight_shape rewritten)."""
-    import torch
-
     out = {}
     for suffix, t in tensors.items():
         role = spec.role(suffix)
