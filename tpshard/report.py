@@ -84,10 +84,19 @@ def rank_rows(plan: Plan) -> list[dict]:
     return rows
 
 
+# Forward order for the walk-through; names not listed keep their place at the end.
+FORWARD = ("embed_tokens", "input_layernorm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "o_proj",
+           "post_attention_layernorm", "gate_proj", "up_proj", "down_proj", "model.norm", "lm_head")  # fmt: skip
+
+
+def _forward_position(name: str) -> int:
+    return next((i for i, part in enumerate(FORWARD) if part in name), len(FORWARD))
+
+
 def explain_rows(plan: Plan, layer: int) -> list[dict]:
     """The seed's walk-through for one decoder layer (plus embedding and lm_head at layer 0)."""
     rows = []
-    for s in plan.shards:
+    for s in sorted(plan.shards, key=lambda s: (_forward_position(s.name), s.name, s.group_rank)):
         idx = layer_index(s.name)
         if idx != layer and not (idx is None and layer == 0 and s.layer_class != "Replicated"):
             continue
