@@ -5,7 +5,8 @@ loaded as its files hold them, dequantized by ReferenceQuantMethod, run in float
 float64 reference rank 0 computes from the *source*: x @ dequantize(spec, source tensors).T (+ bias).
 Formats: the issue's "done when" set (GPTQ 4-bit with and without desc_act, AWQ, Marlin, FP8 block
 incl. the misaligned case split with --pad-blocks, compressed-tensors W4A16) at tp 2 / 4 / 8 and
-attention-DP 2. Outputs of one world size are verified in one launch (verify_many): the default run
+attention-DP 2; every other format (GPTQ 3/8-bit, FP8 per-tensor, compressed-tensors int / fp8 /
+nvfp4) at tp 2. Outputs of one world size are verified in one launch (verify_many): the default run
 keeps one output per format and world size, the rest of the matrix is marked slow.
 
 Broken on purpose, checksums kept consistent (only the source can tell): rank 1's gate_proj scales
@@ -37,6 +38,8 @@ WIDE = TinyLlama(hidden=1024, intermediate=1024, heads=8, kv_heads=2, head_dim=1
 FP8_ODD = TinyLlama(hidden=1024, intermediate=1536, heads=8, kv_heads=2, head_dim=128, layers=1, vocab=300)
 
 FORMATS = ("gptq", "gptq_act_order", "awq", "marlin", "fp8_block", "ct_w4a16")
+# Every other format the planner knows, verified once at tp 2 in the same launch.
+OTHER_FORMATS = tuple(f for f in DEFAULT_SPECS if f not in FORMATS)
 PADDED = "fp8_block_padded"  # FP8_ODD at tp 8 with --pad-blocks
 TOPOLOGIES = {
     "tp2": Topology(tp=2), "tp2-dp2": Topology(tp=2, attn_dp=2), "tp4": Topology(tp=4),
@@ -46,7 +49,7 @@ WORLDS = {2: ("tp2", "tp2-dp2"), 4: ("tp4", "tp4-dp2"), 8: ("tp8", "tp8-dp2")}
 
 # Default: every format once per world size (alternating plain tp and attn-dp 2), plus the padded FP8.
 DEFAULT = {
-    2: [(f, "tp2") for f in FORMATS] + [("gptq_act_order", "tp2-dp2")],
+    2: [(f, "tp2") for f in FORMATS + OTHER_FORMATS] + [("gptq_act_order", "tp2-dp2")],
     4: [(f, "tp4" if i % 2 else "tp4-dp2") for i, f in enumerate(FORMATS)],
     8: [(f, "tp8-dp2" if i % 2 else "tp8") for i, f in enumerate(FORMATS)] + [(PADDED, "tp8")],
 }
