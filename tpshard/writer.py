@@ -227,6 +227,8 @@ def _copy_tensor(src_fd: int, info: TensorInfo, targets: list[_Target]) -> bytes
     source_hash = None if tiles else Crc32()
     for i, at, data in cut_pieces(src_fd, info, [t.spec for t in targets], source_hash):
         targets[i].write(data, at)
+    for t in targets:
+        start_writeback(t.fd, t.offset, nbytes_of(t.spec.dtype, t.spec.shape))
     if source_hash is not None:
         return source_hash.digest()
     # The pieces are consecutive runs of the source, already crc32'd as they were written.
@@ -234,6 +236,28 @@ def _copy_tensor(src_fd: int, info: TensorInfo, targets: list[_Target]) -> bytes
     for t in tiles:
         crc = crc32_combine(crc, t.hash.value, t.spec.length * info.nbytes // (info.shape or (1,))[0])
     return crc.to_bytes(4, "big")
+
+
+def _load_sync_file_range():
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing these bytes to disk now (Linux sync_file_range, no wait):
+    the fsync before the manifest then finds most of the data written, instead of all of it
+    waiting at the end (about 6 % of a split here)."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE
 
 
 def _tiling(info: TensorInfo, targets: list[_Target]) -> list[_Target] | None:
