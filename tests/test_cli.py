@@ -74,22 +74,20 @@ def broken_index(tmp: Path, llama: Path) -> Path:
     return bad
 
 
-def unknown_arch(tmp: Path, llama: Path) -> Path:
-    bad = tmp / "gpt2"
+def copy_with_config(tmp: Path, llama: Path, name: str, **changes) -> Path:
+    bad = tmp / name
     subprocess.run(["cp", "-r", str(llama), str(bad)], check=True)
     config = json.loads((bad / "config.json").read_text())
-    config["architectures"] = ["GPT2LMHeadModel"]
-    (bad / "config.json").write_text(json.dumps(config))
+    (bad / "config.json").write_text(json.dumps(config | changes))
     return bad
+
+
+def unknown_arch(tmp: Path, llama: Path) -> Path:
+    return copy_with_config(tmp, llama, "gpt2", architectures=["GPT2LMHeadModel"])
 
 
 def wrong_shape(tmp: Path, llama: Path) -> Path:
-    bad = tmp / "shape"
-    subprocess.run(["cp", "-r", str(llama), str(bad)], check=True)
-    config = json.loads((bad / "config.json").read_text())
-    config["intermediate_size"] = 128
-    (bad / "config.json").write_text(json.dumps(config))
-    return bad
+    return copy_with_config(tmp, llama, "shape", intermediate_size=128)
 
 
 def pickle_only(tmp: Path, llama: Path) -> Path:

@@ -45,6 +45,13 @@ def _options(pad: bool, dp_lm_head: bool, pad_blocks: bool = False) -> Options:
     return Options(pad=pad, dp_lm_head=dp_lm_head, pad_blocks=pad_blocks)
 
 
+def _plan(model: Path, tp: int, attn_dp: int, attn_cp: int, options: Options):
+    from tpshard.checkpoint import open_checkpoint
+    from tpshard.plan import make_plan
+
+    return make_plan(open_checkpoint(model), Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp), options)
+
+
 def _emit_json(obj) -> None:
     sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(obj), indent=1) + b"\n")
 
@@ -64,13 +71,11 @@ def plan(
     dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False, json: Json = False,
 ) -> None:  # fmt: skip
     """Show what every rank will hold, before a byte is written."""
-    from tpshard.checkpoint import open_checkpoint
-    from tpshard.plan import make_plan
     from tpshard.report import human_bytes, kind_rows, rank_rows
 
     from tpshard.quant.shards import alignment_rows
 
-    p = make_plan(open_checkpoint(model), Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp), _options(pad, dp_lm_head, pad_blocks))
+    p = _plan(model, tp, attn_dp, attn_cp, _options(pad, dp_lm_head, pad_blocks))
     alignment = alignment_rows(p)  # quantized tensors: the pre-flight (misaligned cuts were refused above)
     if json:
         _emit_json({"plan": p, "by_kind": kind_rows(p), "by_rank": rank_rows(p), "alignment": alignment})
@@ -92,16 +97,14 @@ def plan(
 @app.command()
 def explain(
     model: Model, tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, pad: Pad = True,
-    dp_lm_head: DpLmHead = False,
+    dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False,
     layer: Annotated[int, typer.Option("--layer", help="Decoder layer to walk through.")] = 0,
     json: Json = False,
 ) -> None:  # fmt: skip
     """Walk through one layer: segment, layer class and group, per-rank shape, disk slice, reduction."""
-    from tpshard.checkpoint import open_checkpoint
-    from tpshard.plan import make_plan
     from tpshard.report import explain_rows
 
-    p = make_plan(open_checkpoint(model), Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp), _options(pad, dp_lm_head))
+    p = _plan(model, tp, attn_dp, attn_cp, _options(pad, dp_lm_head, pad_blocks))
     rows = explain_rows(p, layer)
     if not rows:
         raise TpshardError(f"layer {layer} does not exist (the model has {p.model.num_layers} layers)")
@@ -130,7 +133,8 @@ def split(
     from tpshard.writer import split as do_split
 
     topology = Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp)
-    total = sum(t.nbytes for t in open_checkpoint(model).tensors.values())
+    ckpt = open_checkpoint(model)
+    total = sum(t.nbytes for t in ckpt.tensors.values())
     start = time.perf_counter()
     with Progress(
         "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -138,7 +142,7 @@ def split(
     ) as progress:  # fmt: skip
         task = progress.add_task("splitting", total=total)
         manifest = do_split(
-            model, out, topology, msgspec.structs.replace(_options(pad, dp_lm_head, pad_blocks), checksum=checksum),
+            ckpt, out, topology, msgspec.structs.replace(_options(pad, dp_lm_head, pad_blocks), checksum=checksum),
             workers=workers, force=force,
             ranks=parse_ranks(ranks), on_tensor=lambda n: progress.advance(task, n),
         )  # fmt: skip

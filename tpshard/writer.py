@@ -16,6 +16,7 @@ the folder renamed into place: an output folder with a manifest is complete.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Callable, Iterable
@@ -39,7 +40,7 @@ from tpshard.manifest import (
 )
 from tpshard.pieces import cut_pieces, value_bytes
 from tpshard.plan import make_plan, spec_layout
-from tpshard.safetensors_format import TensorInfo, nbytes_of
+from tpshard.safetensors_format import TensorInfo, nbytes_of, read_header_bytes
 from tpshard.topology import Topology
 
 def default_workers() -> int:
@@ -47,7 +48,7 @@ def default_workers() -> int:
 
 
 def split(
-    source: str | Path,
+    source: str | Path | Checkpoint,
     out: str | Path,
     topology: Topology,
     options: Options | None = None,
@@ -59,10 +60,10 @@ def split(
 ) -> Manifest:
     """Split the checkpoint at `source` into per-rank folders under `out`; return the manifest.
 
-    `ranks` limits the output to those world ranks (each node of a cluster can write its own);
+    `source` is a checkpoint folder or an already opened Checkpoint. `ranks` limits the output to those world ranks (each node of a cluster can write its own);
     `on_tensor(nbytes)` is called after each source tensor, for progress.
     """
-    ckpt = open_checkpoint(source)
+    ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(source)
     plan = make_plan(ckpt, topology, options)
     selected = sorted(set(range(topology.world_size) if ranks is None else ranks))
     bad = [r for r in selected if not 0 <= r < topology.world_size]
@@ -281,8 +282,6 @@ def link_or_copy(src: Path, dst: Path) -> None:
 
 
 def _rank_index(plan: Plan, rank: int) -> bytes:
-    import json
-
     specs = plan.rank_shards(rank)
     weight_map = {s.name: s.file for s in sorted(specs, key=lambda s: s.name)}
     total = sum(nbytes_of(s.dtype, s.shape) for s in specs)
@@ -290,8 +289,6 @@ def _rank_index(plan: Plan, rank: int) -> bytes:
 
 
 def _source_files(ckpt: Checkpoint, digests: dict[str, bytes]) -> tuple[SourceFile, ...]:
-    from tpshard.safetensors_format import read_header_bytes
-
     files = []
     for name in ckpt.weight_files:
         path = ckpt.path / name
