@@ -181,7 +181,14 @@ def _check_logical(plan: Plan, report: CheckReport) -> None:
             report.add("logical", f"{source}: logical ranges cover {covered} of {specs[0].logical_size}")
 
 
-def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: int) -> None:
+def check_rank_files(out_dir: str | Path, manifest: Manifest, ranks: list[int], *, workers: int = 2) -> CheckReport:
+    """Checksums of the files of `ranks` only (verify: each rank checks its own files, on its own node)."""
+    report = CheckReport(out_dir=str(out_dir), source=None)
+    _check_files(Path(out_dir), manifest, report, workers, ranks=ranks)
+    return report
+
+
+def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: int, ranks: list[int] | None = None) -> None:
     plan = manifest.plan
     algorithm = plan.options.checksum
     written = {f.name: f for f in manifest.files}
@@ -190,7 +197,7 @@ def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: in
 
     units: dict[tuple[int, int], tuple[Path, str, list[int]]] = {}  # inode -> (path, file, ranks)
     extras: dict[tuple[int, int], tuple[Path, object, list[int]]] = {}  # the same for copied files
-    for r in manifest.written_ranks:
+    for r in manifest.written_ranks if ranks is None else ranks:
         folder = out / rank_dir(r)
         expected_map = {s.name: s.file for s in plan.rank_shards(r)}
         try:

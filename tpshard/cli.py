@@ -6,6 +6,7 @@ TpshardError becomes its message and exit code; no user error prints a traceback
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -197,27 +198,69 @@ def check(
 
 @app.command()
 def verify(
-    out: Annotated[Path, typer.Argument(help="A tpshard output folder (every rank written).")],
-    source: Annotated[Path, typer.Option("--source", help="The checkpoint it was split from: the reference.")],
+    out: Annotated[Path, typer.Argument(help="A tpshard output folder (every rank written; under torchrun, this node's ranks).")],
+    source: Annotated[Path, typer.Option("--source", help="The checkpoint it was split from: the reference (read by rank 0 only).")],
     model: Annotated[bool, typer.Option("--model", help="Also run the TP decoder and compare logits with transformers.")] = False,
-    backend: Annotated[Optional[str], typer.Option("--backend", help="nccl or gloo (default: nccl with a GPU per rank, else gloo).")] = None,
+    backend: Annotated[str, typer.Option("--backend", help="auto, nccl or gloo (auto: NCCL with a GPU per rank, else gloo; announced).")] = "auto",
+    device: Annotated[str, typer.Option("--device", help="auto, cuda or cpu: where gloo ranks compute (auto: the GPUs if any).")] = "auto",
     dtype: Annotated[str, typer.Option("--dtype", help="Layer-level compute dtype: float32, bfloat16 or float16.")] = "float32",
     tokens: Annotated[int, typer.Option("--tokens", help="Rows of each random layer input; sequence length for --model.")] = 16,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")] = 0,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds for the whole launch and for any one collective.")] = 1800.0,
+    torchrun: Annotated[Optional[str], typer.Option("--torchrun", help="Run under torchrun with these options (quoted, e.g. \"--nproc-per-node 8\") and exit with verify's code.")] = None,
     report: Annotated[Optional[Path], typer.Option("--report", help="Write the report as JSON here.")] = None,
     junit: Annotated[Optional[Path], typer.Option("--junit", help="Write JUnit XML here, for CI systems.")] = None,
     json: Json = False,
 ) -> None:  # fmt: skip
     """Load the shards into tensor-parallel layers and compare their outputs with the source. Exit 1 on any mismatch.
 
-    Spawns one process per rank, or runs in place under torchrun (rank 0 reports)."""
-    import os
+    Spawns one process per rank, or runs in place under torchrun (rank 0 reports). Exit codes: 0 ok,
+    1 mismatch, 2 bad input, 3 a rank crashed or hung; under plain torchrun every failure reads 1,
+    so use --torchrun "OPTIONS" (or check --report's "ok")."""
+    from tpshard.verify.run import under_torchrun
 
+    if torchrun is not None and not under_torchrun():
+        _verify_torchrun(torchrun)
+        return
+    if not under_torchrun():
+        _verify_here(out, source, model, backend, device, dtype, tokens, seed, timeout, report, junit, json)
+        return
+    # Under torchrun: every rank leaves with its verdict written (for --torchrun) and at once, without
+    # tearing down a process group a failed peer may still hold.
+    from tpshard.verify.verdict import write_verdict
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        ok = _verify_here(out, source, model, backend, device, dtype, tokens, seed, timeout, report, junit, json)
+        code, message = (0, "") if ok else (1, f"{out}: verify found mismatches (see rank 0's report)")
+    except TpshardError as e:
+        code, message = e.exit_code, (str(e) if getattr(e, "every_rank", False) else f"rank {rank}: {e}")
+        if rank == 0 or not getattr(e, "every_rank", False):
+            err.print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
+    except Exception as e:  # noqa: BLE001 - a crash on this rank: say which, and where
+        import traceback
+
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        code, message = 3, f"rank {rank} crashed: {type(e).__name__}: {e} ({where.filename}:{where.lineno})"
+        err.print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
+    write_verdict(code, message)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _verify_here(out, source, model, backend, device, dtype, tokens, seed, timeout, report, junit, json) -> bool:
     from tpshard.verify import verify as do_verify
     from tpshard.verify import write_junit, write_report
     from tpshard.verify.report import encode_report, layer_rows
 
-    result = do_verify(out, source, model=model, backend=backend, dtype=dtype, tokens=tokens, seed=seed)
+    def announce(line: str) -> None:
+        err.print(line, style="bold", markup=False)
+
+    result = do_verify(
+        out, source, model=model, backend=backend, device=device, dtype=dtype, tokens=tokens, seed=seed,
+        timeout_s=timeout, announce=announce,
+    )  # fmt: skip
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 speaks and writes
         if report:
             write_report(result, report)
@@ -226,20 +269,48 @@ def verify(
         if json:
             sys.stdout.buffer.write(encode_report(result))
         else:
-            title = f"verify {out}: {result.topology.describe()}, {result.backend}, {result.dtype}, tolerance {layer_rows(result)[0]['tol'] if result.layers else '-'}"
+            title = f"verify {out}: {result.topology.describe()}, {result.backend} on {result.device}, {result.dtype}, tolerance {layer_rows(result)[0]['tol'] if result.layers else '-'}"
             err.print(_table(title, [{k: v for k, v in row.items() if k != "tol"} for row in layer_rows(result)]))
+            if result.tensors is not None:
+                t = result.tensors
+                err.print(
+                    f"tensors: {t.files} files match their checksums, {t.whole} whole copies match the source,"
+                    f" {t.padded} paddings are zero" + ("" if t.ok else f" -- {len(t.problems)} problem(s)")
+                )
             if result.model is not None:
                 m = result.model
                 err.print(
-                    f"model {m.architecture} vs transformers ({m.batches} batches of {m.sequences}x{m.tokens} tokens):"
+                    f"model {m.architecture} vs transformers ({m.batches} batches of {m.sequences}x{m.tokens} tokens, every rank):"
                     f" max abs logit diff {m.max_abs:.3g} (rel {m.max_rel:.3g}), top-1 agreement {m.top1:.4f}, KL {m.kl:.3g}"
                 )
             for line in result.failures():
                 err.print(f"FAIL {line}", soft_wrap=True, markup=False, style="red")
             verdict = "[green]ok[/]" if result.ok else f"[red]{len(result.failures())} failing check(s)[/]"
             err.print(f"{verdict} {out}: {len(result.layers)} layers" + (" + model" if model else "") + f" in {result.seconds:.2f} s")
-    if not result.ok:
+    if not result.ok and not os.environ.get("RANK"):
         raise typer.Exit(1)
+    return result.ok
+
+
+def _verify_torchrun(options: str) -> None:
+    """Re-run this very command under torchrun with `options`, and exit with verify's own code."""
+    import shlex
+
+    from tpshard.verify.verdict import run_under_torchrun
+
+    argv = sys.argv[sys.argv.index("verify") + 1 :]
+    rest, skip = [], False
+    for arg in argv:  # this command's arguments, less --torchrun and its value
+        if skip:
+            skip = False
+        elif arg == "--torchrun":
+            skip = True
+        elif not arg.startswith("--torchrun="):
+            rest.append(arg)
+    code, message = run_under_torchrun(shlex.split(options), rest)
+    if code:
+        err.print(f"[red]verify under torchrun: exit {code}[/] {escape(message)}", soft_wrap=True)
+    raise typer.Exit(code)
 
 
 @app.command()

@@ -19,6 +19,8 @@ from tpshard.runtime.launch import (
     default_backend,
     free_port,
     init_distributed,
+    local_store,
+    rank_device,
     run_local,
     shutdown_distributed,
 )
@@ -53,8 +55,10 @@ __all__ = [
     "default_backend",
     "free_port",
     "init_distributed",
+    "local_store",
     "new_param",
     "partitions",
+    "rank_device",
     "run_local",
     "shutdown_distributed",
 ]

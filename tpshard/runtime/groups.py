@@ -74,16 +74,22 @@ class LogicalGroup:
         """Sum of `x` over the collective members (in place on `x`, which is returned)."""
         if self.size == 1:
             return x
-        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.process_group())
-        return x
+        pg = self.process_group()
+        if _via_host(x, pg):
+            x.copy_(_all_reduce(x.cpu(), pg))
+            return x
+        return _all_reduce(x, pg)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenation along `dim` of every member's `x`, in shard order (rank 0 first)."""
         if self.size == 1:
             return x
-        x = x.contiguous()
+        pg = self.process_group()
+        device = x.device
+        x = x.contiguous().cpu() if _via_host(x, pg) else x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x, group=self.process_group())
+        dist.all_gather(parts, x, group=pg)
+        parts = [t.to(device) for t in parts]
         # Members are ascending world ranks and shard rank grows with world rank inside a
         # collective group, so list order is shard order.
         return torch.cat(parts, dim=dim)
@@ -96,6 +102,16 @@ class LogicalGroup:
                 f"tpshard.runtime.bind_groups(topology, [(\"{self.name}\", {self.factor})]) on every rank first"
             )
         return pg
+
+
+def _via_host(x: torch.Tensor, pg: dist.ProcessGroup) -> bool:
+    """gloo ranks computing on (shared) GPUs: their collectives go through host memory."""
+    return x.device.type != "cpu" and dist.get_backend(pg) == "gloo"
+
+
+def _all_reduce(x: torch.Tensor, pg: dist.ProcessGroup) -> torch.Tensor:
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=pg)
+    return x
 
 
 def collective_members(topology: Topology, name: GroupName, world_rank: int, factor: int = 1) -> tuple[int, ...]:

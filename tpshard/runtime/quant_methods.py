@@ -34,6 +34,41 @@ from tpshard.quant.formats import QuantSpec, dequantize
 from tpshard.runtime.quant_method import new_param
 
 
+# Static activation scales, by suffix: the input of the layer is quantized with them.
+INPUT_SCALES = ("input_scale", "input_global_scale")
+_FP8_MAX = 448.0  # largest e4m3 value
+_FP4_MAX = 6.0  # largest e2m1 value
+
+
+def quantize_input(spec: QuantSpec, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x as the layer's static activation quantization leaves it (float32 in, float32 out).
+
+    FP8 with `input_scale` s: e4m3(clamp(x / s)) * s, one scale for the tensor. NVFP4 with
+    `input_global_scale` g (compressed-tensors' convention, a multiplier): per 16 values along K a
+    block scale e4m3(amax / 6 * g), values rounded to e2m1 at block scale / g. Elementwise or per
+    16-block along K, so a rank's K-slice (aligned to 16) quantizes as the whole input would.
+    """
+    x = x.to(torch.float32)
+    s = scale.to(torch.float32).reshape(())
+    if spec.format == "ct_nvfp4":
+        blocks = x.unflatten(-1, (-1, 16))  # [..., K/16, 16]
+        amax = blocks.abs().amax(-1, keepdim=True)
+        block_scale = (amax / _FP4_MAX * s).clamp(max=_FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) / s
+        safe = torch.where(block_scale > 0, block_scale, torch.ones_like(block_scale))
+        values = _round_fp4((blocks / safe).clamp(-_FP4_MAX, _FP4_MAX))
+        return (values * block_scale).flatten(-2)
+    return (x / s).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * s
+
+
+def _round_fp4(v: torch.Tensor) -> torch.Tensor:
+    """Nearest e2m1 value (ties to the smaller magnitude)."""
+    from tpshard.quant.packing import E2M1_VALUES
+
+    mags = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=v.device)
+    idx = (v.abs().unsqueeze(-1) - mags).abs().argmin(-1)
+    return mags[idx] * v.sign()
+
+
 def quant_spec_of(plan, module: str) -> QuantSpec | None:
     """The QuantSpec the plan recorded for HF module `module` (e.g. model.layers.0.mlp.down_proj), or None."""
     raw = plan.quant_layers.get(module)
@@ -68,10 +103,24 @@ class ReferenceQuantMethod:
         by_piece: dict[object, dict[str, torch.Tensor]] = {}
         for (sid, suffix), t in layer.quant_tensors.items():
             by_piece.setdefault(sid, {})[suffix] = t
+        # Each piece quantizes its input with its own static scale (q, k, v keep theirs).
+        layer.input_scales = {}
+        for sid, tensors in by_piece.items():
+            scale = next((tensors[n] for n in INPUT_SCALES if n in tensors), None)
+            if self.spec.static_input and scale is not None:
+                layer.input_scales[sid] = scale.to(layer.weight.device)
         for sid, tensors in by_piece.items():
             w = dequantize(self.spec, tensors, k=layer.in_per_rank)  # [N piece per rank, K per rank], float32
             layer.load_shard(sid, w, "weight")
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         b = bias.to(torch.float32) if bias is not None else None
-        return F.linear(x.to(torch.float32), layer.weight, b).to(x.dtype)
+        scales = getattr(layer, "input_scales", None)
+        if not scales:
+            return F.linear(x.to(torch.float32), layer.weight, b).to(x.dtype)
+        outs = []
+        for piece in layer._pieces:  # the pieces along the output dim, each with its input scale
+            rows = slice(piece.offset, piece.offset + piece.size)
+            xq = quantize_input(self.spec, x, scales[piece.shard_id]) if piece.shard_id in scales else x.to(torch.float32)
+            outs.append(F.linear(xq, layer.weight[rows], None if b is None else b[rows]))
+        return torch.cat(outs, dim=-1).to(x.dtype)

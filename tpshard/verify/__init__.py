@@ -14,16 +14,21 @@ run (what each rank does), report (results, tolerances, report.json, junit.xml).
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from tpshard.errors import TpshardError
 from tpshard.verify.report import LAYER_TOLERANCE, MODEL_TOLERANCE, VerifyReport, write_junit, write_report
 
 __all__ = [
-    "LAYER_TOLERANCE", "MODEL_TOLERANCE", "VerifyReport", "choose_backend", "verify", "verify_many", "write_junit",
-    "write_report",
+    "LAYER_TOLERANCE", "MODEL_TOLERANCE", "Launch", "LaunchFailed", "VerifyReport", "choose_backend", "choose_launch",
+    "verify", "verify_many", "write_junit", "write_report",
 ]  # fmt: skip
+
+DEFAULT_TIMEOUT_S = 1800.0
 
 
 class LaunchFailed(TpshardError):
@@ -32,77 +37,130 @@ class LaunchFailed(TpshardError):
     exit_code = 3
 
 
-def choose_backend(world_size: int, backend: str | None = None) -> str:
-    """--backend, else $TPSHARD_BACKEND, else NCCL when every rank gets its own GPU, else gloo."""
-    import os
+@dataclass(frozen=True)
+class Launch:
+    """How the ranks run: the backend, where they compute, and why (said out loud before the run)."""
 
+    backend: str  # nccl or gloo
+    device: str  # cuda or cpu
+    why: str
+
+    def describe(self, ranks: int) -> str:
+        where = "one GPU per rank" if self.backend == "nccl" else ("GPUs shared by the ranks" if self.device == "cuda" else "CPU")
+        return f"verify: {ranks} ranks, backend {self.backend} on {where}: {self.why}"
+
+
+def choose_launch(local_ranks: int, backend: str | None = None, device: str | None = None) -> Launch:
+    """Backend and device for `local_ranks` ranks on this node.
+
+    backend: "nccl", "gloo", or "auto"/None ($TPSHARD_BACKEND, else automatic); device: "cuda",
+    "cpu", or "auto"/None. Automatic: NCCL when every local rank gets its own GPU; with fewer GPUs,
+    gloo with the ranks computing on the GPUs they share (NCCL cannot put two ranks on one GPU);
+    without a GPU, gloo on the CPU. Never silently the CPU on a GPU machine: only `--device cpu`
+    (or no GPU) computes there. Asked for and impossible is an error, not a fallback.
+    """
     import torch
 
-    backend = backend or os.environ.get("TPSHARD_BACKEND")
+    backend = backend if backend not in (None, "auto") else (os.environ.get("TPSHARD_BACKEND") or "auto")
+    device = device or "auto"
+    if backend not in ("nccl", "gloo", "auto"):
+        raise TpshardError(f"--backend {backend}: expected auto, nccl or gloo")
+    if device not in ("cuda", "cpu", "auto"):
+        raise TpshardError(f"--device {device}: expected auto, cuda or cpu")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend is None:
-        return "nccl" if gpus >= world_size else "gloo"
-    if backend not in ("nccl", "gloo"):
-        raise TpshardError(f"--backend {backend}: expected nccl or gloo")
-    if backend == "nccl" and gpus < world_size:
-        raise TpshardError(
-            f"--backend nccl needs one GPU per rank: {world_size} ranks, {gpus} GPUs here;"
-            " use --backend gloo (CPU ranks) or run on a node with enough GPUs"
-        )
-    return backend
+    have = f"{local_ranks} ranks here, {gpus} GPU{'s' if gpus != 1 else ''}"
+    if backend == "nccl":
+        if device == "cpu":
+            raise TpshardError("--backend nccl runs on GPUs; --device cpu needs --backend gloo")
+        if gpus < local_ranks:
+            raise TpshardError(
+                f"--backend nccl needs one GPU per rank: {have}; use --backend gloo (ranks share the GPUs,"
+                " or --device cpu) or run on a node with enough GPUs"
+            )
+        return Launch("nccl", "cuda", f"asked for ({have})")
+    if device == "cuda" and gpus == 0:
+        raise TpshardError("--device cuda: no CUDA GPU is visible here")
+    if backend == "gloo":
+        on = "cuda" if device == "cuda" or (device == "auto" and gpus) else "cpu"
+        return Launch("gloo", on, f"asked for ({have}{', --device cpu' if device == 'cpu' else ''})")
+    if device == "cpu":
+        return Launch("gloo", "cpu", f"--device cpu ({have})")
+    if gpus >= local_ranks:
+        return Launch("nccl", "cuda", f"auto: {have}")
+    if gpus:
+        return Launch("gloo", "cuda", f"auto: {have}, and NCCL needs one GPU per rank; collectives go through host memory")
+    return Launch("gloo", "cpu", f"auto: {have}")
+
+
+def choose_backend(world_size: int, backend: str | None = None) -> str:
+    """The backend `choose_launch` picks (kept for callers that only need its name)."""
+    return choose_launch(world_size, backend).backend
 
 
 def verify(
-    out: str | Path, source: str | Path, *, model: bool = False, backend: str | None = None, dtype: str = "float32",
-    seed: int = 0, tokens: int = 16, timeout_s: float = 1800.0,
+    out: str | Path, source: str | Path, *, model: bool = False, backend: str | None = None, device: str | None = None,
+    dtype: str = "float32", seed: int = 0, tokens: int = 16, timeout_s: float = DEFAULT_TIMEOUT_S,
+    announce: Callable[[str], None] | None = None,
 ) -> VerifyReport:  # fmt: skip
     """Verify the tpshard output at `out` against the checkpoint it was split from.
 
     Args:
-        out: a tpshard output folder (all ranks written).
-        source: the Hugging Face checkpoint folder it was split from.
+        out: a tpshard output folder (all ranks written; under torchrun, this node's ranks).
+        source: the Hugging Face checkpoint folder it was split from (read by rank 0 only).
         model: also run the tensor-parallel decoder and compare logits with transformers.
-        backend: "nccl" or "gloo"; default NCCL with a GPU per rank, else gloo.
+        backend, device: see `choose_launch` (default automatic, announced).
         dtype: layer-level compute dtype (float32, bfloat16, float16); the model level is float32.
         seed, tokens: the random inputs (tokens rows per layer input, sequence length for the model).
+        timeout_s: the whole launch, and each collective (a rank that never arrives).
+        announce: called with one line saying which backend was chosen and why (rank 0 only).
     Returns:
-        The VerifyReport (the same on every rank under torchrun). Never raises on a mismatch.
+        The VerifyReport (the same on every rank under torchrun). Never raises on a mismatch; raises
+        TpshardError for a user error (exit 2) and LaunchFailed when a rank crashed or hung (exit 3),
+        naming the rank that failed first and its error.
     """
-    return verify_many([out], [source], model=model, backend=backend, dtype=dtype, seed=seed, tokens=tokens, timeout_s=timeout_s)[0]
+    return verify_many(
+        [out], [source], model=model, backend=backend, device=device, dtype=dtype, seed=seed, tokens=tokens,
+        timeout_s=timeout_s, announce=announce,
+    )[0]  # fmt: skip
 
 
 def verify_many(
     outs: list[str | Path], sources: list[str | Path], *, model: bool = False, backend: str | None = None,
-    dtype: str = "float32", seed: int = 0, tokens: int = 16, timeout_s: float = 1800.0,
+    device: str | None = None, dtype: str = "float32", seed: int = 0, tokens: int = 16,
+    timeout_s: float = DEFAULT_TIMEOUT_S, announce: Callable[[str], None] | None = None,
 ) -> list[VerifyReport]:  # fmt: skip
     """Verify several outputs of the same world size in one launch (one process start per rank)."""
     from tpshard.manifest import read_manifest
-    from tpshard.verify.run import Job, preflight, under_torchrun
+    from tpshard.verify.run import Job, check_args, preflight, under_torchrun
 
     jobs = [Job(str(o), str(s), model=model, dtype=dtype, seed=seed, tokens=tokens) for o, s in zip(outs, sources, strict=True)]
     sizes = set()
     for job in jobs:
-        preflight(job)
+        check_args(job)
         sizes.add(read_manifest(job.out).plan.topology.world_size)
     if len(sizes) != 1:
         raise TpshardError(f"outputs verified in one launch must share the world size, got {sorted(sizes)}")
     world = sizes.pop()
+    if timeout_s <= 0:
+        raise TpshardError(f"--timeout must be positive, got {timeout_s:g}")
     start = time.perf_counter()
     if under_torchrun():
-        reports = _in_place(jobs, world, backend)
+        reports = _in_place(jobs, world, backend, device, timeout_s, announce)
     else:
-        reports = _spawned(jobs, world, backend, timeout_s)
+        for job in jobs:
+            preflight(job)  # every rank is local: its files, and the source, before anything starts
+        reports = _spawned(jobs, world, backend, device, timeout_s, announce)
     seconds = round(time.perf_counter() - start, 3)
     for r in reports:
         r.seconds = seconds if len(reports) == 1 else r.seconds
     return reports
 
 
-def _in_place(jobs, world: int, backend: str | None) -> list[VerifyReport]:
-    import os
+def _in_place(jobs, world: int, backend, device, timeout_s: float, announce) -> list[VerifyReport]:
+    import torch.distributed as dist
 
     from tpshard.runtime import init_distributed, shutdown_distributed
-    from tpshard.verify.run import rank_main
+    from tpshard.verify.run import raise_rank_problems, rank_main, rank_preflight
 
     launched = int(os.environ["WORLD_SIZE"])
     if launched != world:
@@ -110,21 +168,34 @@ def _in_place(jobs, world: int, backend: str | None) -> list[VerifyReport]:
             f"torchrun started {launched} processes, but {jobs[0].out} was split for tp={world}:"
             f" run torchrun with nnodes x nproc-per-node = {world}"
         )
-    info = init_distributed(choose_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world)), backend))
-    try:
-        return rank_main(info, jobs)
-    finally:
-        shutdown_distributed()
+    launch = choose_launch(int(os.environ.get("LOCAL_WORLD_SIZE", world)), backend, device)
+    if announce and os.environ.get("RANK") == "0":
+        announce(launch.describe(world))
+    info = init_distributed(launch.backend, device=launch.device, timeout_s=timeout_s)
+    # Each rank checks what it alone can see (its files; the source on rank 0), then all ranks
+    # learn every rank's answer: one rank's missing file stops all of them with its message.
+    mine = [p for job in jobs for p in rank_preflight(job, info.rank)]
+    everyone: list = [None] * info.world_size
+    dist.all_gather_object(everyone, mine)
+    raise_rank_problems(dict(enumerate(everyone)))
+    reports = rank_main(info, jobs)
+    shutdown_distributed()  # only after success: a failed rank leaves at once (see tpshard.runtime.launch)
+    return reports
 
 
-def _spawned(jobs, world: int, backend: str | None, timeout_s: float) -> list[VerifyReport]:
+def _spawned(jobs, world: int, backend, device, timeout_s: float, announce) -> list[VerifyReport]:
     from tpshard.runtime import RankFailed, run_local
     from tpshard.verify.run import rank_main
 
+    launch = choose_launch(world, backend, device)
+    if announce:
+        announce(launch.describe(world))
     try:
-        results = run_local(rank_main, world, jobs, backend=choose_backend(world, backend), timeout_s=timeout_s)
+        results = run_local(rank_main, world, jobs, backend=launch.backend, device=launch.device, timeout_s=timeout_s)
     except RankFailed as e:
-        first = next(r for r in e.results if not r.ok)
-        tail = "\n".join(first.error.strip().splitlines()[-3:])
-        raise LaunchFailed(f"verify: rank {first.rank} of {world} failed:\n{tail}") from None
+        root = e.root
+        if root.exit_code != 3:  # a user error found by one rank (its file, its data)
+            message = (root.error or "").partition(": ")[2]  # "OutputError: <message>"
+            raise TpshardError(f"rank {root.rank} of {world}: {message}") from None
+        raise LaunchFailed(f"verify: rank {root.rank} of {world} failed first:\n{root.summary()}") from None
     return results[0].value

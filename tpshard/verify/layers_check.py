@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from tpshard.manifest import Plan
 from tpshard.quant.formats import dequantize
-from tpshard.runtime.quant_methods import quant_spec_of
+from tpshard.runtime.quant_methods import INPUT_SCALES, quant_spec_of, quantize_input
 from tpshard.verify.build import Built, LayerSpecs, run_row
 from tpshard.verify.report import LayerResult
 
@@ -119,19 +119,33 @@ def source_weight(lay: LayerSpecs, plan: Plan, src: SourceTensors, piece: str) -
     return dequantize(spec, tensors, k=lay.logical_shape(piece)[1]).double()  # float32 math, as on the ranks
 
 
-def reference(lay: LayerSpecs, w: torch.Tensor, src: SourceTensors, piece: str, x: torch.Tensor) -> torch.Tensor:
-    """The unsharded output of one piece, float64, from its source weight `w` and the source bias."""
+def reference(
+    lay: LayerSpecs, plan: Plan, w: torch.Tensor, src: SourceTensors, piece: str, x: torch.Tensor
+) -> torch.Tensor:
+    """The unsharded output of one piece, float64, from its source weight `w` and the source bias.
+
+    A quantized layer with static activation scales (input_scale, input_global_scale) first
+    fake-quantizes its input with the *source* scale, as the ranks do with theirs."""
     if lay.layer_class == "VocabParallelEmbedding":
         return F.embedding(x, w)
+    if lay.quant:
+        spec = quant_spec_of(plan, lay.module(piece))
+        names = {s.source.rpartition(".")[2]: s.source for s in lay.specs if s.quant and s.piece == piece}
+        scale = next((src.raw(names[n]) for n in INPUT_SCALES if n in names), None)
+        if spec.static_input and scale is not None:
+            x = quantize_input(spec, x.to(torch.float32), scale)
     b = lay.first(piece, "bias")
     return F.linear(x.double(), w, src[b.source] if b is not None else None)
 
 
 def compare_layer(
     lay: LayerSpecs, plan: Plan, sent: list[dict], src: SourceTensors, *, seed: int, tokens: int,
-    dtype: torch.dtype, tolerance: float,
+    dtype: torch.dtype, tolerance: float, probe: bool = False,
 ) -> LayerResult:  # fmt: skip
-    """Rank 0: every rank's output of `lay` (sent[rank]) against the float64 reference."""
+    """Rank 0: every rank's output of `lay` (sent[rank]) against the float64 reference.
+
+    probe: the outputs are of a zero input, so they must equal the source bias rounded to the
+    compute dtype, exactly (tolerance 0): a bias a few ULPs off is invisible next to x @ W.T."""
     topo = plan.topology
     nbatch = topo.world_size // topo.span(lay.group)  # type: ignore[arg-type]
     result = LayerResult(
@@ -143,8 +157,13 @@ def compare_layer(
         for p in msg["problems"]:
             problems.setdefault(p)
     inputs = [layer_input(lay, b, seed=seed, tokens=tokens, dtype=dtype) for b in range(nbatch)]
+    if probe:
+        inputs = [torch.zeros_like(x) for x in inputs]
+        tolerance = result.tolerance = 0.0
     weights = {p: source_weight(lay, plan, src, p) for p in lay.pieces()}
-    refs = {p: [reference(lay, weights[p], src, p, x) for x in inputs] for p in lay.pieces()}
+    refs = {p: [reference(lay, plan, weights[p], src, p, x) for x in inputs] for p in lay.pieces()}
+    if probe:
+        refs = {p: [r.to(dtype).double() for r in rs] for p, rs in refs.items()}
     scale = max(r.abs().max().item() for rs in refs.values() for r in rs) or 1.0
     max_abs = 0.0
     findings: dict[str, list[int]] = defaultdict(list)  # diagnosis -> world ranks

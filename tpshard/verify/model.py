@@ -1,7 +1,7 @@
 """Model-level verification: a tensor-parallel dense decoder built from the shards, vs transformers.
 
 The decoder of the supported dense architectures (Llama, Mistral, Qwen2, Qwen3): RMSNorm, RoPE
-(default rope type), causal GQA attention (Qwen3: per-head q/k RMSNorm before RoPE), SwiGLU MLP.
+(default, or Llama 3.1/3.2/3.3's rope_type llama3 frequency scaling), causal GQA attention (Qwen3: per-head q/k RMSNorm before RoPE), SwiGLU MLP.
 Its linear and vocab layers are the runtime's, built from the manifest (tpshard.verify.build);
 the reductions sit at the layer boundary as in the engines: o_proj all-reduces over attn_tp,
 down_proj over tp, the embedding all-reduces over its group, lm_head all-gathers its vocab slice.
@@ -9,7 +9,10 @@ Norm weights are replicated tensors read from the rank's own files. Everything r
 
 Attention DP: each DP replica embeds and attends to its own batch. Before a layer over a larger
 group (the MLP over tp), the replicas' tokens are gathered (every rank then runs the MLP on all
-tokens, as SGLang's dp gather does) and afterwards each replica keeps its own rows again. Context
+tokens, as SGLang's dp gather does) and afterwards each replica keeps its own rows again. The
+gather takes one member's copy per replica; the other members' copies (made with *their* norms)
+must be the same, and any that differs is recorded (`disagree`), so every rank's post-attention
+and final norm is exercised. Every rank's logits are compared, not one per replica. Context
 parallel attention (attn_cp > 1) is not modelled.
 
 Rank 0 runs AutoModelForCausalLM on the source checkpoint in float32 on the same token batches and
@@ -17,6 +20,8 @@ compares logits: max abs (and relative to max |logit|) difference, top-1 agreeme
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +34,12 @@ from tpshard.verify.layers_check import generator
 from tpshard.verify.report import MODEL_TOLERANCE, ModelResult
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ROPE_TYPES = ("default", "llama3")
+# Oldest transformers --model runs on (Qwen3 came in 4.51); pyproject's `verify` extra says the same.
+MIN_TRANSFORMERS = (4, 51)
+# Members of one attention-DP replica hold the same activations (they come out of one all-reduce):
+# a copy further than this from the one used (relative to its max) is a rank's own wrong norm.
+REPLICA_TOLERANCE = 1e-6
 SEQUENCES = 2  # sequences per batch
 
 # HF module names of the dense decoder (the engine layer names the rule tables give).
@@ -51,11 +62,56 @@ def unsupported_reason(plan: Plan, config: dict) -> str | None:
         )
     if plan.topology.attn_cp > 1:
         return "model-level verify does not model context-parallel attention (attn_cp > 1); use layer-level verify"
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", None):
-        return f"model-level verify implements the default RoPE only, not rope_type {kind!r}"
+    kind = rope_config(config).get("rope_type", "default")
+    if kind not in ROPE_TYPES:
+        return f"model-level verify implements RoPE types {', '.join(ROPE_TYPES)}, not rope_type {kind!r}"
+    return transformers_problem()
+
+
+def transformers_problem() -> str | None:
+    """Why the installed transformers cannot be the reference, or None."""
+    try:
+        import transformers
+    except ImportError:
+        return "model-level verify needs transformers (pip install 'tpshard[verify]')"
+    have = _version(transformers.__version__)
+    if have < MIN_TRANSFORMERS:
+        need = ".".join(map(str, MIN_TRANSFORMERS))
+        return f"model-level verify needs transformers>={need}, this is {transformers.__version__} (pip install 'tpshard[verify]')"
     return None
+
+
+def _version(text: str) -> tuple[int, int]:
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def rope_config(config: dict) -> dict:
+    """The RoPE parameters of an HF config, whichever transformers wrote it: `rope_parameters`
+    (v5: rope_type, rope_theta and the scaling fields) or `rope_scaling` (v4: `type` or `rope_type`)."""
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    rope["rope_type"] = kind
+    return rope
+
+
+def rope_inv_freq(head_dim: int, theta: float, rope: dict) -> torch.Tensor:
+    """Inverse frequencies [hd/2], float32, with Llama 3's scaling for rope_type llama3: wavelengths
+    beyond original_max_position_embeddings / low_freq_factor are stretched by `factor`, those
+    below ... / high_freq_factor are kept, and the band between is interpolated smoothly."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim))
+    if rope.get("rope_type", "default") != "llama3":
+        return inv_freq
+    factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    old = float(rope["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 def model_tokens(plan: Plan, batch: int, *, seed: int, tokens: int) -> torch.Tensor:
@@ -75,13 +131,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class TPDecoder:
     """One rank's part of the decoder. `layers`: engine layer name -> Built (float32, loaded)."""
 
-    def __init__(self, plan: Plan, rank: int, layers: dict[str, Built], norms: dict[str, torch.Tensor], device):
+    def __init__(
+        self, plan: Plan, rank: int, layers: dict[str, Built], norms: dict[str, torch.Tensor], device,
+        rope: dict | None = None,
+    ):  # fmt: skip
         self.plan, self.rank, self.layers, self.norms, self.device = plan, rank, layers, norms, device
         m = plan.model
         self.eps, self.head_dim = m.rms_norm_eps, m.head_dim
         self.lm_head = layers.get(LM_HEAD) or layers[TIED_LM_HEAD]
-        inv_freq = 1.0 / (m.rope_theta ** (torch.arange(0, m.head_dim, 2, dtype=torch.float32) / m.head_dim))
-        self.inv_freq = inv_freq.to(device)  # [hd/2]
+        self.inv_freq = rope_inv_freq(m.head_dim, m.rope_theta, rope or {}).to(device)  # [hd/2]
+        self.disagree: dict[int, float] = {}  # world rank -> rel difference of its copy from the one used
+        self._where = ""
 
     # -- gathering attention-DP replicas' tokens for a layer over a larger group, and back
 
@@ -92,6 +152,11 @@ class TPDecoder:
         if step == topo.span(big.name):
             return x
         everyone = big.all_gather(x.unsqueeze(0), dim=0)  # [span(big), B, ...], member order
+        used = everyone[::step].repeat_interleave(step, 0)  # the copy each member's instance contributes
+        rel = (everyone - used).flatten(1).abs().amax(1) / used.abs().amax().clamp_min(1e-30)  # [span(big)]
+        for member, r in zip(big.members, rel.tolist()):
+            if r > REPLICA_TOLERANCE:
+                self.disagree[member] = max(self.disagree.get(member, 0.0), r)
         return everyone[::step].flatten(0, 1)  # one member per small instance
 
     def _scatter(self, x: torch.Tensor, small: LogicalGroup, big: LogicalGroup, b: int) -> torch.Tensor:
@@ -159,25 +224,51 @@ def hf_logits(source: str, batches: list[torch.Tensor]) -> list[torch.Tensor]:
     except ImportError:
         raise TpshardError("model-level verify needs transformers (pip install transformers)") from None
     hf_logging.disable_progress_bar()  # stderr belongs to the report
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="eager")
+    import transformers
+
+    # `dtype` replaced `torch_dtype` in 4.56; the old name warns, then goes, in later releases.
+    dtype_kw = "dtype" if _version(transformers.__version__) >= (4, 56) else "torch_dtype"
+    model = AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager", **{dtype_kw: torch.float32})
     model.eval()
     with torch.no_grad():
         return [model(input_ids=ids).logits.double() for ids in batches]
 
 
-def compare_logits(plan: Plan, tp: list[torch.Tensor], ref: list[torch.Tensor], *, tokens: int) -> ModelResult:
+def compare_logits(plan: Plan, sent: list[dict], ref: list[torch.Tensor], *, tokens: int) -> ModelResult:
+    """Every rank's logits (sent[rank] = {batch, logits, disagree}) against transformers' of its batch.
+
+    The result holds the worst over ranks (max error, min top-1, max KL); a failure names the ranks."""
     result = ModelResult(
         architecture=plan.model.architecture, batches=len(ref), sequences=SEQUENCES, tokens=tokens,
         tolerance=dict(MODEL_TOLERANCE),
     )  # fmt: skip
-    t = torch.cat([x.double().flatten(0, 1) for x in tp])  # [N, V]
-    r = torch.cat([x.flatten(0, 1) for x in ref])
-    if t.shape != r.shape:
-        result.problems.append(f"logits shape {list(t.shape)}, transformers gives {list(r.shape)}")
-        return result
-    result.max_abs = (t - r).abs().max().item()
-    result.max_rel = result.max_abs / (r.abs().max().item() or 1.0)
-    result.top1 = (t.argmax(-1) == r.argmax(-1)).double().mean().item()
-    logp_r, logp_t = r.log_softmax(-1), t.log_softmax(-1)
-    result.kl = (logp_r.exp() * (logp_r - logp_t)).sum(-1).mean().item()
+    bad: list[int] = []
+    result.top1 = 1.0
+    for rank, msg in enumerate(sent):
+        t, r = msg["logits"].double().flatten(0, 1), ref[msg["batch"]].flatten(0, 1)  # [N, V]
+        if t.shape != r.shape:
+            result.problems.append(f"rank {rank}: logits shape {list(t.shape)}, transformers gives {list(r.shape)}")
+            continue
+        max_abs = (t - r).abs().max().item()
+        max_rel = max_abs / (r.abs().max().item() or 1.0)
+        top1 = (t.argmax(-1) == r.argmax(-1)).double().mean().item()
+        logp_r, logp_t = r.log_softmax(-1), t.log_softmax(-1)
+        kl = (logp_r.exp() * (logp_r - logp_t)).sum(-1).mean().item()
+        result.max_abs, result.max_rel = max(result.max_abs, max_abs), max(result.max_rel, max_rel)
+        result.top1, result.kl = min(result.top1, top1), max(result.kl, kl)
+        tol = result.tolerance
+        if max_rel > tol["max_rel"] or top1 < tol["top1"] or kl > tol["kl"]:
+            bad.append(rank)
+    if bad and len(bad) < len(sent):
+        result.problems.append(f"the logits of world ranks {bad} differ from transformers' (the other ranks' agree)")
+    disagree: dict[int, float] = {}
+    for msg in sent:
+        for member, rel in msg["disagree"].items():
+            disagree[member] = max(disagree.get(member, 0.0), rel)
+    if disagree:
+        worst = ", ".join(f"{m} ({rel:.3g})" for m, rel in sorted(disagree.items()))
+        result.problems.append(
+            f"world ranks {sorted(disagree)} hold activations that differ from their attention-DP replica's"
+            f" (their own norms?) before a gather over a larger group; rel difference: {worst}"
+        )
     return result

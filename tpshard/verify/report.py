@@ -14,7 +14,7 @@ import msgspec
 from tpshard.topology import Topology
 
 REPORT_FORMAT = "tpshard-verify-report"
-REPORT_VERSION = 1
+REPORT_VERSION = 2  # 2: the `tensors` section (checksums, whole copies, padding)
 
 # Layer level: error = max |tp - ref| over every output element, ref computed in float64 from the
 # source tensors on rank 0. `max_rel` divides it by max |ref| of that layer (elementwise relative
@@ -67,6 +67,19 @@ class ModelResult(msgspec.Struct, kw_only=True):
         return not self.problems and self.max_rel <= t["max_rel"] and self.top1 >= t["top1"] and self.kl <= t["kl"]
 
 
+class TensorsResult(msgspec.Struct, kw_only=True):
+    """Every byte of every rank (tpshard.verify.tensors_check): checksums, whole copies, padding."""
+
+    files: int = 0  # weight files checked against the manifest's checksums, over all ranks
+    whole: int = 0  # whole copies (norms, row biases, whole scales) compared with the source, over all ranks
+    padded: int = 0  # padded tensors whose padding was checked to be zero, over all ranks
+    problems: list[str] = []
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
 class VerifyReport(msgspec.Struct, kw_only=True):
     format: str = REPORT_FORMAT
     version: int = REPORT_VERSION
@@ -78,6 +91,7 @@ class VerifyReport(msgspec.Struct, kw_only=True):
     dtype: str  # layer-level compute dtype
     seed: int
     tokens: int
+    tensors: TensorsResult | None = None
     layers: list[LayerResult] = []
     model: ModelResult | None = None
     problems: list[str] = []  # not tied to one layer (a launch, a missing rank folder)
@@ -85,11 +99,16 @@ class VerifyReport(msgspec.Struct, kw_only=True):
 
     @property
     def ok(self) -> bool:
-        return not self.problems and all(r.ok for r in self.layers) and (self.model is None or self.model.ok)
+        return (
+            not self.problems and all(r.ok for r in self.layers) and (self.model is None or self.model.ok)
+            and (self.tensors is None or self.tensors.ok)
+        )  # fmt: skip
 
     def failures(self) -> list[str]:
         """One line per failing check, naming the layer: what the CLI prints and CI shows."""
         lines = list(self.problems)
+        if self.tensors is not None:
+            lines += [f"tensors: {p}" for p in self.tensors.problems]
         for r in self.layers:
             if not r.ok:
                 why = "; ".join(r.problems) or f"max rel error {r.max_rel:.3g} > {r.tolerance:g}"
@@ -147,6 +166,10 @@ def write_junit(report: VerifyReport, path: str | Path) -> None:
 
     if report.problems:
         case("tpshard.verify", "launch", "; ".join(report.problems), "\n".join(report.problems))
+    if report.tensors is not None:
+        t = report.tensors
+        detail = f"{t.files} files checksummed, {t.whole} whole copies vs the source, {t.padded} paddings zero"
+        case("tpshard.verify", "tensors", "; ".join(t.problems) if t.problems else None, "\n".join([*t.problems, detail]))
     for r in report.layers:
         fmt = f" ({r.quant})" if r.quant else ""
         detail = f"{r.layer_class}{fmt} over {r.group}: max abs {r.max_abs:.3g}, max rel {r.max_rel:.3g}, tolerance {r.tolerance:g}"

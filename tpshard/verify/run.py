@@ -23,6 +23,7 @@ from tpshard.runtime import DistInfo, bind_groups
 from tpshard.verify.build import build_layer, sharded_layers
 from tpshard.verify.layers_check import SourceTensors, batch_of, compare_layer, layer_input, rank_outputs
 from tpshard.verify.report import LAYER_TOLERANCE, VerifyReport
+from tpshard.verify.tensors_check import judge_facts, rank_facts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,31 +40,78 @@ class Job:
     tokens: int = 16
 
 
-def preflight(job: Job) -> None:
-    """Everything that can be wrong before a process group exists: raise a TpshardError for it."""
-    from tpshard.checkpoint import open_checkpoint
-
-    manifest = read_manifest(job.out)
-    plan = manifest.plan
-    missing = [r for r in range(plan.topology.world_size) if r not in manifest.written_ranks]
-    if missing:
-        raise TpshardError(f"{job.out}: verify needs every rank's folder; ranks {missing} were not written (split --ranks)")
-    ckpt = open_checkpoint(job.source)
-    absent = sorted({s.source for s in plan.shards} - set(ckpt.tensors))
-    differ = sorted({s.source for s in plan.shards if s.source in ckpt.tensors and ckpt.tensors[s.source].shape != s.source_shape})
-    if absent or differ:
-        what = f"has no {', '.join(absent[:3])}" if absent else f"{differ[0]} has another shape"
-        raise TpshardError(f"{job.source}: {what}: not the checkpoint {job.out} was split from")
+def check_args(job: Job) -> None:
     if job.dtype not in DTYPES:
         raise TpshardError(f"--dtype {job.dtype}: expected one of {', '.join(DTYPES)}")
     if job.tokens < 1:
         raise TpshardError(f"--tokens must be positive, got {job.tokens}")
+
+
+def rank_preflight(job: Job, rank: int) -> list[str]:
+    """What is wrong for `rank` before any collective: its own folder and files, and on rank 0 the source.
+
+    Each rank needs only its own files (rank-NNNNN/) and the manifest; only rank 0 reads the
+    source. Under torchrun every rank runs this for itself and the ranks exchange the answers, so
+    rank 3's missing file ends every rank with rank 3's message; spawned here, the parent runs it
+    for every rank.
+    """
+    from tpshard.manifest import rank_dir
+
+    manifest = read_manifest(job.out)
+    plan = manifest.plan
+    problems = []
+    if rank not in manifest.written_ranks:
+        problems.append(f"{job.out} has no folder for rank {rank} (it holds ranks {list(manifest.written_ranks)})")
+    else:
+        for f in plan.rank_files(rank):
+            path = os.path.join(job.out, rank_dir(rank), f.name)
+            if not os.path.isfile(path):
+                problems.append(f"{path} is missing")
+            elif os.path.getsize(path) != f.size:
+                problems.append(f"{path} has {os.path.getsize(path)} bytes, the manifest says {f.size}")
+    if rank == 0:
+        problems += source_problems(job, plan)
+    return problems
+
+
+def source_problems(job: Job, plan) -> list[str]:
+    """Is `job.source` the checkpoint the output was split from, and can --model run on it?"""
+    from tpshard.checkpoint import open_checkpoint
+
+    try:
+        ckpt = open_checkpoint(job.source)
+    except TpshardError as e:
+        return [str(e)]
+    absent = sorted({s.source for s in plan.shards} - set(ckpt.tensors))
+    differ = sorted({s.source for s in plan.shards if s.source in ckpt.tensors and ckpt.tensors[s.source].shape != s.source_shape})
+    if absent or differ:
+        what = f"has no {', '.join(absent[:3])}" if absent else f"{differ[0]} has another shape"
+        return [f"{job.source}: {what}: not the checkpoint {job.out} was split from"]
     if job.model:
         from tpshard.verify.model import unsupported_reason
 
         reason = unsupported_reason(plan, ckpt.config)
         if reason:
-            raise TpshardError(f"--model: {reason}")
+            return [f"--model: {reason}"]
+    return []
+
+
+def preflight(job: Job, ranks: list[int] | None = None) -> None:
+    """Everything that can be wrong before a process group exists, for `ranks` (default: all) on this
+    machine: raise one TpshardError naming each rank's problem."""
+    check_args(job)
+    world = read_manifest(job.out).plan.topology.world_size
+    problems = {r: rank_preflight(job, r) for r in (range(world) if ranks is None else ranks)}
+    raise_rank_problems(problems)
+
+
+def raise_rank_problems(problems: dict[int, list[str]]) -> None:
+    lines = [f"rank {r}: {p}" for r, ps in sorted(problems.items()) for p in ps]
+    if lines:
+        more = f"\n... {len(lines) - 8} more" if len(lines) > 8 else ""
+        error = TpshardError("\n".join(lines[:8]) + more)
+        error.every_rank = True  # raised alike on every rank: under torchrun only rank 0 prints it
+        raise error
 
 
 def rank_main(info: DistInfo, jobs: list[Job]) -> list[VerifyReport]:
@@ -92,9 +140,13 @@ def _verify_job(info: DistInfo, job: Job) -> VerifyReport:
         out_dir=str(job.out), source=str(job.source), topology=topo, backend=info.backend, device=str(device),
         dtype=job.dtype, seed=job.seed, tokens=job.tokens,
     )  # fmt: skip
+    # Every byte: each rank checks its own files and sends digests of its whole copies.
+    facts = _gather(rank_facts(job.out, manifest, rank, tensors), info)
+    if rank == 0:
+        report.tensors = judge_facts(manifest, facts, src)
     keep = {}  # float32 layers the model-level forward reuses
     for lay in sharded_layers(plan):
-        sent: dict = {"batch": batch_of(plan, lay.group, rank), "problems": [], "outputs": {}}
+        sent: dict = {"batch": batch_of(plan, lay.group, rank), "problems": [], "outputs": {}, "probe": {}}
         try:
             built = build_layer(lay, plan, rank, tensors, dtype=dtype, device=device)
         except (ValueError, KeyError) as e:
@@ -105,23 +157,32 @@ def _verify_job(info: DistInfo, job: Job) -> VerifyReport:
             sent["problems"] += built.problems
             x = layer_input(lay, sent["batch"], seed=job.seed, tokens=job.tokens, dtype=dtype).to(device)
             sent["outputs"] = rank_outputs(built, x)
+            if lay.has_bias():
+                # A zero input isolates the bias: its output must be the source bias exactly.
+                sent["probe"] = rank_outputs(built, torch.zeros_like(x))
             if job.model and dtype == torch.float32:
                 keep[lay.layer] = built
-        gathered = [None] * info.world_size if rank == 0 else None
-        dist.gather_object(sent, gathered, dst=0)
+        gathered = _gather(sent, info)
         if rank == 0:
-            report.layers.append(
-                compare_layer(
-                    lay, plan, gathered, src, seed=job.seed, tokens=job.tokens, dtype=dtype,
-                    tolerance=LAYER_TOLERANCE[job.dtype],
-                )  # fmt: skip
-            )
+            kw = dict(seed=job.seed, tokens=job.tokens, dtype=dtype, tolerance=LAYER_TOLERANCE[job.dtype])
+            result = compare_layer(lay, plan, gathered, src, **kw)
+            if all(msg["probe"] for msg in gathered):
+                probe = compare_layer(lay, plan, [{**m, "outputs": m["probe"]} for m in gathered], src, probe=True, **kw)
+                result.problems += [f"bias (zero input): {p}" for p in probe.problems if p not in result.problems]
+            report.layers.append(result)
     if job.model:
-        report.model = _verify_model(info, job, plan, tensors, keep)
+        report.model = _verify_model(info, job, plan, tensors, keep, src)
     report.seconds = round(time.perf_counter() - start, 3)
     box = [report if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _gather(obj, info: DistInfo) -> list | None:
+    """Every rank's `obj` on rank 0 (None elsewhere)."""
+    gathered = [None] * info.world_size if info.rank == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
 
 
 def _all_true(flag: bool, device: torch.device) -> bool:
@@ -130,8 +191,8 @@ def _all_true(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
-def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict):
-    from tpshard.verify.model import TPDecoder, compare_logits, hf_logits, model_tokens
+def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
+    from tpshard.verify.model import TPDecoder, compare_logits, hf_logits, model_tokens, rope_config
 
     rank, device, topo = info.rank, info.device, plan.topology
     # Load problems are reported per layer already; here only the logits are judged.
@@ -144,21 +205,21 @@ def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict):
         for s in plan.rank_shards(rank)
         if s.layer_class == "Replicated"
     }
-    decoder = TPDecoder(plan, rank, layers, norms, device)
+    # Only rank 0 reads the source: the RoPE parameters travel from there.
+    box = [rope_config(src.ckpt.config) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    decoder = TPDecoder(plan, rank, layers, norms, device, rope=box[0])
     batch = rank // topo.span("attn_tp")  # attention-DP replica
     ids = model_tokens(plan, batch, seed=job.seed, tokens=job.tokens)
     with torch.no_grad():
         logits = decoder.forward(ids)
-    # One rank per replica sends its logits (all ranks of a replica hold the same, gathered ones).
-    sent = logits.cpu() if rank % topo.span("attn_tp") == 0 else None
-    gathered = [None] * info.world_size if rank == 0 else None
-    dist.gather_object(sent, gathered, dst=0)
+    # Every rank sends its logits: each rank's own norms and layers must give the reference.
+    gathered = _gather({"batch": batch, "logits": logits.cpu(), "disagree": decoder.disagree}, info)
     if rank != 0:
         return None
     nbatch = topo.world_size // topo.span("attn_tp")
     ref = hf_logits(job.source, [model_tokens(plan, b, seed=job.seed, tokens=job.tokens) for b in range(nbatch)])
-    tp = [gathered[b * topo.span("attn_tp")] for b in range(nbatch)]
-    return compare_logits(plan, tp, ref, tokens=job.tokens)
+    return compare_logits(plan, gathered, ref, tokens=job.tokens)
 
 
 def under_torchrun() -> bool:

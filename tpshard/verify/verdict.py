@@ -1,0 +1,66 @@
+"""Exit codes under torchrun: each rank writes its verdict; `tpshard verify --torchrun` reads them.
+
+torchrun exits 1 whenever any worker exits non-zero, so verify's codes (0 ok, 1 mismatch, 2 a user
+error, 3 a launch problem) would all read 1. With $TPSHARD_VERDICT_DIR set (the --torchrun wrapper
+sets it to a fresh folder), every rank writes `rank-NNNNN.json` = {rank, code, message, time}
+before it exits; the wrapper decides from them: a user error (2) or a crash (3), the earliest
+first (peers of a dead rank fail later, with a transport error), then a mismatch (1); no failure
+reported but torchrun failed: 3 (a rank was killed, or never started).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VERDICT_DIR_ENV = "TPSHARD_VERDICT_DIR"
+
+
+def write_verdict(code: int, message: str = "") -> None:
+    """This rank's verdict, if a wrapper asked for it (atomically: a reader never sees half a file)."""
+    folder = os.environ.get(VERDICT_DIR_ENV)
+    if not folder:
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    path = Path(folder) / f"rank-{rank:05d}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"rank": rank, "code": code, "message": message, "time": time.time()}))
+    os.replace(tmp, path)
+
+
+def read_verdicts(folder: str | Path) -> list[dict]:
+    out = []
+    for path in sorted(Path(folder).glob("rank-*.json")):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def decide(verdicts: list[dict], torchrun_code: int) -> tuple[int, str]:
+    """(exit code, message) of a torchrun launch from its ranks' verdicts and torchrun's own code."""
+    for codes in ((2, 3), (1,)):
+        failed = sorted((v for v in verdicts if v["code"] in codes), key=lambda v: (v["time"], v["rank"]))
+        if failed:
+            first = failed[0]  # the earliest failure is the cause; its peers' errors follow from it
+            return first["code"], first["message"]
+    if torchrun_code != 0:
+        return 3, f"torchrun exited with {torchrun_code} and no rank reported a failure (a rank was killed or never started)"
+    if not verdicts:
+        return 3, "no rank reported a verdict"
+    return 0, ""
+
+
+def run_under_torchrun(torchrun_args: list[str], verify_args: list[str]) -> tuple[int, str]:
+    """`torchrun TORCHRUN_ARGS -m tpshard verify VERIFY_ARGS`, then verify's exit code and message."""
+    with tempfile.TemporaryDirectory(prefix="tpshard-verdict-") as folder:
+        env = {**os.environ, VERDICT_DIR_ENV: folder}
+        cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "tpshard", "verify", *verify_args]
+        code = subprocess.run(cmd, env=env).returncode
+        return decide(read_verdicts(folder), code)
