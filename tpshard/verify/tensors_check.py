@@ -30,7 +30,7 @@ from tpshard.verify.report import TensorsResult
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().view(torch.uint8).flatten().numpy())
+    return memoryview(t.contiguous().flatten().view(torch.uint8).numpy())
 
 
 def digest(t: torch.Tensor) -> int:
@@ -63,7 +63,7 @@ def rank_facts(out: str | Path, manifest: Manifest, rank: int, tensors) -> dict:
             padded += 1
             tail = t.narrow(s.dim, t.shape[s.dim] - s.pad, s.pad)
             if any(_bytes(tail)):
-                nonzero = int(torch.count_nonzero(tail.contiguous().view(torch.uint8)))
+                nonzero = int(torch.count_nonzero(tail.contiguous().flatten().view(torch.uint8)))
                 problems.append(
                     f"{s.name} on rank {rank}: its {s.pad} padding entries along dim {s.dim} are not zero ({nonzero} nonzero bytes)"
                 )
