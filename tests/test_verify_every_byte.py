@@ -142,8 +142,16 @@ def test_one_percent_row_bias_error_caught_in_bfloat16(biased_tp2, tmp_path):
     name = "model.layers.0.self_attn.o_proj.bias"
     overwrite_tensor(bad, 0, name, tpshard.open_rank(bad, 0)[name] * 1.01)
     rewrite_checksums(bad)
-    ok, wrong = verify_many([good, bad], [model, model], dtype="bfloat16")
+    # And a flipped byte in a safetensors header (rank 1's own file): a finding, not a crash.
+    header = copy(good, tmp_path / "header")
+    f = read_manifest(header).plan.rank_files(1)[0].name
+    path = header / rank_dir(1) / f
+    data = bytearray(path.read_bytes())
+    data[8 + int.from_bytes(data[:8], "little") // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    ok, wrong, unreadable = verify_many([good, bad, header], [model] * 3, dtype="bfloat16")
     assert ok.ok, ok.failures()
+    assert not unreadable.ok and f"rank 1: {f} of ranks [1]: safetensors header differs from the planned one" in unreadable.tensors.problems
     o_proj = next(x for x in wrong.layers if x.layer == "model.layers.0.self_attn.o_proj")
     assert not o_proj.ok
     assert any(p.startswith("bias (zero input): output differs from the reference") for p in o_proj.problems), o_proj.problems

@@ -70,15 +70,23 @@ def unsupported_reason(plan: Plan, config: dict) -> str | None:
 
 def transformers_problem() -> str | None:
     """Why the installed transformers cannot be the reference, or None."""
-    try:
-        import transformers
-    except ImportError:
+    have = transformers_version()
+    if have is None:
         return "model-level verify needs transformers (pip install 'tpshard[verify]')"
-    have = _version(transformers.__version__)
-    if have < MIN_TRANSFORMERS:
+    if _version(have) < MIN_TRANSFORMERS:
         need = ".".join(map(str, MIN_TRANSFORMERS))
-        return f"model-level verify needs transformers>={need}, this is {transformers.__version__} (pip install 'tpshard[verify]')"
+        return f"model-level verify needs transformers>={need}, this is {have} (pip install 'tpshard[verify]')"
     return None
+
+
+def transformers_version() -> str | None:
+    """The installed transformers' version, without importing it (None: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return None
 
 
 def _version(text: str) -> tuple[int, int]:
@@ -224,10 +232,8 @@ def hf_logits(source: str, batches: list[torch.Tensor]) -> list[torch.Tensor]:
     except ImportError:
         raise TpshardError("model-level verify needs transformers (pip install transformers)") from None
     hf_logging.disable_progress_bar()  # stderr belongs to the report
-    import transformers
-
     # `dtype` replaced `torch_dtype` in 4.56; the old name warns, then goes, in later releases.
-    dtype_kw = "dtype" if _version(transformers.__version__) >= (4, 56) else "torch_dtype"
+    dtype_kw = "dtype" if _version(transformers_version() or "0.0") >= (4, 56) else "torch_dtype"
     model = AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager", **{dtype_kw: torch.float32})
     model.eval()
     with torch.no_grad():

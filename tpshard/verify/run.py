@@ -22,7 +22,7 @@ from tpshard.rank import open_rank
 from tpshard.runtime import DistInfo, bind_groups
 from tpshard.verify.build import build_layer, sharded_layers
 from tpshard.verify.layers_check import SourceTensors, batch_of, compare_layer, layer_input, rank_outputs
-from tpshard.verify.report import LAYER_TOLERANCE, VerifyReport
+from tpshard.verify.report import LAYER_TOLERANCE, MODEL_TOLERANCE, ModelResult, VerifyReport
 from tpshard.verify.tensors_check import judge_facts, rank_facts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -145,15 +145,18 @@ def _verify_job(info: DistInfo, job: Job) -> VerifyReport:
     if rank == 0:
         report.tensors = judge_facts(manifest, facts, src)
     keep = {}  # float32 layers the model-level forward reuses
+    loaded = True  # every layer built on every rank (else the decoder cannot run)
     for lay in sharded_layers(plan):
         sent: dict = {"batch": batch_of(plan, lay.group, rank), "problems": [], "outputs": {}, "probe": {}}
         try:
             built = build_layer(lay, plan, rank, tensors, dtype=dtype, device=device)
-        except (ValueError, KeyError) as e:
+        except Exception as e:  # noqa: BLE001 - a shape the layer refuses, a file that cannot be read
             built = None
-            sent["problems"].append(f"cannot build {lay.layer_class} on rank {rank}: {e}")
+            sent["problems"].append(f"cannot build {lay.layer_class} on rank {rank}: {type(e).__name__}: {e}")
         # Every rank must agree to run the forward: it holds collectives.
-        if _all_true(built is not None, device):
+        if not _all_true(built is not None, device):
+            loaded = False
+        else:
             sent["problems"] += built.problems
             x = layer_input(lay, sent["batch"], seed=job.seed, tokens=job.tokens, dtype=dtype).to(device)
             sent["outputs"] = rank_outputs(built, x)
@@ -170,8 +173,13 @@ def _verify_job(info: DistInfo, job: Job) -> VerifyReport:
                 probe = compare_layer(lay, plan, [{**m, "outputs": m["probe"]} for m in gathered], src, probe=True, **kw)
                 result.problems += [f"bias (zero input): {p}" for p in probe.problems if p not in result.problems]
             report.layers.append(result)
-    if job.model:
+    if job.model and loaded:
         report.model = _verify_model(info, job, plan, tensors, keep, src)
+    elif job.model and rank == 0:
+        report.model = ModelResult(
+            architecture=plan.model.architecture, batches=0, sequences=0, tokens=job.tokens,
+            tolerance=dict(MODEL_TOLERANCE), problems=["not run: a layer could not be built on some rank (see above)"],
+        )  # fmt: skip
     report.seconds = round(time.perf_counter() - start, 3)
     box = [report if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
