@@ -18,8 +18,6 @@ import time
 
 import pytest
 import torch
-from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, unpack_fp4_from_uint8
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 from quant_fixtures import DEFAULT_SPECS, TINY, quantization_config, write_quant_checkpoint
 from safetensors import safe_open
 
@@ -35,6 +33,31 @@ from tpshard.quant.formats import (
     slice_tensors,
     step_ratio,
 )
+
+
+def _ct(module: str):
+    """A compressed-tensors module, or skip: the cross-checks need the test-pinned extra (it pins
+    compressed-tensors, which requires torch>=2.10; a GPU machine may keep an older CUDA torch)."""
+    pytest.importorskip("compressed_tensors", reason="install the test-pinned extra for the compressed-tensors cross-checks")
+    import importlib
+
+    return importlib.import_module(module)
+
+
+def pack_to_int32(*a, **k):
+    return _ct("compressed_tensors.compressors.pack_quantized.helpers").pack_to_int32(*a, **k)
+
+
+def unpack_from_int32(*a, **k):
+    return _ct("compressed_tensors.compressors.pack_quantized.helpers").unpack_from_int32(*a, **k)
+
+
+def pack_fp4_to_uint8(*a, **k):
+    return _ct("compressed_tensors.compressors.nvfp4.helpers").pack_fp4_to_uint8(*a, **k)
+
+
+def unpack_fp4_from_uint8(*a, **k):
+    return _ct("compressed_tensors.compressors.nvfp4.helpers").unpack_fp4_from_uint8(*a, **k)
 
 BITS = (2, 3, 4, 8)
 GEN = torch.Generator().manual_seed(1234)
@@ -232,8 +255,8 @@ def test_dequantize_equals_expected_and_table_matches_tensors(name):
 
 def test_ct_int_dequantize_matches_compressed_tensors():
     """Our CT int dequantize == compressed-tensors' own dequantize on its own unpacked codes."""
-    from compressed_tensors.quantization import QuantizationArgs
-    from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
+    QuantizationArgs = _ct("compressed_tensors.quantization").QuantizationArgs
+    ct_dequantize = _ct("compressed_tensors.quantization.lifecycle.forward").dequantize
 
     spec = QuantSpec(format="ct_int", bits=4, group_size=64, sym=False)
     tensors, _ = random_layer(spec, 128, 256, seed=3, scale_dtype=torch.float32)
