@@ -100,8 +100,12 @@ def preflight(job: Job, ranks: list[int] | None = None) -> None:
     """Everything that can be wrong before a process group exists, for `ranks` (default: all) on this
     machine: raise one TpshardError naming each rank's problem."""
     check_args(job)
-    world = read_manifest(job.out).plan.topology.world_size
-    problems = {r: rank_preflight(job, r) for r in (range(world) if ranks is None else ranks)}
+    manifest = read_manifest(job.out)
+    ranks = list(range(manifest.plan.topology.world_size)) if ranks is None else ranks
+    missing = [r for r in ranks if r not in manifest.written_ranks]
+    if missing:
+        raise TpshardError(f"{job.out}: verify needs every rank's folder; ranks {missing} were not written (split --ranks)")
+    problems = {r: rank_preflight(job, r) for r in ranks}
     raise_rank_problems(problems)
 
 
