@@ -5,11 +5,13 @@
     report.ok, report.failures()
 
 Under torchrun (RANK and WORLD_SIZE set) it runs in place on every rank; otherwise it spawns one
-local process per rank (tp of them): NCCL when there is a GPU per rank, gloo on the CPU otherwise.
+local process per rank (tp of them). Backend: `choose_launch` (NCCL with a GPU per rank, else gloo
+on shared GPUs or the CPU; announced). Only rank 0 reads the source.
 Not here: the layers (tpshard.runtime), the slicing rules (the plan); verify only reads the manifest.
 
-Modules: build (layers from ShardSpecs), layers_check (layer-level), model (the TP decoder),
-run (what each rank does), report (results, tolerances, report.json, junit.xml).
+Modules: build (layers from ShardSpecs), layers_check (layer-level), tensors_check (every byte:
+checksums, whole copies, padding), model (the TP decoder), run (what each rank does, preflight),
+report (results, tolerances, report.json, junit.xml), verdict (exit codes under torchrun).
 """
 
 from __future__ import annotations
