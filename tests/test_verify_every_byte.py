@@ -134,9 +134,11 @@ def biased_tp2(tmp_path_factory) -> tuple[Path, Path]:
     return model, out
 
 
-def test_one_percent_row_bias_error_caught_in_bfloat16(biased_tp2, tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_one_percent_row_bias_error_caught_in_half_precision(biased_tp2, tmp_path, dtype):
     """o_proj.bias x 1.01 (checksums rewritten): next to x @ W.T in bf16 it hides under the
-    tolerance; the zero-input probe sees the bias alone and must match it exactly."""
+    tolerance; the zero-input probe sees the bias alone and must match it exactly. The good output
+    passes in the same dtype (the probe is exact, not merely within tolerance)."""
     model, good = biased_tp2
     bad = copy(good, tmp_path / "bias")
     name = "model.layers.0.self_attn.o_proj.bias"
@@ -149,7 +151,7 @@ def test_one_percent_row_bias_error_caught_in_bfloat16(biased_tp2, tmp_path):
     data = bytearray(path.read_bytes())
     data[8 + int.from_bytes(data[:8], "little") // 2] ^= 0x40
     path.write_bytes(bytes(data))
-    ok, wrong, unreadable = verify_many([good, bad, header], [model] * 3, dtype="bfloat16")
+    ok, wrong, unreadable = verify_many([good, bad, header], [model] * 3, dtype=dtype)
     assert ok.ok, ok.failures()
     assert not unreadable.ok and f"rank 1: {f} of ranks [1]: safetensors header differs from the planned one" in unreadable.tensors.problems
     o_proj = next(x for x in wrong.layers if x.layer == "model.layers.0.self_attn.o_proj")

@@ -19,10 +19,12 @@ REPORT_VERSION = 2  # 2: the `tensors` section (checksums, whole copies, padding
 # Layer level: error = max |tp - ref| over every output element, ref computed in float64 from the
 # source tensors on rank 0. `max_rel` divides it by max |ref| of that layer (elementwise relative
 # error is meaningless where an output crosses zero). A layer passes when max_rel <= the tolerance
-# of the compute dtype. Measured on CPU: float32 ~1e-7; a wrong shard moves max_rel to ~0.1..10.
+# of the compute dtype. Measured at Llama-3-8B shapes, tp 8 and 16 (benchmarks/verify_tolerance.py,
+# docs/verify.md): worst float32 5e-7, bfloat16 1.0e-2, float16 1.8e-3 (row layers at tp 16: one
+# rounding per rank in the all-reduce); the tolerances keep >= 4x. A wrong shard gives 0.1 .. 10.
 # Quantized layers use the same tolerances: their reference weight is the dequantized source
 # (float32, as the ranks dequantize), so only the GEMM's accumulation order differs.
-LAYER_TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
+LAYER_TOLERANCE = {"float32": 1e-5, "bfloat16": 4e-2, "float16": 8e-3}
 
 # Model level (always float32, TF32 off): logits of the TP decoder vs transformers' forward.
 MODEL_TOLERANCE = {
