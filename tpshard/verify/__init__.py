@@ -159,9 +159,8 @@ def verify_many(
 
 
 def _in_place(jobs, world: int, backend, device, timeout_s: float, announce) -> list[VerifyReport]:
-    import torch.distributed as dist
-
     from tpshard.runtime import init_distributed, shutdown_distributed
+    from tpshard.runtime.objects import all_gather_objects
     from tpshard.verify.run import raise_rank_problems, rank_main, rank_preflight
 
     launched = int(os.environ["WORLD_SIZE"])
@@ -177,9 +176,7 @@ def _in_place(jobs, world: int, backend, device, timeout_s: float, announce) -> 
     # Each rank checks what it alone can see (its files; the source on rank 0), then all ranks
     # learn every rank's answer: one rank's missing file stops all of them with its message.
     mine = [p for job in jobs for p in rank_preflight(job, info.rank)]
-    everyone: list = [None] * info.world_size
-    dist.all_gather_object(everyone, mine)
-    raise_rank_problems(dict(enumerate(everyone)))
+    raise_rank_problems(dict(enumerate(all_gather_objects(mine))))
     reports = rank_main(info, jobs)
     shutdown_distributed()  # only after success: a failed rank leaves at once (see tpshard.runtime.launch)
     return reports

@@ -14,12 +14,12 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from tpshard.errors import TpshardError
 from tpshard.manifest import read_manifest
 from tpshard.rank import open_rank
 from tpshard.runtime import DistInfo, bind_groups
+from tpshard.runtime.objects import all_true, broadcast_from_root, gather_to_root
 from tpshard.verify.build import build_layer, sharded_layers
 from tpshard.verify.layers_check import SourceTensors, batch_of, compare_layer, layer_input, rank_outputs
 from tpshard.verify.report import LAYER_TOLERANCE, MODEL_TOLERANCE, ModelResult, VerifyReport
@@ -162,7 +162,7 @@ def _verify_job(info: DistInfo, job: Job) -> VerifyReport:
             built = None
             sent["problems"].append(f"cannot build {lay.layer_class} on rank {rank}: {type(e).__name__}: {e}")
         # Every rank must agree to run the forward: it holds collectives.
-        if not _all_true(built is not None, device):
+        if not all_true(built is not None, device):
             loaded = False
         else:
             sent["problems"] += built.problems
@@ -189,22 +189,12 @@ def _verify_job(info: DistInfo, job: Job) -> VerifyReport:
             tolerance=dict(MODEL_TOLERANCE), problems=["not run: a layer could not be built on some rank (see above)"],
         )  # fmt: skip
     report.seconds = round(time.perf_counter() - start, 3)
-    box = [report if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return broadcast_from_root(report)
 
 
 def _gather(obj, info: DistInfo) -> list | None:
     """Every rank's `obj` on rank 0 (None elsewhere)."""
-    gathered = [None] * info.world_size if info.rank == 0 else None
-    dist.gather_object(obj, gathered, dst=0)
-    return gathered
-
-
-def _all_true(flag: bool, device: torch.device) -> bool:
-    t = torch.tensor([1 if flag else 0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
+    return gather_to_root(obj)
 
 
 def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
@@ -222,9 +212,8 @@ def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
         if s.layer_class == "Replicated"
     }
     # Only rank 0 reads the source: the RoPE parameters travel from there.
-    box = [rope_config(src.ckpt.config) if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    decoder = TPDecoder(plan, rank, layers, norms, device, rope=box[0])
+    rope = broadcast_from_root(rope_config(src.ckpt.config) if rank == 0 else None)
+    decoder = TPDecoder(plan, rank, layers, norms, device, rope=rope)
     batch = rank // topo.span("attn_tp")  # attention-DP replica
     ids = model_tokens(plan, batch, seed=job.seed, tokens=job.tokens)
     with torch.no_grad():
