@@ -165,10 +165,12 @@ def _in_place(jobs, world: int, backend, device, timeout_s: float, announce) -> 
 
     launched = int(os.environ["WORLD_SIZE"])
     if launched != world:
-        raise TpshardError(
+        error = TpshardError(
             f"torchrun started {launched} processes, but {jobs[0].out} was split for tp={world}:"
             f" run torchrun with nnodes x nproc-per-node = {world}"
         )
+        error.every_rank = True  # every rank finds the same: rank 0 says it
+        raise error
     launch = choose_launch(int(os.environ.get("LOCAL_WORLD_SIZE", world)), backend, device)
     if announce and os.environ.get("RANK") == "0":
         announce(launch.describe(world))
