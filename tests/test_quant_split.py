@@ -111,8 +111,11 @@ def assert_rank_dequant(out: Path, spec: QuantSpec, expected: dict[str, torch.Te
                 assert not w.narrow(dim, length, pad).any(), f"rank {rank} {prefix}: padding is not zero"
 
 
-def verify_layers(out: Path, spec: QuantSpec, expected: dict[str, torch.Tensor], shape: TinyLlama) -> None:
+def verify_layers(out: Path, spec: QuantSpec, expected: dict[str, torch.Tensor], shape: TinyLlama, src: Path) -> None:
     """Layer-level parity, rank by rank: TP layers + ReferenceQuantMethod vs x @ W_source^T."""
+    from tpshard.verify.layers_check import SourceTensors
+
+    source = SourceTensors(src)
     manifest = read_manifest(out)
     topo = manifest.plan.topology
     gen = torch.Generator().manual_seed(7)
@@ -130,7 +133,9 @@ def verify_layers(out: Path, spec: QuantSpec, expected: dict[str, torch.Tensor],
             sources = [f"{p}.{hf[pc]}" if pc else f"{p}.{name}" for pc in pieces]
             k_in = expected[sources[0]].shape[1]
             xin = torch.randn(3, k_in, generator=gen) if kind == "row" else x
-            reference = torch.cat([xin @ expected[s].T for s in sources], dim=-1)
+            # Static activation scales: the method quantizes each piece's input with its own scale,
+            # so the reference does the same with the source's (tpshard.runtime.quant_methods).
+            reference = torch.cat([_act(spec, source, s, xin) @ expected[s].T for s in sources], dim=-1)
             partial_sum, per_rank_out = None, {}
             for rank in range(topo.span(group)):  # one instance of the group (attention-DP replicas repeat it)
                 g = LogicalGroup.of(topo, group, rank)
@@ -168,6 +173,16 @@ def verify_layers(out: Path, spec: QuantSpec, expected: dict[str, torch.Tensor],
             torch.testing.assert_close(got, reference, rtol=1e-5, atol=tol, msg=lambda m: f"{p}.{name}: {m}")
 
 
+def _act(spec, source, module: str, x: torch.Tensor) -> torch.Tensor:
+    """x as the module's static activation quantization leaves it (unchanged without one)."""
+    from tpshard.runtime.quant_methods import INPUT_SCALES, quantize_input
+
+    if not spec.static_input:
+        return x
+    scale = next(source.raw(f"{module}.{n}") for n in INPUT_SCALES if f"{module}.{n}" in source)
+    return quantize_input(spec, x, scale)
+
+
 @pytest.mark.parametrize("name,topo", CASES)
 def test_split_check_dequant_verify(checkpoints, tmp_path, name, topo):
     """Split, check against the source, per-rank dequant bit-exact, layer-level verify."""
@@ -179,7 +194,7 @@ def test_split_check_dequant_verify(checkpoints, tmp_path, name, topo):
     assert report.ok, report.problems
     assert any(s.quant == spec.format for s in manifest.plan.shards)
     assert_rank_dequant(out, spec, expected)
-    verify_layers(out, spec, expected, WIDE)
+    verify_layers(out, spec, expected, WIDE, src)
 
 
 def test_ct_weight_shape_is_the_ranks_shape(checkpoints, tmp_path):
@@ -259,7 +274,7 @@ def test_fp8_block_misaligned_is_refused_then_pads(checkpoints, tmp_path):
     assert (scale[6].length, scale[6].pad, scale[6].logical_pad) == (0, 2, 256)  # all padding
     assert check(out, src).ok
     assert_rank_dequant(out, DEFAULT_SPECS["fp8_block"], expected)
-    verify_layers(out, DEFAULT_SPECS["fp8_block"], expected, FP8_ODD)
+    verify_layers(out, DEFAULT_SPECS["fp8_block"], expected, FP8_ODD, src)
 
 
 def test_marlin_below_64_columns_is_refused(checkpoints, tmp_path):
