@@ -53,7 +53,8 @@ def test_a_rank_raising_mid_collective_ends_the_job_within_seconds_naming_itself
     elapsed = time.monotonic() - start
     root = info.value.root
     assert root.rank == 2 and "deliberate failure on rank 2, mid-collective" in root.error, info.value
-    assert elapsed < 60, f"took {elapsed:.0f} s: the peers stuck in the collective must be ended, not waited for"
+    # Process start-up dominates (~10 s idle, more on a loaded CI box); a hang would last the 600 s timeout.
+    assert elapsed < 150, f"took {elapsed:.0f} s: the peers stuck in the collective must be ended, not waited for"
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +124,7 @@ def test_torchrun_a_crashing_rank_exits_3_with_its_own_message(llama, tp2, tmp_p
     elapsed = time.monotonic() - start
     assert p.returncode == 3, p.stderr[-3000:]
     assert "rank 1 crashed: RuntimeError: deliberate crash on rank 1" in p.stderr, p.stderr[-3000:]
-    assert elapsed < 100, elapsed
+    assert elapsed < 150, elapsed  # start-up dominates; a hang would last the 120 s --timeout and more
 
 
 @pytest.mark.slow
