@@ -46,3 +46,16 @@ def copy_of(tmp_path):
         return dst
 
     return copy
+
+
+@pytest.fixture(scope="session")
+def biased(tmp_path_factory) -> tuple[Path, Path]:
+    """A Llama with attention biases (o_proj.bias exists), split at tp 8 attn-dp 2; tests break copies."""
+    import tpshard
+    from tpshard.topology import Topology
+
+    root = tmp_path_factory.mktemp("biased")
+    model = make_checkpoint(root / "model", "llama", attention_bias=True)
+    out = root / "out"
+    tpshard.split(model, out, Topology(tp=8, attn_dp=2))
+    return model, out

@@ -22,7 +22,6 @@ import pytest
 
 import tpshard
 from broken import overwrite_tensor, rewrite_checksums
-from checkpoints import make_checkpoint
 from tpshard.errors import TpshardError
 from tpshard.manifest import MANIFEST_NAME, encode_manifest, read_manifest
 from tpshard.topology import Topology
@@ -43,16 +42,6 @@ def llama_tp8(llama, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("v8") / "out"
     tpshard.split(llama, out, Topology(tp=8, attn_dp=2))
     return out
-
-
-@pytest.fixture(scope="module")
-def biased(tmp_path_factory) -> tuple[Path, Path]:
-    """A Llama with attention biases (o_proj.bias exists), split at tp 8 attn-dp 2."""
-    root = tmp_path_factory.mktemp("biased")
-    model = make_checkpoint(root / "model", "llama", attention_bias=True)
-    out = root / "out"
-    tpshard.split(model, out, Topology(tp=8, attn_dp=2))
-    return model, out
 
 
 def test_cli_llama_tp8_attn_dp2_passes_with_report_and_junit(llama, llama_tp8, tmp_path):

@@ -52,15 +52,6 @@ def scale_on_rank(out: Path, rank: int, name: str, factor: float) -> None:
     overwrite_tensor(out, rank, name, tpshard.open_rank(out, rank)[name] * factor)
 
 
-@pytest.fixture(scope="module")
-def biased(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("every-byte")
-    model = make_checkpoint(root / "model", "llama", attention_bias=True)
-    out = root / "out"
-    tpshard.split(model, out, Topology(tp=8, attn_dp=2))
-    return model, out
-
-
 def test_every_rank_every_byte_tp8_attn_dp2(biased, tmp_path):
     model, good = biased
     outs = {}
