@@ -289,8 +289,12 @@ def _export_summary(manifest, dest: Path, seconds: float, json: bool) -> None:
         _emit_json({"out": str(dest), "engine": manifest.engine, "tp": tp, "files": len(manifest.files), "bytes_written": written, "seconds": round(seconds, 3)})
         return
     err.print(f"[green]export[/] {manifest.engine} -> {dest}: tp {tp}, {len(manifest.files)} files, wrote {human_bytes(written)} in {seconds:.2f} s")
-    flag = "--tensor-parallel-size" if manifest.engine == "vllm" else "--tp"
-    err.print(f"load with: --model {dest} --load-format sharded_state {flag} {tp} (docs/deploy.md)", markup=False)
+    launch = (
+        f"vllm serve {dest} --load-format sharded_state --tensor-parallel-size {tp}"
+        if manifest.engine == "vllm"
+        else f"python -m sglang.launch_server --model-path {dest} --load-format sharded_state --tp-size {tp}"
+    )
+    err.print(f"check with: tpshard check {dest} --source MODEL; launch with: {launch} (docs/deploy.md)", markup=False, soft_wrap=True)
 
 
 def _split_then_export(model, out, tp, attn_dp, attn_cp, options, checksum, workers, force, format, max_part_size, json) -> None:
