@@ -79,7 +79,7 @@ class ExportManifest(msgspec.Struct, frozen=True, kw_only=True):
                 raise OutputError(f"{EXPORT_MANIFEST_NAME}: files: {f.name} has rank {f.rank}, outside tp {self.from_.topology.tp}")
             seen.add(f.name)
         for s in self.source.extra_files:
-            if "/" in s.name or s.name.startswith("."):
+            if "/" in s.name or "\\" in s.name or s.name in ("", ".", ".."):
                 raise OutputError(f"{EXPORT_MANIFEST_NAME}: source.extra_files: {s.name!r} is not a plain file name")
 
 
