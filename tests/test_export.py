@@ -358,9 +358,35 @@ def test_cli_split_format_export_and_check(tmp_path, mistral, llama):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     r = run_cli("split", str(llama), "-o", str(tmp_path / "v"), "--tp", "2", "--format", "vllm", "--max-part-size", "lots")
     assert r.returncode == 2 and "--max-part-size 'lots'" in r.stderr
+    r = run_cli("split", str(llama), "-o", str(tmp_path / "v"), "--tp", "2", "--format", "vllm", "--ranks", "0")
+    assert r.returncode == 2 and "an engine export needs every rank" in r.stderr and not (tmp_path / "v").exists()
     path = dest / "model-rank-3-part-0.safetensors"
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
     r = run_cli("check", str(dest))
     assert r.returncode == 1 and "FAIL [checksum]" in r.stderr
+
+
+def test_parse_size():
+    from tpshard.cli import parse_size
+
+    assert parse_size("5GiB") == 5 << 30 and parse_size("500MB") == 500_000_000 and parse_size("4096") == 4096
+    assert parse_size("1.5KiB") == 1536 and parse_size("20kb") == 20_000
+    for bad in ("lots", "0", "-1GiB", "5TB"):
+        with pytest.raises(TpshardError, match="--max-part-size"):
+            parse_size(bad)
+
+
+def test_sglang_export_is_the_vllm_export_without_attention_buffers(split_tp2, tmp_path):
+    """docs/deploy.md leans on this: vLLM loads its export bit-exactly (checked by hand), and the
+    SGLang export holds the same tensors, byte for byte, less vLLM's four buffers per layer."""
+    _, out = split_tp2["qwen2_tied"]
+    export(out, tmp_path / "v", "vllm")
+    export(out, tmp_path / "s", "sglang")
+    for rank in (0, 1):
+        v = load_file(tmp_path / "v" / f"model-rank-{rank}-part-0.safetensors")
+        s = load_file(tmp_path / "s" / f"model-rank-{rank}-part-0.safetensors")
+        buffers = {k for k in v if k.split(".")[-1] in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")}
+        assert len(buffers) == 8 and set(s) == set(v) - buffers
+        assert all(torch.equal(s[k], v[k]) for k in s)

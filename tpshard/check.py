@@ -58,7 +58,9 @@ class CheckReport(msgspec.Struct, kw_only=True):
 
 
 def check(out_dir: str | Path, source: str | Path | None = None, *, workers: int | None = None) -> CheckReport:
-    """Check the output at `out_dir` (and against the checkpoint at `source`); never raises on a mismatch."""
+    """Check the output at `out_dir` (and against the checkpoint at `source`); never raises on a mismatch.
+
+    An engine export (a folder with tpshard-export.json) gets tpshard.export.check's checks."""
     out = Path(out_dir)
     from tpshard.export.manifest import EXPORT_MANIFEST_NAME
 

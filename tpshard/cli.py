@@ -133,6 +133,8 @@ def split(
     With --format vllm|sglang, OUT is the engine export instead: the tpshard output is written
     beside it (hidden), exported, and removed."""
     if format is not None:
+        if ranks is not None:
+            raise TpshardError("--ranks and --format: an engine export needs every rank; split --ranks, merge, then tpshard export")
         return _split_then_export(model, out, tp, attn_dp, attn_cp, _options(pad, dp_lm_head, pad_blocks), checksum, workers, force, format, max_part_size, json)
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
@@ -173,7 +175,7 @@ def split(
 
 @app.command()
 def check(
-    out: Annotated[Path, typer.Argument(help="A tpshard output folder.")],
+    out: Annotated[Path, typer.Argument(help="A tpshard output folder, or an engine export (tpshard export).")],
     source: Annotated[Optional[Path], typer.Option("--source", help="The checkpoint it was split from: enables bit-exact reassembly.")] = None,
     workers: Workers = None,
     json: Json = False,

@@ -86,8 +86,6 @@ def refuse_unexportable(plan: Plan, engine: str, config_tied: bool) -> NameMap:
             " so its ranks hold other slices than this split"
         )
         raise ExportError(f"--format {engine}: split with --attn-dp {topo.attn_dp}, but {why}; split again without --attn-dp")
-    if plan.options.dp_lm_head and topo.attn_dp > 1 and engine == "vllm":
-        raise ExportError("--format vllm: --dp-lm-head has no vLLM equivalent")
     if plan.options.vocab_multiple != ENGINE_VOCAB_MULTIPLE:
         raise ExportError(
             f"--format {engine}: the vocabulary was padded to a multiple of {plan.options.vocab_multiple};"
