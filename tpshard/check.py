@@ -58,8 +58,16 @@ class CheckReport(msgspec.Struct, kw_only=True):
 
 
 def check(out_dir: str | Path, source: str | Path | None = None, *, workers: int | None = None) -> CheckReport:
-    """Check the output at `out_dir` (and against the checkpoint at `source`); never raises on a mismatch."""
+    """Check the output at `out_dir` (and against the checkpoint at `source`); never raises on a mismatch.
+
+    An engine export (a folder with tpshard-export.json) gets tpshard.export.check's checks."""
     out = Path(out_dir)
+    from tpshard.export.manifest import EXPORT_MANIFEST_NAME
+
+    if (out / EXPORT_MANIFEST_NAME).is_file():  # an engine export (tpshard export) has its own checks
+        from tpshard.export.check import check_export
+
+        return check_export(out, source, workers=workers)
     manifest = read_manifest(out)
     report = CheckReport(out_dir=str(out), source=str(source) if source else None)
     check_plan(manifest.plan, report)
@@ -298,42 +306,50 @@ def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckRe
     """Every source tensor, rebuilt from the shards, equals the source bit for bit."""
     plan = manifest.plan
     written = set(manifest.written_ranks)
-    offsets: dict[int, int] = {}
-    for specs in plan.specs_by_file().values():
-        offsets.update({id(s): o for s, o in zip(specs, spec_layout(specs)[1])})
-    by_source: dict[str, list[ShardSpec]] = defaultdict(list)
-    for s in plan.shards:
-        if written & set(s.ranks):
-            by_source[s.source].append(s)
+    located: dict[str, list[tuple[ShardSpec, Path, int]]] = defaultdict(list)
+    for name, specs in plan.specs_by_file().items():
+        for s, offset in zip(specs, spec_layout(specs)[1]):
+            if written & set(s.ranks):
+                located[s.source].append((s, out / rank_dir(min(written & set(s.ranks))) / name, offset))
+    reassemble(ckpt, located, report, workers)
+
+
+def reassemble(ckpt: Checkpoint, located: dict[str, list[tuple[ShardSpec, Path, int]]], report: CheckReport, workers: int) -> None:
+    """Compare every (spec, file, data offset) with the bytes the spec says it cuts from its source
+    tensor, reading each source tensor once. A spec may be listed at several places (copies)."""
 
     def rebuild(source: str) -> list[tuple[str, str]]:
-        info, specs = ckpt.tensors[source], by_source[source]
+        info = ckpt.tensors[source]
         opened: list[int] = []
         try:
             found = []
-            for s in specs:
+            for s, path, offset in located[source]:
                 if s.value is not None:  # content set by the plan, not cut from the source
-                    held = _read_value(out, written, s, offsets)
+                    held = _read_value(path, offset, s)
                     if held != list(s.value):
                         found.append(("reassembly", f"{_rel(s)}: holds {held}, not the planned {list(s.value)}"))
-            specs = [s for s in specs if s.value is None]
+            places = [(s, path, offset) for s, path, offset in located[source] if s.value is None]
+            specs = [s for s, _, _ in places]
+            offsets = [offset for _, _, offset in places]
             src_fd = os.open(ckpt.path / info.file, os.O_RDONLY)
             opened.append(src_fd)
             fds = []
-            for s in specs:
-                fds.append(os.open(out / rank_dir(min(written & set(s.ranks))) / s.file, os.O_RDONLY))
+            for _, path, _ in places:
+                fds.append(os.open(path, os.O_RDONLY))
                 opened.append(fds[-1])
-            bad: dict[int, int] = {}  # spec index -> first differing byte
+            bad: dict[int, int] = {}  # place index -> first differing byte
             buf = np.empty(0, np.uint8)
             for i, at, data in cut_pieces(src_fd, info, specs):
                 if i in bad:
                     continue
                 if len(buf) < len(data):
                     buf = np.empty(len(data), np.uint8)
-                actual = read_into(fds[i], buf, offsets[id(specs[i])] + at, len(data))
+                actual = read_into(fds[i], buf, offsets[i] + at, len(data))
                 if not same_bytes(actual, data):
                     bad[i] = at + int(np.argmax(actual != data))
-            return found + [("reassembly", _diagnose(src_fd, info, specs, i, fds[i], offsets, byte)) for i, byte in bad.items()]
+            return found + [
+                ("reassembly", f"{_diagnose(src_fd, info, specs, i, fds[i], offsets[i], byte)} [{places[i][1].name}]") for i, byte in bad.items()
+            ]
         except (OSError, TpshardError) as e:  # a missing or truncated file, already reported by name
             return [("files", f"{source}: cannot be reassembled: {e}")]
         finally:
@@ -341,17 +357,17 @@ def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckRe
                 os.close(fd)
 
     with ThreadPoolExecutor(workers) as pool:
-        for found in pool.map(rebuild, list(by_source)):
+        for found in pool.map(rebuild, list(located)):
             report.tensors_reassembled += 1
             for c, m in found:
                 report.add(c, m)
 
 
-def _read_value(out: Path, written: set[int], spec: ShardSpec, offsets: dict[int, int]) -> list[int]:
+def _read_value(path: Path, offset: int, spec: ShardSpec) -> list[int]:
     """The content of a value spec as written (to compare with `spec.value`)."""
     n = len(value_bytes(spec))
-    with open(out / rank_dir(min(written & set(spec.ranks))) / spec.file, "rb") as fh:
-        fh.seek(offsets[id(spec)])
+    with open(path, "rb") as fh:
+        fh.seek(offset)
         raw = fh.read(n)
     return np.frombuffer(raw, dtype=VALUE_DTYPES[spec.dtype]).tolist() if len(raw) == n else []
 
@@ -364,11 +380,11 @@ def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     return not (a[:n].view(np.uint64) != b[:n].view(np.uint64)).any()
 
 
-def _diagnose(src_fd: int, info, specs: list[ShardSpec], i: int, fd: int, offsets: dict[int, int], byte: int) -> str:
+def _diagnose(src_fd: int, info, specs: list[ShardSpec], i: int, fd: int, offset: int, byte: int) -> str:
     """Say what rank `specs[i]` holds instead: another group rank's slice, or where it first differs."""
     spec = specs[i]
     size = nbytes_of(spec.dtype, spec.shape)
-    actual = hash_range(fd, offsets[id(spec)], size)
+    actual = hash_range(fd, offset, size)
     hashes = [hashlib.sha256() for _ in specs]
     for j, _, data in cut_pieces(src_fd, info, specs):
         hashes[j].update(data)

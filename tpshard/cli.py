@@ -40,6 +40,8 @@ DpLmHead = Annotated[bool, typer.Option("--dp-lm-head", help="Shard lm_head over
 Json = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
 PadBlocks = Annotated[bool, typer.Option("--pad-blocks", help="FP8 block formats: zero-pad each rank's MLP shard to whole 128-blocks instead of refusing.")]
 Workers = Annotated[Optional[int], typer.Option("--workers", help="I/O threads (default: from the CPU count).")]
+EngineFormat = Annotated[Optional[str], typer.Option("--format", help="Engine sharded_state export: vllm or sglang (docs/deploy.md).")]
+MaxPartSize = Annotated[str, typer.Option("--max-part-size", help="Engine export: largest part file per rank, e.g. 5GiB, 500MB, 1048576.")]
 
 
 def _options(pad: bool, dp_lm_head: bool, pad_blocks: bool = False) -> Options:
@@ -124,9 +126,17 @@ def split(
     checksum: Annotated[str, typer.Option("--checksum", help="Tensor digests in the manifest: crc32 (fast) or sha256.")] = "crc32",
     ranks: Annotated[Optional[str], typer.Option("--ranks", help="Write only these ranks, e.g. 0-3 or 0,2,4.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    format: EngineFormat = None, max_part_size: MaxPartSize = "5GiB",
     json: Json = False,
 ) -> None:  # fmt: skip
-    """Read the checkpoint once and write each rank's presharded files plus the manifest."""
+    """Read the checkpoint once and write each rank's presharded files plus the manifest.
+
+    With --format vllm|sglang, OUT is the engine export instead: the tpshard output is written
+    beside it (hidden), exported, and removed."""
+    if format is not None:
+        if ranks is not None:
+            raise TpshardError("--ranks and --format: an engine export needs every rank; split --ranks, merge, then tpshard export")
+        return _split_then_export(model, out, tp, attn_dp, attn_cp, _options(pad, dp_lm_head, pad_blocks), checksum, workers, force, format, max_part_size, json)
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     from tpshard.checkpoint import open_checkpoint
@@ -166,7 +176,7 @@ def split(
 
 @app.command()
 def check(
-    out: Annotated[Path, typer.Argument(help="A tpshard output folder.")],
+    out: Annotated[Path, typer.Argument(help="A tpshard output folder, or an engine export (tpshard export).")],
     source: Annotated[Optional[Path], typer.Option("--source", help="The checkpoint it was split from: enables bit-exact reassembly.")] = None,
     workers: Workers = None,
     json: Json = False,
@@ -324,6 +334,79 @@ def merge(
 
     manifest = do_merge(parts, out, force=force)
     err.print(f"[green]merged[/] {len(parts)} parts -> {out}: ranks {list(manifest.written_ranks)}")
+
+
+@app.command("export")
+def export_cmd(
+    out: Annotated[Path, typer.Argument(help="A tpshard output folder (every rank written).")],
+    dest: Annotated[Path, typer.Option("-o", "--out", help="Export folder (must not exist unless --force).")],
+    format: Annotated[str, typer.Option("--format", help="vllm or sglang: the engine whose --load-format sharded_state reads it.")],
+    max_part_size: MaxPartSize = "5GiB", workers: Workers = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing export.")] = False,
+    json: Json = False,
+) -> None:  # fmt: skip
+    """Write the per-rank files an engine's sharded_state loader reads, from a tpshard output."""
+    from tpshard.export import export
+
+    start = time.perf_counter()
+    manifest = export(out, dest, format, max_part_bytes=parse_size(max_part_size), workers=workers, force=force)
+    _export_summary(manifest, dest, time.perf_counter() - start, json)
+
+
+def _export_summary(manifest, dest: Path, seconds: float, json: bool) -> None:
+    from tpshard.report import human_bytes
+
+    written = sum(f.size for f in manifest.files)
+    tp = manifest.from_.topology.tp
+    if json:
+        _emit_json({"out": str(dest), "engine": manifest.engine, "tp": tp, "files": len(manifest.files), "bytes_written": written, "seconds": round(seconds, 3)})
+        return
+    err.print(f"[green]export[/] {manifest.engine} -> {dest}: tp {tp}, {len(manifest.files)} files, wrote {human_bytes(written)} in {seconds:.2f} s")
+    launch = (
+        f"vllm serve {dest} --load-format sharded_state --tensor-parallel-size {tp}"
+        if manifest.engine == "vllm"
+        else f"python -m sglang.launch_server --model-path {dest} --load-format sharded_state --tp-size {tp}"
+    )
+    err.print(f"check with: tpshard check {dest} --source MODEL; launch with: {launch} (docs/deploy.md)", markup=False, soft_wrap=True)
+
+
+def _split_then_export(model, out, tp, attn_dp, attn_cp, options, checksum, workers, force, format, max_part_size, json) -> None:
+    import shutil
+
+    from tpshard.checkpoint import open_checkpoint
+    from tpshard.export import export, export_layout
+    from tpshard.export.layout import config_tied
+    from tpshard.plan import make_plan
+    from tpshard.writer import split as do_split
+
+    max_bytes = parse_size(max_part_size)
+    if out.exists() and not force:
+        raise TpshardError(f"{out} already exists; pass --force to replace it")
+    ckpt = open_checkpoint(model)
+    topology = Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp)
+    export_layout(make_plan(ckpt, topology, options), format, config_tied(ckpt.config), max_bytes)  # refuse before writing
+    staging = out.parent / f".{out.name}.tpshard-split"
+    start = time.perf_counter()
+    try:
+        do_split(ckpt, staging, topology, msgspec.structs.replace(options, checksum=checksum), workers=workers, force=True)
+        manifest = export(staging, out, format, max_part_bytes=max_bytes, workers=workers, force=force)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    _export_summary(manifest, out, time.perf_counter() - start, json)
+
+
+def parse_size(text: str) -> int:
+    """'5GiB' -> 5368709120; '500MB' -> 500000000; '4096' -> 4096."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+    number = text.strip().rstrip("bBiIkKmMgG")
+    unit = text.strip()[len(number):].upper()
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise TpshardError(f"--max-part-size {text!r}: expected bytes or a size like 5GiB, 500MB") from None
+    if value < 1:
+        raise TpshardError(f"--max-part-size {text!r}: must be at least one byte")
+    return int(value)
 
 
 def parse_ranks(text: str | None) -> list[int] | None:

@@ -1,0 +1,101 @@
+"""The export's own manifest (`tpshard-export.json`): names, shapes, checksums, and where from.
+
+Same envelope as the tpshard manifest (format, version, tool_version), format "tpshard-export",
+version 2 (docs/format.md). Each engine tensor records the tpshard shards it concatenates, as
+(HF tensor name, group rank): with the source checkpoint, `check` re-derives every byte from the
+plan; without it, the checksums and headers here prove the files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from tpshard.errors import OutputError
+from tpshard.manifest import Options, SourceFile
+from tpshard.topology import Topology
+
+EXPORT_MANIFEST_NAME = "tpshard-export.json"
+EXPORT_FORMAT = "tpshard-export"
+EXPORT_VERSION = 2
+
+
+class ExportTensor(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    name: str  # engine key
+    dtype: str
+    shape: tuple[int, ...]
+    digest: str  # of its bytes (From.options.checksum: crc32 or sha256, hex)
+    parts: tuple[tuple[str, int], ...] = ()  # (HF tensor name, group rank), concatenated along dim 0
+    value: float | None = None  # a constant buffer's content (vLLM attention scales); parts empty
+
+
+class ExportFile(msgspec.Struct, frozen=True, kw_only=True):
+    name: str  # model-rank-{rank}-part-{part}.safetensors
+    rank: int  # the TP rank that loads it
+    size: int  # bytes, header included
+    checksum: str  # tpshard.digest.file_digest: sha256 of the header, then the tensor digests
+    tensors: tuple[ExportTensor, ...]  # in data order
+
+
+class From(msgspec.Struct, frozen=True, kw_only=True):
+    """The tpshard output exported, and what its plan needs to be made again from the source."""
+
+    path: str
+    manifest_sha256: str
+    topology: Topology
+    options: Options
+
+
+class Source(msgspec.Struct, frozen=True, kw_only=True):
+    """Copied from the tpshard manifest: the Hugging Face checkpoint that was split."""
+
+    path: str
+    files: tuple[SourceFile, ...]
+    extra_files: tuple[SourceFile, ...]  # config, tokenizer, ...: copied beside the export's files
+
+
+class ExportManifest(msgspec.Struct, frozen=True, kw_only=True):
+    format: str = EXPORT_FORMAT
+    version: int = EXPORT_VERSION
+    tool_version: str
+    engine: str
+    from_: From = msgspec.field(name="from")
+    source: Source
+    max_part_bytes: int
+    files: tuple[ExportFile, ...]
+
+    def __post_init__(self) -> None:
+        from tpshard.export.layout import PART_NAME
+
+        if self.format != EXPORT_FORMAT or self.version != EXPORT_VERSION:
+            raise OutputError(f"{EXPORT_MANIFEST_NAME}: format {self.format} v{self.version}; this tpshard reads {EXPORT_FORMAT} v{EXPORT_VERSION}")
+        seen = set()
+        for f in self.files:
+            m = PART_NAME.fullmatch(f.name)
+            if m is None or int(m.group(1)) != f.rank or f.name in seen:
+                raise OutputError(f"{EXPORT_MANIFEST_NAME}: files: {f.name!r} is not a unique model-rank-{f.rank}-part-N.safetensors name")
+            if not 0 <= f.rank < self.from_.topology.world_size:
+                raise OutputError(f"{EXPORT_MANIFEST_NAME}: files: {f.name} has rank {f.rank}, outside tp {self.from_.topology.tp}")
+            seen.add(f.name)
+        for s in self.source.extra_files:
+            if "/" in s.name or "\\" in s.name or s.name in ("", ".", ".."):
+                raise OutputError(f"{EXPORT_MANIFEST_NAME}: source.extra_files: {s.name!r} is not a plain file name")
+
+
+_encoder = msgspec.json.Encoder(order="sorted")
+_decoder = msgspec.json.Decoder(ExportManifest)
+
+
+def encode_export_manifest(manifest: ExportManifest) -> bytes:
+    return _encoder.encode(manifest) + b"\n"
+
+
+def read_export_manifest(folder: str | Path) -> ExportManifest:
+    path = Path(folder) / EXPORT_MANIFEST_NAME
+    if not path.is_file():
+        raise OutputError(f"{folder}: no {EXPORT_MANIFEST_NAME}; not a tpshard export, or an export that did not finish")
+    try:
+        return _decoder.decode(path.read_bytes())
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise OutputError(f"{path}: not a valid tpshard export manifest ({e})") from None
