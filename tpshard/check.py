@@ -27,7 +27,7 @@ from tpshard.manifest import Manifest, Plan, ShardSpec, rank_dir, read_manifest
 from tpshard.pieces import VALUE_DTYPES, cut_pieces, read_into, value_bytes
 from tpshard.plan import make_plan, spec_layout
 from tpshard.safetensors_format import DTYPE_SIZE, nbytes_of
-from tpshard.writer import default_workers
+from tpshard.writer import check_workers
 
 MAX_PROBLEMS = 50
 
@@ -60,14 +60,15 @@ class CheckReport(msgspec.Struct, kw_only=True):
 def check(out_dir: str | Path, source: str | Path | None = None, *, workers: int | None = None) -> CheckReport:
     """Check the output at `out_dir` (and against the checkpoint at `source`); never raises on a mismatch."""
     out = Path(out_dir)
+    workers = check_workers(workers)
     manifest = read_manifest(out)
     report = CheckReport(out_dir=str(out), source=str(source) if source else None)
     check_plan(manifest.plan, report)
-    _check_files(out, manifest, report, workers or default_workers())
+    _check_files(out, manifest, report, workers)
     if source is not None:
         ckpt = open_checkpoint(source)
         if _check_rules(ckpt, manifest, report):
-            _reassemble(out, ckpt, manifest, report, workers or default_workers())
+            _reassemble(out, ckpt, manifest, report, workers)
     return report
 
 

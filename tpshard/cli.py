@@ -6,6 +6,7 @@ TpshardError becomes its message and exit code; no user error prints a traceback
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from tpshard.errors import TpshardError
+from tpshard.errors import TpshardError, UsageError
 from tpshard.manifest import Options
 from tpshard.topology import Topology
 
@@ -255,23 +256,49 @@ def merge(
     err.print(f"[green]merged[/] {len(parts)} parts -> {out}: ranks {list(manifest.written_ranks)}")
 
 
+MAX_RANK = 99_999  # rank folders are named rank-NNNNN
+
+
 def parse_ranks(text: str | None) -> list[int] | None:
     """'0-3,6' -> [0, 1, 2, 3, 6]."""
     if text is None:
         return None
     ranks: set[int] = set()
-    try:
-        for part in text.split(","):
-            lo, _, hi = part.partition("-")
-            ranks.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise TpshardError(f"--ranks {text!r}: expected a list like 0-3 or 0,2,4") from None
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        try:
+            a, b = int(lo), int(hi if dash else lo)
+        except ValueError:
+            raise UsageError(f"--ranks {text!r}: expected a list like 0-3 or 0,2,4") from None
+        if not 0 <= a <= b <= MAX_RANK:
+            raise UsageError(f"--ranks {text!r}: {part.strip()!r} is not a range of ranks from 0 to {MAX_RANK}")
+        ranks.update(range(a, b + 1))
     return sorted(ranks)
+
+
+# Exit codes (docs/reliability.md): 0 ok, 1 check/verify found a mismatch, 2 a fault the user can fix
+# (input, options, output folder, I/O such as a full or read-only disk), 130 interrupted (Ctrl-C).
+EXIT_INTERRUPTED = 130
 
 
 def main() -> None:
     try:
-        app()
+        code = app(standalone_mode=False)
     except TpshardError as e:
         err.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
         sys.exit(e.exit_code)
+    except (KeyboardInterrupt, typer.Abort):
+        code = EXIT_INTERRUPTED
+    except OSError as e:  # the library names its own I/O faults; this is the net under them
+        where = f" ({e.filename})" if e.filename else ""
+        err.print(f"[red]error:[/] {escape(str(e.strerror or e))}{escape(where)}", soft_wrap=True)
+        sys.exit(2)
+    except Exception as e:
+        if hasattr(e, "show") and hasattr(e, "exit_code"):  # click's usage errors (typer vendors click)
+            e.show()
+            sys.exit(e.exit_code)
+        raise
+    if code == EXIT_INTERRUPTED:  # typer >= 0.2x turns Ctrl-C into this exit code by itself, silently
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the message short
+        err.print("[red]interrupted[/]: stopped; anything staged was removed, existing outputs are as they were")
+    sys.exit(code if isinstance(code, int) else 0)
