@@ -186,12 +186,13 @@ def check(
         if report.omitted:
             err.print(f"FAIL ... and {report.omitted} more problems", style="red")
         what = f"{report.files_checked} files ({human_bytes(report.bytes_checked)})"
-        if source:
-            what += f", {report.tensors_reassembled} source tensors reassembled bit-exact"
         if report.ok:
+            if source:
+                what += f", {report.tensors_reassembled} source tensors reassembled bit-exact"
             err.print(f"[green]ok[/] {out}: {what} in {seconds:.2f} s")
-        else:
-            err.print(f"[red]{len(report.problems)} problem(s)[/] in {out} ({what})")
+        else:  # never "bit-exact" beside a failure
+            total = len(report.problems) + report.omitted
+            err.print(f"[red]{total} problem(s)[/] in {out} ({what} checked): NOT verified")
     if not report.ok:
         raise typer.Exit(1)
 
