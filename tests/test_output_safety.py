@@ -45,6 +45,23 @@ def run_python(code: str, *args, timeout=120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)], capture_output=True, text=True, timeout=timeout)
 
 
+def cli(capsys, *args) -> tuple[int, str]:
+    """The CLI run in this process (a subprocess costs seconds of imports): exit code, stderr."""
+    from tpshard.cli import main
+
+    capsys.readouterr()
+    argv = sys.argv
+    sys.argv = ["tpshard", *map(str, args)]
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = argv
+    return code, capsys.readouterr().err
+
+
 def run_cli(*args) -> subprocess.CompletedProcess:
     p = subprocess.run([sys.executable, "-m", "tpshard", *map(str, args)], capture_output=True, text=True, timeout=120)
     assert "Traceback" not in p.stderr, p.stderr
@@ -226,7 +243,7 @@ tpshard.split(src, out, Topology(tp=4), force=True)
 """
 
 
-def test_two_writers_one_refuses(llama, tmp_path):
+def test_two_writers_one_refuses(llama, tmp_path, capsys):
     out, ready, go = tmp_path / "out", tmp_path / "ready", tmp_path / "go"
     split(llama, out, tp=2)
     first = subprocess.Popen([sys.executable, "-c", WAITER, str(llama), str(out), str(ready), str(go)], stderr=subprocess.PIPE, text=True)
@@ -237,8 +254,8 @@ def test_two_writers_one_refuses(llama, tmp_path):
             time.sleep(0.02)
         with pytest.raises(OutputError, match="another tpshard is writing it"):
             split(llama, out, tp=8, force=True)
-        p = run_cli("split", llama, "-o", out, "--tp", 8, "--force")
-        assert p.returncode == 2 and "another tpshard is writing it" in p.stderr
+        code, stderr = cli(capsys, "split", llama, "-o", out, "--tp", 8, "--force")
+        assert code == 2 and "another tpshard is writing it" in stderr
         a = tpshard.split(llama, tmp_path / "a", Topology(tp=4), ranks=[0]) and tmp_path / "a"
         with pytest.raises(OutputError, match="another tpshard is writing it"):
             merge([a], out, force=True)
@@ -302,14 +319,14 @@ def tmpfs(tmp_path):
         subprocess.run(["umount", str(path)], check=False)
 
 
-def test_a_real_full_disk_and_a_read_only_one(llama, tmp_path, tmpfs):
+def test_a_real_full_disk_and_a_read_only_one(llama, tmp_path, tmpfs, capsys):
     small = tmpfs("small", "96k")
-    p = run_cli("split", llama, "-o", small / "out", "--tp", 4)
-    assert p.returncode == 2 and "No space left on device" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    code, stderr = cli(capsys, "split", llama, "-o", small / "out", "--tp", 4)
+    assert code == 2 and "No space left on device" in stderr and len(stderr.strip().splitlines()) == 1, stderr
     assert listing(small) == []
     ro = tmpfs("ro", "1m", "ro")
-    p = run_cli("split", llama, "-o", ro / "out", "--tp", 2)
-    assert p.returncode == 2 and "Read-only file system" in p.stderr, p.stderr
+    code, stderr = cli(capsys, "split", llama, "-o", ro / "out", "--tp", 2)
+    assert code == 2 and "Read-only file system" in stderr, stderr
     assert listing(ro) == []
 
 
@@ -349,9 +366,9 @@ def test_bad_output_names(llama, tmp_path):
         (["--workers", "x"], "Invalid value for '--workers'"),
     ],
 )
-def test_out_of_range_options_exit_2_in_one_line(llama, tmp_path, args, message):
-    p = run_cli("split", llama, "-o", tmp_path / "out", *args)
-    assert p.returncode == 2 and message in p.stderr, p.stderr
+def test_out_of_range_options_exit_2_in_one_line(llama, tmp_path, capsys, args, message):
+    code, stderr = cli(capsys, "split", llama, "-o", tmp_path / "out", *args)
+    assert code == 2 and message in " ".join(stderr.split()), stderr
     assert listing(tmp_path) == []
 
 
@@ -403,7 +420,7 @@ def test_merge_parts_with_missing_or_odd_folders(llama, tmp_path):
     merge([a, b], out)
     assert "stray.txt" not in os.listdir(out / "rank-00001")
     assert tpshard.check(out, llama).ok
-    p = run_cli("merge", a, tmp_path / "nope", "-o", tmp_path / "m2")
+    p = run_cli("merge", a, tmp_path / "nope", "-o", tmp_path / "m2")  # a real process: no traceback
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
 
 
