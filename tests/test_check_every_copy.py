@@ -171,3 +171,14 @@ def test_the_summary_never_says_bit_exact_beside_a_failure(broken, out_tp2, llam
     assert good.ok and not bad.ok
     failed = {p.message.split(" ")[0] for p in bad.problems if p.check == "reassembly"}
     assert failed and bad.tensors_reassembled == good.tensors_reassembled - len(failed)  # only exact tensors count
+
+
+def test_an_index_is_checked_byte_for_byte(broken):
+    """Found by the fuzz test: a flipped byte in the index's metadata left the weight_map equal."""
+    path = broken / "rank-00000" / "model.safetensors.index.json"
+    text = path.read_text()
+    path.unlink()
+    path.write_text(text.replace('"metadata"', '"letadata"'))
+    assert any("index.json differs from the one the plan gives" in f for f in findings(broken))
+    path.write_text("[1]")
+    assert any("index.json differs" in f for f in findings(broken))

@@ -112,12 +112,20 @@ def edit_config(path: Path, **changes) -> Path:
         (dict(text_config=[1]), "text_config is not an object"),
         (dict(intermediate_size=...), "lacks intermediate_size"),
         (dict(quantization_config=[1]), "quantization_config = [1] is not a dict"),
+        (dict(rope_parameters={"rope_theta": "big"}), "rope_parameters.rope_theta = 'big' is not a finite number"),
+        (dict(num_experts="8"), "num_experts = '8' is not a int"),
     ],
 )
 def test_config_types_and_ranges(llama, tmp_path, changes, message):
     bad = edit_config(copy_ckpt(llama, tmp_path / "bad"), **changes)
     with pytest.raises(CheckpointError, match=message.replace("[", r"\[").replace("(", r"\(")):
         make_plan(open_checkpoint(bad), Topology(tp=2))
+
+
+def test_null_fields_count_as_absent(llama, tmp_path):
+    """Found by the fuzz test: rms_norm_eps: null reached float(None)."""
+    ok = edit_config(copy_ckpt(llama, tmp_path / "ok"), rms_norm_eps=None, head_dim=None)
+    assert make_plan(open_checkpoint(ok), Topology(tp=2)).model.rms_norm_eps == 1e-6
 
 
 def test_config_that_is_not_an_object(llama, tmp_path):

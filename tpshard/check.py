@@ -28,7 +28,7 @@ from tpshard.manifest import MANIFEST_NAME, Manifest, Plan, ShardSpec, rank_dir,
 from tpshard.pieces import VALUE_DTYPES, cut_pieces, read_into, value_bytes
 from tpshard.plan import make_plan, spec_layout
 from tpshard.safetensors_format import DTYPE_SIZE, nbytes_of
-from tpshard.writer import check_workers
+from tpshard.writer import check_workers, rank_index_bytes
 
 MAX_PROBLEMS = 50
 
@@ -196,15 +196,7 @@ def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: in
     extras: dict[tuple[int, int, str], tuple[Path, object, list[int]]] = {}  # the same for copied files
     for r in manifest.written_ranks:
         folder = out / rank_dir(r)
-        expected_map = {s.name: s.file for s in plan.rank_shards(r)}
-        try:
-            weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            report.add("files", f"rank {r}: unreadable model.safetensors.index.json ({e})")
-            weight_map = None
-        if weight_map is not None and weight_map != expected_map:
-            diff = sorted(set(weight_map.items()) ^ set(expected_map.items()))[:3]
-            report.add("files", f"rank {r}: model.safetensors.index.json disagrees with the manifest, e.g. {diff}")
+        check_index(folder, plan, r, report)
         for f in plan.rank_files(r):
             st = _plain_file(folder / f.name, r, report)
             if st is not None:  # every name is checked, also one hard-linked to another name
@@ -213,7 +205,6 @@ def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: in
             st = _plain_file(folder / extra.name, r, report)
             if st is not None:
                 extras.setdefault((st.st_dev, st.st_ino, extra.name), (folder / extra.name, extra, []))[2].append(r)
-        _plain_file(folder / "model.safetensors.index.json", r, report, missing_ok=True)
 
     def verify(unit: tuple[Path, str, list[int]]) -> list[tuple[str, str]]:
         path, name, ranks = unit
@@ -250,14 +241,35 @@ def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: in
             report.add("checksum", f"{extra.name} of ranks {ranks}: sha256 differs from the manifest")
 
 
-def _plain_file(path: Path, rank: int, report: CheckReport, missing_ok: bool = False) -> os.stat_result | None:
+def check_index(folder: Path, plan: Plan, rank: int, report: CheckReport) -> None:
+    """A rank's model.safetensors.index.json is, byte for byte, the one the plan gives."""
+    path = folder / "model.safetensors.index.json"
+    if _plain_file(path, rank, report) is None:
+        return
+    expected = rank_index_bytes(plan, rank)
+    try:
+        held = path.read_bytes()
+    except OSError as e:
+        report.add("files", f"rank {rank}: unreadable model.safetensors.index.json ({e.strerror})")
+        return
+    if held == expected:
+        return
+    try:
+        weight_map = json.loads(held)["weight_map"]
+        want = json.loads(expected)["weight_map"]
+        diff = sorted(set(weight_map.items()) ^ set(want.items()))[:3]
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        diff = []
+    report.add("files", f"rank {rank}: model.safetensors.index.json differs from the one the plan gives" + (f", e.g. {diff}" if diff else ""))
+
+
+def _plain_file(path: Path, rank: int, report: CheckReport) -> os.stat_result | None:
     """The file's stat when it is a plain file (hard links are plain files); a finding otherwise:
     tpshard never writes a symbolic link, so a link is something the plan did not make."""
     try:
         st = os.lstat(path)
     except OSError:
-        if not missing_ok:
-            report.add("files", f"rank {rank}: {path.name} is missing")
+        report.add("files", f"rank {rank}: {path.name} is missing")
         return None
     if stat.S_ISLNK(st.st_mode):
         report.add("files", f"rank {rank}: {path.name} is a symbolic link to {os.readlink(path)}; tpshard writes plain files (hard links or copies), so the plan did not make it")

@@ -113,9 +113,11 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 
 def _get(config: dict, key: str, default=None):
     # Multimodal configs nest the decoder under text_config.
-    if key in config:
+    # null counts as absent, as tpshard.inputs.check_config treats it.
+    if config.get(key) is not None:
         return config[key]
-    return config.get("text_config", {}).get(key, default)
+    value = (config.get("text_config") or {}).get(key)
+    return default if value is None else value
 
 
 def model_info(ckpt: Checkpoint) -> ModelInfo:

@@ -49,9 +49,32 @@ CONFIG_FIELDS: list[Field] = [
     Field("rope_scaling", "dict"),
     Field("dtype", "str"),
     Field("torch_dtype", "str"),
+    Field("rope_parameters.rope_theta", "number", 0, 1e30),
     Field("text_config", "dict"),
     Field("quantization_config", "dict"),
-]
+    # MoE and MLA families (DeepSeek, Qwen-MoE, Mixtral): counts and sizes the tables read.
+    *(Field(k, "int", 0, 1 << 20) for k in (
+        "n_routed_experts", "num_experts", "num_local_experts", "num_experts_per_tok", "n_shared_experts",
+        "first_k_dense_replace", "n_group", "topk_group", "num_nextn_predict_layers", "decoder_sparse_step",
+    )),
+    *(Field(k, "int", 1, 1 << 24) for k in (
+        "moe_intermediate_size", "shared_expert_intermediate_size", "moe_layer_freq", "q_lora_rank",
+        "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    )),
+    Field("routed_scaling_factor", "number", 0, 1e6),
+    Field("norm_topk_prob", "bool"),
+    Field("scoring_func", "str"),
+    Field("topk_method", "str"),
+]  # fmt: skip
+
+
+def _lookup(scope: dict, key: str):
+    """scope[key], where a dotted key reaches into nested objects (rope_parameters.rope_theta)."""
+    for part in key.split("."):
+        if not isinstance(scope, dict) or scope.get(part) is None:
+            return None
+        scope = scope[part]
+    return scope
 
 
 def _type_ok(value: object, kind: str) -> bool:
@@ -76,9 +99,9 @@ def check_config(config: object, where: str, fields: list[Field] | None = None) 
         raise CheckpointError(f"{where}: text_config is not an object")
     for f in fields or CONFIG_FIELDS:
         for scope, prefix in ((config, ""), (text or {}, "text_config.")):
-            if scope.get(f.key) is None:
+            value = _lookup(scope, f.key)
+            if value is None:
                 continue
-            value = scope[f.key]
             if not _type_ok(value, f.kind):
                 raise CheckpointError(f"{where}: {prefix}{f.key} = {value!r} is not a {f.kind.replace('number', 'finite number')}")
             if f.kind in ("int", "number"):

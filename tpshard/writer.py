@@ -192,7 +192,7 @@ def _write(
             link_or_copy(canonical, staging / rank_dir(r) / name)
 
     for r in selected:
-        index = _rank_index(plan, r)
+        index = rank_index_bytes(plan, r)
         (staging / rank_dir(r) / "model.safetensors.index.json").write_bytes(index)
 
     manifest = Manifest(
@@ -278,7 +278,8 @@ def link_or_copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
-def _rank_index(plan: Plan, rank: int) -> bytes:
+def rank_index_bytes(plan: Plan, rank: int) -> bytes:
+    """The model.safetensors.index.json of rank `rank`, byte for byte (check compares it so)."""
     specs = plan.rank_shards(rank)
     weight_map = {s.name: s.file for s in sorted(specs, key=lambda s: s.name)}
     total = sum(nbytes_of(s.dtype, s.shape) for s in specs)
