@@ -10,7 +10,6 @@ anything but a plain file inside the folder is refused; a mutated output never c
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
 import tempfile
