@@ -390,3 +390,28 @@ def test_sglang_export_is_the_vllm_export_without_attention_buffers(split_tp2, t
         buffers = {k for k in v if k.split(".")[-1] in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")}
         assert len(buffers) == 8 and set(s) == set(v) - buffers
         assert all(torch.equal(s[k], v[k]) for k in s)
+
+
+def test_export_replaces_only_its_own_output(tmp_path, llama):
+    out = tmp_path / "tp2"
+    tpshard.split(llama, out, tpshard.Topology(tp=2))
+    dest = tmp_path / "e"
+    export(out, dest, "vllm")
+    with pytest.raises(OutputError, match="already exists; pass --force"):
+        export(out, dest, "vllm")
+    first = read_export_manifest(dest)
+    export(out, dest, "sglang", force=True)  # an export is a tpshard output: --force replaces it whole
+    assert read_export_manifest(dest).engine == "sglang" != first.engine
+    assert check(dest, llama).ok and not list(tmp_path.glob(".e.*"))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(OutputError, match="is not a tpshard output"):
+        export(out, mine, "vllm", force=True)
+    assert (mine / "notes.txt").read_text() == "keep"
+    with pytest.raises(OutputError, match="is the input"):
+        export(out, out, "vllm", force=True)
+    assert check(out, llama).ok
+    (dest / "stray.bin").mkdir()  # no longer only the files an export holds: not ours to replace
+    with pytest.raises(OutputError, match="is not a tpshard output"):
+        export(out, dest, "vllm", force=True)

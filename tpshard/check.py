@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,17 +24,17 @@ import numpy as np
 from tpshard.checkpoint import Checkpoint, open_checkpoint
 from tpshard.digest import file_digest, new_hash, sha256_file
 from tpshard.errors import TpshardError
-from tpshard.manifest import Manifest, Plan, ShardSpec, rank_dir, read_manifest
+from tpshard.manifest import MANIFEST_NAME, Manifest, Plan, ShardSpec, rank_dir, read_manifest
 from tpshard.pieces import VALUE_DTYPES, cut_pieces, read_into, value_bytes
 from tpshard.plan import make_plan, spec_layout
 from tpshard.safetensors_format import DTYPE_SIZE, nbytes_of
-from tpshard.writer import default_workers
+from tpshard.writer import check_workers, rank_index_bytes
 
 MAX_PROBLEMS = 50
 
 
 class Problem(msgspec.Struct, frozen=True):
-    check: str  # group | sizes | logical | replicas | reduction | files | checksum | rules | reassembly
+    check: str  # group | sizes | logical | replicas | reduction | files | stray | checksum | extras | rules | reassembly
     message: str
 
 
@@ -43,7 +44,7 @@ class CheckReport(msgspec.Struct, kw_only=True):
     problems: list[Problem] = []
     files_checked: int = 0
     bytes_checked: int = 0
-    tensors_reassembled: int = 0
+    tensors_reassembled: int = 0  # source tensors proven bit-exact in every copy
     omitted: int = 0  # problems past MAX_PROBLEMS, counted but not listed
 
     @property
@@ -62,6 +63,7 @@ def check(out_dir: str | Path, source: str | Path | None = None, *, workers: int
 
     An engine export (a folder with tpshard-export.json) gets tpshard.export.check's checks."""
     out = Path(out_dir)
+    workers = check_workers(workers)
     from tpshard.export.manifest import EXPORT_MANIFEST_NAME
 
     if (out / EXPORT_MANIFEST_NAME).is_file():  # an engine export (tpshard export) has its own checks
@@ -71,11 +73,13 @@ def check(out_dir: str | Path, source: str | Path | None = None, *, workers: int
     manifest = read_manifest(out)
     report = CheckReport(out_dir=str(out), source=str(source) if source else None)
     check_plan(manifest.plan, report)
-    _check_files(out, manifest, report, workers or default_workers())
+    check_layout(out, manifest, report)
+    _check_files(out, manifest, report, workers)
     if source is not None:
         ckpt = open_checkpoint(source)
+        check_extras_against_source(ckpt, manifest, report)
         if _check_rules(ckpt, manifest, report):
-            _reassemble(out, ckpt, manifest, report, workers or default_workers())
+            _reassemble(out, ckpt, manifest, report, workers)
     return report
 
 
@@ -203,34 +207,19 @@ def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: in
     layouts = {f.name: f for f in plan.files}
     specs_by_file = plan.specs_by_file()
 
-    units: dict[tuple[int, int], tuple[Path, str, list[int]]] = {}  # inode -> (path, file, ranks)
-    extras: dict[tuple[int, int], tuple[Path, object, list[int]]] = {}  # the same for copied files
+    units: dict[tuple[int, int, str], tuple[Path, str, list[int]]] = {}  # (inode, name) -> (path, file, ranks)
+    extras: dict[tuple[int, int, str], tuple[Path, object, list[int]]] = {}  # the same for copied files
     for r in manifest.written_ranks if ranks is None else ranks:
         folder = out / rank_dir(r)
-        expected_map = {s.name: s.file for s in plan.rank_shards(r)}
-        try:
-            weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            report.add("files", f"rank {r}: unreadable model.safetensors.index.json ({e})")
-            weight_map = None
-        if weight_map is not None and weight_map != expected_map:
-            diff = sorted(set(weight_map.items()) ^ set(expected_map.items()))[:3]
-            report.add("files", f"rank {r}: model.safetensors.index.json disagrees with the manifest, e.g. {diff}")
+        check_index(folder, plan, r, report)
         for f in plan.rank_files(r):
-            path = folder / f.name
-            try:
-                st = path.stat()
-            except OSError:
-                report.add("files", f"rank {r}: {f.name} is missing")
-                continue
-            units.setdefault((st.st_dev, st.st_ino), (path, f.name, []))[2].append(r)
+            st = _plain_file(folder / f.name, r, report)
+            if st is not None:  # every name is checked, also one hard-linked to another name
+                units.setdefault((st.st_dev, st.st_ino, f.name), (folder / f.name, f.name, []))[2].append(r)
         for extra in manifest.extra_files:
-            path = folder / extra.name
-            if not path.is_file():
-                report.add("files", f"rank {r}: {extra.name} is missing")
-                continue
-            st = path.stat()
-            extras.setdefault((st.st_dev, st.st_ino), (path, extra, []))[2].append(r)
+            st = _plain_file(folder / extra.name, r, report)
+            if st is not None:
+                extras.setdefault((st.st_dev, st.st_ino, extra.name), (folder / extra.name, extra, []))[2].append(r)
 
     def verify(unit: tuple[Path, str, list[int]]) -> list[tuple[str, str]]:
         path, name, ranks = unit
@@ -238,7 +227,7 @@ def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: in
         where = f"{name} of ranks {ranks}"
         if rec is None:
             return [("checksum", f"{where}: the manifest has no checksum for it")]
-        size = path.stat().st_size
+        size = os.lstat(path).st_size
         if size != layout.size:
             return [("files", f"{where}: {size} bytes, the manifest says {layout.size} (truncated or extended)")]
         header, offsets = spec_layout(specs)
@@ -263,8 +252,83 @@ def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: in
             for c, m in found:
                 report.add(c, m)
     for path, extra, ranks in extras.values():
-        if path.stat().st_size != extra.size or sha256_file(path) != extra.checksum:
+        if os.lstat(path).st_size != extra.size or sha256_file(path) != extra.checksum:
             report.add("checksum", f"{extra.name} of ranks {ranks}: sha256 differs from the manifest")
+
+
+def check_index(folder: Path, plan: Plan, rank: int, report: CheckReport) -> None:
+    """A rank's model.safetensors.index.json is, byte for byte, the one the plan gives."""
+    path = folder / "model.safetensors.index.json"
+    if _plain_file(path, rank, report) is None:
+        return
+    expected = rank_index_bytes(plan, rank)
+    try:
+        held = path.read_bytes()
+    except OSError as e:
+        report.add("files", f"rank {rank}: unreadable model.safetensors.index.json ({e.strerror})")
+        return
+    if held == expected:
+        return
+    try:
+        weight_map = json.loads(held)["weight_map"]
+        want = json.loads(expected)["weight_map"]
+        diff = sorted(set(weight_map.items()) ^ set(want.items()))[:3]
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        diff = []
+    report.add("files", f"rank {rank}: model.safetensors.index.json differs from the one the plan gives" + (f", e.g. {diff}" if diff else ""))
+
+
+def _plain_file(path: Path, rank: int, report: CheckReport) -> os.stat_result | None:
+    """The file's stat when it is a plain file (hard links are plain files); a finding otherwise:
+    tpshard never writes a symbolic link, so a link is something the plan did not make."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        report.add("files", f"rank {rank}: {path.name} is missing")
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        report.add("files", f"rank {rank}: {path.name} is a symbolic link to {os.readlink(path)}; tpshard writes plain files (hard links or copies), so the plan did not make it")
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        report.add("files", f"rank {rank}: {path.name} is not a plain file")
+        return None
+    return st
+
+
+def check_layout(out: Path, manifest: Manifest, report: CheckReport) -> None:
+    """Nothing in the output that the manifest does not account for: stray files or folders at the
+    top or in a rank folder, folders of ranks not written, a missing rank folder."""
+    written = {rank_dir(r) for r in manifest.written_ranks}
+    for entry in sorted(os.listdir(out)):
+        if entry != MANIFEST_NAME and entry not in written:
+            report.add("stray", f"{entry}: not part of the output (the manifest lists {MANIFEST_NAME} and {len(written)} rank folders)")
+    extra_names = [e.name for e in manifest.extra_files] + ["model.safetensors.index.json"]
+    for r in manifest.written_ranks:
+        folder = out / rank_dir(r)
+        if folder.is_symlink() or not folder.is_dir():
+            report.add("files", f"{folder.name}: missing or not a folder")
+            continue
+        expected = {f.name for f in manifest.plan.rank_files(r)} | set(extra_names)
+        for entry in sorted(set(os.listdir(folder)) - expected):
+            report.add("stray", f"{folder.name}/{entry}: not part of the output; an engine reading this folder may load it")
+
+
+def check_extras_against_source(ckpt: Checkpoint, manifest: Manifest, report: CheckReport) -> None:
+    """config.json, tokenizer and the other copied files equal the source's (the copies themselves
+    were proven equal to the manifest's sha256); a file the source has and the output lacks is a finding."""
+    recorded = {e.name: e for e in manifest.extra_files}
+    try:
+        present = ckpt.extra_files()
+    except TpshardError as e:
+        report.add("extras", f"the source's non-weight files: {e}")
+        return
+    for name in sorted(set(present) | set(recorded)):
+        if name not in recorded:
+            report.add("extras", f"{name}: in the source, but not copied into the output")
+        elif name not in present:
+            report.add("extras", f"{name}: copied into the output, but the source has no such file")
+        elif sha256_file(ckpt.path / name) != recorded[name].checksum:
+            report.add("extras", f"{name}: differs from the source's")
 
 
 def hash_range(fd: int, offset: int, n: int, algorithm: str = "sha256") -> bytes:
@@ -302,53 +366,82 @@ def _check_rules(ckpt: Checkpoint, manifest: Manifest, report: CheckReport) -> b
     return not any(p.check == "rules" for p in report.problems)
 
 
+def distinct_copies(out: Path, manifest: Manifest) -> dict[str, list[tuple[Path, list[int]]]]:
+    """File name -> each distinct copy of it in the written rank folders (one per inode, hard links
+    counted once), with the ranks that hold that copy. Symbolic links are left out (a finding)."""
+    copies: dict[str, dict[tuple[int, int], tuple[Path, list[int]]]] = defaultdict(dict)
+    for r in manifest.written_ranks:
+        for f in manifest.plan.rank_files(r):
+            path = out / rank_dir(r) / f.name
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                copies[f.name].setdefault((st.st_dev, st.st_ino), (path, []))[1].append(r)
+    return {name: list(by_inode.values()) for name, by_inode in copies.items()}
+
+
 def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckReport, workers: int) -> None:
-    """Every source tensor, rebuilt from the shards, equals the source bit for bit."""
+    """Every source tensor, rebuilt from the shards, equals the source bit for bit, in every copy
+    of every file that holds a piece of it (a copy that replaced a hard link is proven on its own)."""
     plan = manifest.plan
     written = set(manifest.written_ranks)
-    located: dict[str, list[tuple[ShardSpec, Path, int]]] = defaultdict(list)
+    copies = distinct_copies(out, manifest)
+    located: dict[str, list[Place]] = defaultdict(list)
     for name, specs in plan.specs_by_file().items():
+        held = copies.get(name, [])
         for s, offset in zip(specs, spec_layout(specs)[1]):
-            if written & set(s.ranks):
-                located[s.source].append((s, out / rank_dir(min(written & set(s.ranks))) / name, offset))
+            if not written & set(s.ranks):
+                continue
+            if not held:  # every copy missing or not a plain file: reported by name, never counted as proven
+                located[s.source].append((s, None, offset, ""))
+            for path, ranks in held:
+                located[s.source].append((s, path, offset, f" (the copy of ranks {ranks})" if len(held) > 1 else ""))
     reassemble(ckpt, located, report, workers)
 
 
-def reassemble(ckpt: Checkpoint, located: dict[str, list[tuple[ShardSpec, Path, int]]], report: CheckReport, workers: int) -> None:
-    """Compare every (spec, file, data offset) with the bytes the spec says it cuts from its source
-    tensor, reading each source tensor once. A spec may be listed at several places (copies)."""
+# (spec, file holding it or None when no copy is readable, data offset, where: appended to a finding)
+Place = tuple[ShardSpec, "Path | None", int, str]
+
+
+def reassemble(ckpt: Checkpoint, located: dict[str, list[Place]], report: CheckReport, workers: int) -> None:
+    """Compare every place a spec is written (a spec may be listed at several: copies) with the bytes
+    the spec says it cuts from its source tensor, reading each source tensor once. Only tensors
+    proven bit-exact in every place are counted."""
 
     def rebuild(source: str) -> list[tuple[str, str]]:
         info = ckpt.tensors[source]
         opened: list[int] = []
         try:
             found = []
-            for s, path, offset in located[source]:
+            unread = sorted({s.file for s, path, _, _ in located[source] if path is None})
+            if unread:
+                raise OSError(f"no copy of {', '.join(unread)} is readable")
+            for s, path, offset, where in located[source]:
                 if s.value is not None:  # content set by the plan, not cut from the source
                     held = _read_value(path, offset, s)
                     if held != list(s.value):
-                        found.append(("reassembly", f"{_rel(s)}: holds {held}, not the planned {list(s.value)}"))
-            places = [(s, path, offset) for s, path, offset in located[source] if s.value is None]
-            specs = [s for s, _, _ in places]
-            offsets = [offset for _, _, offset in places]
+                        found.append(("reassembly", f"{_rel(s)}: holds {held}{where}, not the planned {list(s.value)}"))
+            places = [(s, path, offset, where) for s, path, offset, where in located[source] if s.value is None]
+            specs = [s for s, _, _, _ in places]
+            offsets = [offset for _, _, offset, _ in places]
             src_fd = os.open(ckpt.path / info.file, os.O_RDONLY)
             opened.append(src_fd)
             fds = []
-            for _, path, _ in places:
+            for _, path, _, _ in places:
                 fds.append(os.open(path, os.O_RDONLY))
                 opened.append(fds[-1])
             bad: dict[int, int] = {}  # place index -> first differing byte
             buf = np.empty(0, np.uint8)
             for i, at, data in cut_pieces(src_fd, info, specs):
-                if i in bad:
-                    continue
                 if len(buf) < len(data):
                     buf = np.empty(len(data), np.uint8)
                 actual = read_into(fds[i], buf, offsets[i] + at, len(data))
                 if not same_bytes(actual, data):
-                    bad[i] = at + int(np.argmax(actual != data))
+                    bad[i] = at + int(np.argmax(actual != data)) if len(actual) == len(data) else at
             return found + [
-                ("reassembly", f"{_diagnose(src_fd, info, specs, i, fds[i], offsets[i], byte)} [{places[i][1].name}]") for i, byte in bad.items()
+                ("reassembly", _diagnose(src_fd, info, specs, i, fds[i], offsets[i], byte) + places[i][3]) for i, byte in bad.items()
             ]
         except (OSError, TpshardError) as e:  # a missing or truncated file, already reported by name
             return [("files", f"{source}: cannot be reassembled: {e}")]
@@ -358,7 +451,8 @@ def reassemble(ckpt: Checkpoint, located: dict[str, list[tuple[ShardSpec, Path, 
 
     with ThreadPoolExecutor(workers) as pool:
         for found in pool.map(rebuild, list(located)):
-            report.tensors_reassembled += 1
+            if not found:
+                report.tensors_reassembled += 1  # only tensors proven bit-exact are counted
             for c, m in found:
                 report.add(c, m)
 

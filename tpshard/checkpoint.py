@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 
 from tpshard.errors import CheckpointError
+from tpshard.inputs import check_config, check_inside, check_plain_name
 from tpshard.manifest import ModelInfo
 from tpshard.safetensors_format import HeaderError, TensorInfo, read_header
 
@@ -29,13 +30,17 @@ class Checkpoint(msgspec.Struct, frozen=True, kw_only=True):
     index_file: str | None  # model.safetensors.index.json when sharded
 
     def extra_files(self) -> list[str]:
-        """Non-weight files (config, tokenizer, ...) to copy beside each rank's shards."""
+        """Non-weight files (config, tokenizer, ...) to copy beside each rank's shards: no dotfiles,
+        nothing that resolves outside the folder (tpshard.inputs)."""
         skip = set(self.weight_files) | {INDEX_NAME}
-        return sorted(
+        names = sorted(
             p.name
             for p in self.path.iterdir()
-            if p.is_file() and p.name not in skip and not _is_weight_file(p.name)
+            if p.is_file() and p.name not in skip and not p.name.startswith(".") and not _is_weight_file(p.name)
         )
+        for name in names:
+            check_inside(self.path / name, self.path)
+        return names
 
 
 def _is_weight_file(name: str) -> bool:
@@ -49,17 +54,24 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     config_path = path / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{path}: no config.json; tpshard needs a Hugging Face checkpoint folder")
+    check_inside(config_path, path)
     try:
         config = json.loads(config_path.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{config_path}: not valid JSON ({str(e)[:100]})") from None
+    check_config(config, str(config_path))
 
     index_path = path / INDEX_NAME
     if index_path.is_file():
+        check_inside(index_path, path)
         try:
             weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index_path}: not a safetensors index ({e!r})") from None
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise CheckpointError(f"{index_path}: not a safetensors index ({str(e)[:100]!r})") from None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path}: weight_map is not a non-empty object")
+        for tname, fname in weight_map.items():
+            check_plain_name(fname, f"{index_path}: weight_map[{tname!r}]")
         files = sorted(set(weight_map.values()))
         index_file: str | None = INDEX_NAME
     elif (path / SINGLE_NAME).is_file():
@@ -78,10 +90,13 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         file_path = path / name
         if not file_path.is_file():
             raise CheckpointError(f"{path}: {INDEX_NAME} names {name}, which does not exist")
+        check_inside(file_path, path)
         try:
             header, _ = read_header(file_path)
         except HeaderError as e:
             raise CheckpointError(str(e)) from None
+        except OSError as e:
+            raise CheckpointError(f"{file_path}: cannot be read ({e.strerror})") from None
         for tname, info in header.items():
             if index_file and weight_map.get(tname) != name:
                 continue  # the index is the source of truth for which file holds a tensor
@@ -98,9 +113,11 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 
 def _get(config: dict, key: str, default=None):
     # Multimodal configs nest the decoder under text_config.
-    if key in config:
+    # null counts as absent, as tpshard.inputs.check_config treats it.
+    if config.get(key) is not None:
         return config[key]
-    return config.get("text_config", {}).get(key, default)
+    value = (config.get("text_config") or {}).get(key)
+    return default if value is None else value
 
 
 def model_info(ckpt: Checkpoint) -> ModelInfo:

@@ -7,6 +7,7 @@ TpshardError becomes its message and exit code; no user error prints a traceback
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from tpshard.errors import TpshardError
+from tpshard.errors import TpshardError, UsageError
 from tpshard.manifest import Options
 from tpshard.topology import Topology
 
@@ -196,12 +197,13 @@ def check(
         if report.omitted:
             err.print(f"FAIL ... and {report.omitted} more problems", style="red")
         what = f"{report.files_checked} files ({human_bytes(report.bytes_checked)})"
-        if source:
-            what += f", {report.tensors_reassembled} source tensors reassembled bit-exact"
         if report.ok:
+            if source:
+                what += f", {report.tensors_reassembled} source tensors reassembled bit-exact"
             err.print(f"[green]ok[/] {out}: {what} in {seconds:.2f} s")
-        else:
-            err.print(f"[red]{len(report.problems)} problem(s)[/] in {out} ({what})")
+        else:  # never "bit-exact" beside a failure
+            total = len(report.problems) + report.omitted
+            err.print(f"[red]{total} problem(s)[/] in {out} ({what} checked): NOT verified")
     if not report.ok:
         raise typer.Exit(1)
 
@@ -372,26 +374,30 @@ def _export_summary(manifest, dest: Path, seconds: float, json: bool) -> None:
 
 def _split_then_export(model, out, tp, attn_dp, attn_cp, options, checksum, workers, force, format, max_part_size, json) -> None:
     import shutil
+    import tempfile
 
     from tpshard.checkpoint import open_checkpoint
     from tpshard.export import export, export_layout
     from tpshard.export.layout import config_tied
     from tpshard.plan import make_plan
+    from tpshard.publish import check_output_path
     from tpshard.writer import split as do_split
 
     max_bytes = parse_size(max_part_size)
-    if out.exists() and not force:
-        raise TpshardError(f"{out} already exists; pass --force to replace it")
     ckpt = open_checkpoint(model)
     topology = Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp)
     export_layout(make_plan(ckpt, topology, options), format, config_tied(ckpt.config), max_bytes)  # refuse before writing
-    staging = out.parent / f".{out.name}.tpshard-split"
+    check_output_path(out, [ckpt.path])
+    if os.path.lexists(out) and not force:
+        raise TpshardError(f"{out} already exists; pass --force to replace it")
     start = time.perf_counter()
+    # The intermediate tpshard output lives in a fresh folder of our own beside -o, removed after.
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.tpshard-split-", dir=out.parent if out.parent.is_dir() else None))
     try:
-        do_split(ckpt, staging, topology, msgspec.structs.replace(options, checksum=checksum), workers=workers, force=True)
-        manifest = export(staging, out, format, max_part_bytes=max_bytes, workers=workers, force=force)
+        do_split(ckpt, scratch / "out", topology, msgspec.structs.replace(options, checksum=checksum), workers=workers)
+        manifest = export(scratch / "out", out, format, max_part_bytes=max_bytes, workers=workers, force=force)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
     _export_summary(manifest, out, time.perf_counter() - start, json)
 
 
@@ -409,23 +415,49 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+MAX_RANK = 99_999  # rank folders are named rank-NNNNN
+
+
 def parse_ranks(text: str | None) -> list[int] | None:
     """'0-3,6' -> [0, 1, 2, 3, 6]."""
     if text is None:
         return None
     ranks: set[int] = set()
-    try:
-        for part in text.split(","):
-            lo, _, hi = part.partition("-")
-            ranks.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise TpshardError(f"--ranks {text!r}: expected a list like 0-3 or 0,2,4") from None
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        try:
+            a, b = int(lo), int(hi if dash else lo)
+        except ValueError:
+            raise UsageError(f"--ranks {text!r}: expected a list like 0-3 or 0,2,4") from None
+        if not 0 <= a <= b <= MAX_RANK:
+            raise UsageError(f"--ranks {text!r}: {part.strip()!r} is not a range of ranks from 0 to {MAX_RANK}")
+        ranks.update(range(a, b + 1))
     return sorted(ranks)
+
+
+# Exit codes (docs/reliability.md): 0 ok, 1 check/verify found a mismatch, 2 a fault the user can fix
+# (input, options, output folder, I/O such as a full or read-only disk), 130 interrupted (Ctrl-C).
+EXIT_INTERRUPTED = 130
 
 
 def main() -> None:
     try:
-        app()
+        code = app(standalone_mode=False)
     except TpshardError as e:
         err.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
         sys.exit(e.exit_code)
+    except (KeyboardInterrupt, typer.Abort):
+        code = EXIT_INTERRUPTED
+    except OSError as e:  # the library names its own I/O faults; this is the net under them
+        where = f" ({e.filename})" if e.filename else ""
+        err.print(f"[red]error:[/] {escape(str(e.strerror or e))}{escape(where)}", soft_wrap=True)
+        sys.exit(2)
+    except Exception as e:
+        if hasattr(e, "show") and hasattr(e, "exit_code"):  # click's usage errors (typer vendors click)
+            e.show()
+            sys.exit(e.exit_code)
+        raise
+    if code == EXIT_INTERRUPTED:  # typer >= 0.2x turns Ctrl-C into this exit code by itself, silently
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the message short
+        err.print("[red]interrupted[/]: stopped; anything staged was removed, existing outputs are as they were")
+    sys.exit(code if isinstance(code, int) else 0)

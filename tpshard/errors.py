@@ -23,6 +23,10 @@ class OutputError(TpshardError):
     """The output folder exists, is incomplete, or is not a tpshard output."""
 
 
+class UsageError(TpshardError):
+    """An option value out of range (--workers, --ranks, ...)."""
+
+
 class CheckFailed(TpshardError):
     """`check` or `verify` found a mismatch. Exit code 1: the output is wrong, not the command."""
 

@@ -1,21 +1,24 @@
 """merge: join outputs written for different ranks (`split --ranks`) into one output.
 
 Each node of a cluster can split its own ranks in parallel; `merge` checks that the parts come from
-the same source with the same plan, hard-links their rank folders into one staged output (parts are
-left as they are) and writes the merged manifest last.
+the same source with the same plan, hard-links the files each part's manifest names for its ranks
+into one staged output (parts are left as they are; nothing else in a part is taken) and writes the
+merged manifest last. A part with a missing rank folder or file, a file of the wrong size or a
+link in place of a file is refused by name before anything is written.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import msgspec
 
 from tpshard.errors import OutputError
 from tpshard.manifest import MANIFEST_NAME, Manifest, encode_manifest, rank_dir, read_manifest
+from tpshard.publish import staged_output
 from tpshard.writer import link_or_copy, write_durably
+
+INDEX_NAME = "model.safetensors.index.json"
 
 
 def merge_manifests(parts: list[Manifest]) -> Manifest:
@@ -26,6 +29,8 @@ def merge_manifests(parts: list[Manifest]) -> Manifest:
             raise OutputError("the parts were split with different plans (source, topology or options differ)")
         if m.source_files != first.source_files:
             raise OutputError("the parts were split from different source checkpoints (source checksums differ)")
+        if m.extra_files != first.extra_files:
+            raise OutputError("the parts copied different config or tokenizer files; split them again from one source")
         for f in m.files:
             if f.name in files and files[f.name] != f:
                 raise OutputError(f"{f.name} differs between parts; split the parts again with the same tpshard")
@@ -35,34 +40,42 @@ def merge_manifests(parts: list[Manifest]) -> Manifest:
     return msgspec.structs.replace(first, written_ranks=tuple(ranks), files=tuple(files[n] for n in order))
 
 
+def _rank_files(part: Path, m: Manifest, rank: int) -> list[tuple[Path, str]]:
+    """(path in the part, name) of every file the manifest says rank `rank`'s folder holds, each
+    checked to be a plain file of the recorded size; a one-line refusal otherwise."""
+    folder = part / rank_dir(rank)
+    if not folder.is_dir() or folder.is_symlink():
+        raise OutputError(f"{part}: the manifest lists rank {rank}, but {folder.name} is missing or not a folder")
+    expected = [(f.name, f.size) for f in m.plan.rank_files(rank)]
+    expected += [(e.name, e.size) for e in m.extra_files] + [(INDEX_NAME, None)]
+    found = []
+    for name, size in expected:
+        path = folder / name
+        if path.is_symlink() or not path.is_file():
+            raise OutputError(f"{part}: {folder.name}/{name} is missing or not a plain file")
+        if size is not None and path.stat().st_size != size:
+            raise OutputError(f"{part}: {folder.name}/{name} is {path.stat().st_size} bytes, the manifest says {size}")
+        found.append((path, name))
+    return found
+
+
 def merge(parts: list[str | Path], out: str | Path, *, force: bool = False) -> Manifest:
     """Merge tpshard outputs holding different ranks of one split into `out`."""
     if not parts:
         raise OutputError("merge needs at least one part")
-    out = Path(out)
-    if out.exists() and not force:
-        raise OutputError(f"{out} already exists; pass --force to replace it")
+    parts = [Path(p) for p in parts]
     manifests = [read_manifest(p) for p in parts]
     merged = merge_manifests(manifests)
-    staging = out.parent / f".{out.name}.tpshard-partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
-        done: set[int] = set()
-        for part, m in zip(parts, manifests):
-            for r in m.written_ranks:
-                if r in done:
-                    continue
-                done.add(r)
-                src, dst = Path(part) / rank_dir(r), staging / rank_dir(r)
-                dst.mkdir()
-                for entry in sorted(os.listdir(src)):
-                    link_or_copy(src / entry, dst / entry)
+    taken: dict[int, list[tuple[Path, str]]] = {}
+    for part, m in zip(parts, manifests):
+        for r in m.written_ranks:
+            if r not in taken:
+                taken[r] = _rank_files(part, m, r)
+    with staged_output(out, force=force, inputs=parts) as staging:
+        for r, files in sorted(taken.items()):
+            dst = staging / rank_dir(r)
+            dst.mkdir()
+            for path, name in files:
+                link_or_copy(path, dst / name)
         write_durably(staging / MANIFEST_NAME, encode_manifest(merged))
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return merged

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import msgspec
 
 from tpshard.checkpoint import Checkpoint, model_info
+from tpshard.completeness import check_complete
 from tpshard.errors import PlanError
 from tpshard.manifest import FileLayout, Kind, ModelInfo, Options, Plan, ShardSpec
 from tpshard.quant.config import read_quant_config
@@ -168,6 +169,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
     specs: list[dict] = []
     unknown: list[str] = []
     quant = read_quant_config(ckpt.path, ckpt.config)
+    check_complete(model, ckpt.config, ckpt.tensors, lambda m: quant is not None and quant.spec_for(m, True) is not None)
     qlayers = _QuantLayers(topology, model, options)
     # Source order by (file, offset): the writer then reads each file front to back.
     for name, info in sorted(ckpt.tensors.items(), key=lambda kv: (kv[1].file, kv[1].begin)):

@@ -10,6 +10,7 @@ file's header before any data exists.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -41,35 +42,88 @@ class HeaderError(ValueError):
     pass
 
 
+# The safetensors library refuses a longer header (MAX_HEADER_SIZE); so does tpshard.
+MAX_HEADER_BYTES = 100_000_000
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    seen: dict = {}
+    for key, value in pairs:
+        if key in seen:
+            raise HeaderError(f"the name {key!r} appears twice")
+        seen[key] = value
+    return seen
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Tensor name -> TensorInfo (absolute offsets) and the metadata of one safetensors file."""
+    """Tensor name -> TensorInfo (absolute offsets) and the metadata of one safetensors file.
+
+    As strict as the safetensors library: a header length that fits the file and is at most 100 MB,
+    a UTF-8 JSON object, unique names, known dtypes, shapes of non-negative integers whose
+    size is the byte range, ranges that start at 0 and follow each other without gap or overlap
+    up to the exact end of the file. Anything else is a HeaderError naming the file and the fault.
+    """
     with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         raw = f.read(8)
         if len(raw) != 8:
             raise HeaderError(f"{path}: too short to be a safetensors file")
         (n,) = struct.unpack("<Q", raw)
-        size = path.stat().st_size
-        if n > size - 8 or n > 100 << 20:
+        if n > MAX_HEADER_BYTES:
+            raise HeaderError(f"{path}: header length {n} is over the {MAX_HEADER_BYTES} bytes safetensors allows")
+        if n > size - 8:
             raise HeaderError(f"{path}: header length {n} does not fit the file ({size} bytes)")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise HeaderError(f"{path}: header is not JSON ({e})") from None
-    metadata = header.pop("__metadata__", None) or {}
+        text = f.read(n)
+    try:
+        header = json.loads(text.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except HeaderError as e:
+        raise HeaderError(f"{path}: header: {e}") from None
+    except (ValueError, RecursionError) as e:
+        raise HeaderError(f"{path}: header is not UTF-8 JSON ({str(e)[:100]})") from None
+    if not isinstance(header, dict):
+        raise HeaderError(f"{path}: header is not a JSON object")
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise HeaderError(f"{path}: __metadata__ must map strings to strings")
     tensors: dict[str, TensorInfo] = {}
+    data_size = size - 8 - n
     for name, entry in header.items():
-        dtype, shape = entry["dtype"], tuple(entry["shape"])
-        begin, end = entry["data_offsets"]
-        if dtype not in DTYPE_SIZE:
-            raise HeaderError(f"{path}: tensor {name} has unsupported dtype {dtype}")
-        expected = nbytes_of(dtype, shape)
-        if end - begin != expected or 8 + n + end > size:
-            raise HeaderError(
-                f"{path}: tensor {name} {dtype}{list(shape)} needs {expected} bytes at"
-                f" [{begin}, {end}) but the file is {size} bytes (truncated or corrupt)"
-            )
-        tensors[name] = TensorInfo(path.name, dtype, shape, 8 + n + begin, 8 + n + end)
+        tensors[name] = _tensor_info(path, name, entry, 8 + n, data_size)
+    end = 0
+    for info in sorted(tensors.values(), key=lambda i: (i.begin, i.end)):
+        if info.begin - 8 - n != end:
+            what = "overlaps the tensor before it" if info.begin - 8 - n < end else "leaves a gap before it"
+            name = next(k for k, v in tensors.items() if v is info)
+            raise HeaderError(f"{path}: tensor {name} at [{info.begin - 8 - n}, {info.end - 8 - n}) {what} (data must be contiguous)")
+        end = info.end - 8 - n
+    if end != data_size:
+        raise HeaderError(f"{path}: the tensors end at byte {end} of the data, but the file holds {data_size} bytes of data (truncated or extended)")
     return tensors, metadata
+
+
+def _tensor_info(path: Path, name: str, entry: object, data_start: int, data_size: int) -> TensorInfo:
+    if not isinstance(entry, dict):
+        raise HeaderError(f"{path}: tensor {name}: entry is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZE:
+        raise HeaderError(f"{path}: tensor {name} has unsupported dtype {dtype!r}; tpshard moves {', '.join(DTYPE_SIZE)}")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise HeaderError(f"{path}: tensor {name}: shape {shape!r} is not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and o >= 0 for o in offsets)):
+        raise HeaderError(f"{path}: tensor {name}: data_offsets {offsets!r} is not [begin, end]")
+    begin, end = offsets
+    expected = nbytes_of(dtype, tuple(shape))
+    if end < begin or end - begin != expected or end > data_size:
+        raise HeaderError(
+            f"{path}: tensor {name} {dtype}{list(shape)} needs {expected} bytes, but data_offsets are"
+            f" [{begin}, {end}) in {data_size} bytes of data (truncated or corrupt)"
+        )
+    return TensorInfo(path.name, dtype, tuple(shape), data_start + begin, data_start + end)
 
 
 def build_header(

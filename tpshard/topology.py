@@ -16,6 +16,7 @@ import msgspec
 from tpshard.errors import TopologyError
 
 GroupName = Literal["tp", "attn_tp", "replicated"]
+MAX_WORLD = 1 << 16  # ranks; beyond any deployment, and keeps a plan's size bounded
 
 
 class Topology(msgspec.Struct, frozen=True, kw_only=True):
@@ -25,8 +26,8 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         for field, value in (("tp", self.tp), ("attn_dp", self.attn_dp), ("attn_cp", self.attn_cp)):
-            if not isinstance(value, int) or value < 1:
-                raise TopologyError(f"--{field.replace('_', '-')} must be a positive integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_WORLD:
+                raise TopologyError(f"--{field.replace('_', '-')} must be an integer from 1 to {MAX_WORLD}, got {value!r}")
         if self.tp % (self.attn_dp * self.attn_cp):
             raise TopologyError(
                 f"--tp {self.tp} is not divisible by --attn-dp {self.attn_dp} x --attn-cp {self.attn_cp}"

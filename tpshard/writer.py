@@ -10,8 +10,9 @@ the order workers finish in.
 Checksums are computed while writing: sha256 of each tensor's bytes, and a file's checksum is sha256
 over its header followed by its tensors' digests (tpshard.digest). `check` recomputes both.
 
-Output is staged in a hidden sibling folder; the data is fsynced, the manifest written last, and
-the folder renamed into place: an output folder with a manifest is complete.
+Output is staged in a hidden sibling folder (tpshard.publish); the data is fsynced, the manifest
+written last, and the folder put in place of the output atomically: an output folder with a
+manifest is complete, and an old output stays whole until the new one replaces it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 from tpshard import __version__
 from tpshard.checkpoint import Checkpoint, open_checkpoint
 from tpshard.digest import Crc32, crc32_combine, file_digest, new_hash, sha256_file
-from tpshard.errors import OutputError, TopologyError
+from tpshard.errors import TopologyError, UsageError
 from tpshard.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -40,11 +41,24 @@ from tpshard.manifest import (
 )
 from tpshard.pieces import cut_pieces, value_bytes
 from tpshard.plan import make_plan, spec_layout
+from tpshard.publish import staged_output
 from tpshard.safetensors_format import TensorInfo, nbytes_of, read_header_bytes
 from tpshard.topology import Topology
 
+MAX_WORKERS = 256
+
+
 def default_workers() -> int:
     return min(8, max(2, os.cpu_count() or 2))
+
+
+def check_workers(workers: int | None) -> int:
+    """The I/O thread count to use: `workers` if given (1..MAX_WORKERS), else from the CPU count."""
+    if workers is None:
+        return default_workers()
+    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
+        raise UsageError(f"--workers {workers!r}: must be an integer from 1 to {MAX_WORKERS}")
+    return workers
 
 
 def split(
@@ -69,26 +83,9 @@ def split(
     bad = [r for r in selected if not 0 <= r < topology.world_size]
     if bad or not selected:
         raise TopologyError(f"--ranks {bad or '(none)'}: ranks must lie in 0..{topology.world_size - 1}")
-    out = Path(out)
-    if out.exists() and not force:
-        raise OutputError(f"{out} already exists; pass --force to replace it")
-    staging = out.parent / f".{out.name}.tpshard-partial"
-    if staging.exists():
-        shutil.rmtree(staging)  # left by a split that was killed
-    staging.mkdir(parents=True)
-    try:
-        manifest = _write(ckpt, plan, staging, selected, workers or default_workers(), on_tensor)
-        if out.exists():
-            trash = out.parent / f".{out.name}.tpshard-old"
-            shutil.rmtree(trash, ignore_errors=True)
-            out.rename(trash)
-            staging.rename(out)
-            shutil.rmtree(trash)
-        else:
-            staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    workers = check_workers(workers)
+    with staged_output(out, force=force, inputs=[ckpt.path]) as staging:
+        manifest = _write(ckpt, plan, staging, selected, workers, on_tensor)
     return manifest
 
 
@@ -195,7 +192,7 @@ def _write(
             link_or_copy(canonical, staging / rank_dir(r) / name)
 
     for r in selected:
-        index = _rank_index(plan, r)
+        index = rank_index_bytes(plan, r)
         (staging / rank_dir(r) / "model.safetensors.index.json").write_bytes(index)
 
     manifest = Manifest(
@@ -281,7 +278,8 @@ def link_or_copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
-def _rank_index(plan: Plan, rank: int) -> bytes:
+def rank_index_bytes(plan: Plan, rank: int) -> bytes:
+    """The model.safetensors.index.json of rank `rank`, byte for byte (check compares it so)."""
     specs = plan.rank_shards(rank)
     weight_map = {s.name: s.file for s in sorted(specs, key=lambda s: s.name)}
     total = sum(nbytes_of(s.dtype, s.shape) for s in specs)

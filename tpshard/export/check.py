@@ -151,6 +151,6 @@ def _check_against_source(folder: Path, m: ExportManifest, source: Path, report:
             at = offset
             for name, group_rank in t.parts:
                 spec = spec_of[(name, group_rank)]
-                located[spec.source].append((spec, folder / f.name, at))
+                located[spec.source].append((spec, folder / f.name, at, f" [{f.name}]"))
                 at += nbytes_of(spec.dtype, spec.shape)
     reassemble(ckpt, located, report, workers)

@@ -6,8 +6,8 @@ output to its offset in the engine file, whose header is laid out before any dat
 export's digests follow from the tpshard manifest's (crc32 combines), so no byte passes through
 Python and memory does not grow with the model.
 
-Staged like `split`: a hidden sibling folder, data fsynced, the export manifest written last, then
-renamed into place.
+Staged like `split` (tpshard.publish): a hidden sibling folder, data fsynced, the export manifest
+written last, then put in place of `dest` in one step.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from tpshard.export.manifest import (
 from tpshard.manifest import MANIFEST_NAME, Manifest, rank_dir, read_manifest
 from tpshard.pieces import read_into, scratch
 from tpshard.plan import file_header, spec_layout
+from tpshard.publish import staged_output
 from tpshard.safetensors_format import nbytes_of
 from tpshard.writer import WRITE_BYTES, default_workers, start_writeback, write_durably
 
@@ -65,28 +66,8 @@ def export(
         raise OutputError(f"{folder}/config.json: unreadable ({e}); the engines build the model from it") from None
     layout = export_layout(plan, engine, config_tied(config), max_part_bytes)
 
-    dest = Path(dest)
-    if dest.exists() and not force:
-        raise OutputError(f"{dest} already exists; pass --force to replace it")
-    if dest.resolve() == out.resolve():
-        raise OutputError(f"{dest}: the export goes into its own folder, not into the tpshard output")
-    staging = dest.parent / f".{dest.name}.tpshard-partial"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    try:
+    with staged_output(dest, force=force, inputs=[out]) as staging:
         result = _write(out, manifest, layout, engine, max_part_bytes, staging, workers or default_workers())
-        if dest.exists():
-            trash = dest.parent / f".{dest.name}.tpshard-old"
-            shutil.rmtree(trash, ignore_errors=True)
-            dest.rename(trash)
-            staging.rename(dest)
-            shutil.rmtree(trash)
-        else:
-            staging.rename(dest)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return result
 
 

@@ -60,6 +60,8 @@ def read_quant_config(folder: str | Path, config: dict) -> QuantConfig | None:
             raw.setdefault("quant_method", "gptq")  # AutoGPTQ files may omit it
     if raw is None:
         return None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"quantization_config is {type(raw).__name__}, not an object")
     method = str(raw.get("quant_method", "")).lower()
     try:
         parser = _PARSERS[method]
@@ -69,8 +71,30 @@ def read_quant_config(folder: str | Path, config: dict) -> QuantConfig | None:
         ) from None
     try:
         return QuantConfig(method, raw, parser(raw))
-    except ValueError as e:
+    except (ValueError, TypeError, AttributeError, KeyError, IndexError, re.error) as e:
+        # A field of the wrong JSON type (a list for bits, a string for dynamic, a bad regex).
         raise CheckpointError(f"quantization_config ({method}): {e}") from None
+
+
+def _int(raw: dict, *keys: str, default: int, lo: int = -1, hi: int = 1 << 20) -> int:
+    """The first of `keys` present in `raw`, as an integer in [lo, hi] (JSON ints only: 4.5, "4"
+    and true are refused, not rounded)."""
+    for key in keys:
+        if raw.get(key) is not None:
+            value = raw[key]
+            if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+                raise ValueError(f"{key} = {value!r} is not an integer in [{lo}, {hi}]")
+            return value
+    return default
+
+
+def _bool(raw: dict, key: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} = {value!r} is not true or false")
+    return value
 
 
 def _spec(**kw) -> QuantSpec:
@@ -90,18 +114,29 @@ def _gptq(raw: dict):
     if fmt not in ("gptq", "gptq_v2", "marlin"):
         raise ValueError(f"checkpoint_format {fmt!r}: tpshard knows gptq, gptq_v2 and marlin")
     base = dict(
-        bits=int(raw.get("bits", 4)),
-        group_size=int(raw.get("group_size", raw.get("groupsize", -1)) or -1),
-        desc_act=bool(raw.get("desc_act", False)),
-        sym=bool(raw.get("sym", True)),
+        bits=_int(raw, "bits", default=4, lo=1, hi=32),
+        group_size=_int(raw, "group_size", "groupsize", default=-1) or -1,
+        desc_act=_bool(raw, "desc_act", False),
+        sym=_bool(raw, "sym", True),
     )
     dynamic: list[tuple[re.Pattern, bool, dict]] = []
+    if not isinstance(raw.get("dynamic") or {}, dict):
+        raise ValueError("dynamic is not an object of pattern -> overrides")
     for key, override in (raw.get("dynamic") or {}).items():
         skip = key.startswith("-:")
         pattern = key[2:] if key[:2] in ("+:", "-:") else key
-        fields = {k: override[k] for k in ("bits", "group_size", "desc_act", "sym") if k in (override or {})}
+        override = override or {}
+        if not isinstance(override, dict):
+            raise ValueError(f"dynamic[{key!r}] is not an object")
+        fields: dict = {}
+        for k in ("bits", "group_size"):
+            if k in override:
+                fields[k] = _int(override, k, default=-1, lo=-1 if k == "group_size" else 1, hi=1 << 20 if k == "group_size" else 32)
+        for k in ("desc_act", "sym"):
+            if k in override:
+                fields[k] = _bool(override, k, False)
         dynamic.append((re.compile(pattern), skip, fields))
-    quantize_lm_head = bool(raw.get("lm_head", False))
+    quantize_lm_head = _bool(raw, "lm_head", False)
 
     def resolve(module: str) -> QuantSpec | None:
         if module == "lm_head" and not quantize_lm_head:
@@ -127,11 +162,11 @@ def _awq(raw: dict):
         raise ValueError(f"AWQ version {version!r}: only the GEMM layout is supported")
     spec = _spec(
         format="awq",
-        bits=int(raw.get("bits", raw.get("w_bit", 4))),
-        group_size=int(raw.get("group_size", raw.get("q_group_size", 128))),
-        sym=not raw.get("zero_point", True),
+        bits=_int(raw, "bits", "w_bit", default=4, lo=1, hi=32),
+        group_size=_int(raw, "group_size", "q_group_size", default=128),
+        sym=not _bool(raw, "zero_point", True),
     )
-    skip = list(raw.get("modules_to_not_convert") or [])
+    skip = _strings(raw.get("modules_to_not_convert"), "modules_to_not_convert")
 
     def resolve(module: str) -> QuantSpec | None:
         if module == "lm_head" or any(s in module for s in skip):
@@ -141,6 +176,14 @@ def _awq(raw: dict):
     return resolve
 
 
+def _strings(value: object, key: str) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{key} = {value!r} is not a list of strings")
+    return list(value)
+
+
 # ---- FP8 (DeepSeek-V3 block, AutoFP8 per-tensor) ------------------------------------------------
 
 
@@ -148,10 +191,13 @@ def _fp8(raw: dict):
     block = raw.get("weight_block_size")
     static = raw.get("activation_scheme", "dynamic") == "static"
     if block:
-        spec = _spec(format="fp8_block", bits=8, block=(int(block[0]), int(block[1])), static_input=static)
+        if not (isinstance(block, list) and len(block) == 2):
+            raise ValueError(f"weight_block_size = {block!r} is not [block_n, block_k]")
+        bn, bk = (_int({"weight_block_size": b}, "weight_block_size", default=128, lo=1) for b in block)
+        spec = _spec(format="fp8_block", bits=8, block=(bn, bk), static_input=static)
     else:
         spec = _spec(format="fp8_tensor", bits=8, static_input=static)
-    skip = list(raw.get("modules_to_not_convert") or []) + list(raw.get("ignored_layers") or [])
+    skip = _strings(raw.get("modules_to_not_convert"), "modules_to_not_convert") + _strings(raw.get("ignored_layers"), "ignored_layers")
 
     def resolve(module: str) -> QuantSpec | None:
         if module == "lm_head" or any(s in module for s in skip):
@@ -174,7 +220,9 @@ def _ct_matches(target: str, module: str) -> bool:
 
 
 def _ct_scheme(fmt: str, weights: dict, acts: dict | None) -> QuantSpec:
-    bits, kind = int(weights.get("num_bits", 4)), weights.get("type", "int")
+    if not isinstance(weights, dict):
+        raise ValueError("weights is not an object")
+    bits, kind = _int(weights, "num_bits", default=4, lo=1, hi=32), weights.get("type", "int")
     strategy = weights.get("strategy") or "tensor"
     gs = weights.get("group_size")
     static = acts is not None and acts.get("dynamic") is not True
@@ -183,13 +231,16 @@ def _ct_scheme(fmt: str, weights: dict, acts: dict | None) -> QuantSpec:
             raise ValueError(f"pack-quantized with weight type {kind!r}")
         actorder = weights.get("actorder")
         return _spec(
-            format="ct_int", bits=bits, group_size=int(gs) if strategy == "group" and gs else -1,
+            format="ct_int", bits=bits, group_size=_int(weights, "group_size", default=-1) if strategy == "group" and gs else -1,
             sym=bool(weights.get("symmetric", True)), desc_act=actorder in ("group", True),
         )  # fmt: skip
     if fmt == "float-quantized":
         if strategy == "block":
-            bn, bk = weights.get("block_structure") or (128, 128)
-            return _spec(format="ct_fp8_block", bits=8, block=(int(bn), int(bk)), static_input=static)
+            structure = weights.get("block_structure") or [128, 128]
+            if not (isinstance(structure, (list, tuple)) and len(structure) == 2):
+                raise ValueError(f"block_structure = {structure!r} is not [block_n, block_k]")
+            bn, bk = (_int({"block_structure": b}, "block_structure", default=128, lo=1) for b in structure)
+            return _spec(format="ct_fp8_block", bits=8, block=(bn, bk), static_input=static)
         if strategy in ("tensor", "channel"):
             return _spec(format=f"ct_fp8_{strategy}", bits=8, static_input=static and strategy == "tensor")  # type: ignore[arg-type]
         raise ValueError(f"float-quantized strategy {strategy!r} is not supported (tensor, channel, block)")
@@ -202,7 +253,11 @@ def _compressed_tensors(raw: dict):
     if raw.get("quantization_status", "compressed") != "compressed":
         raise ValueError(f"quantization_status {raw.get('quantization_status')!r}: only compressed checkpoints can be split")
     groups = []
+    if not isinstance(raw.get("config_groups") or {}, dict):
+        raise ValueError("config_groups is not an object")
     for name, group in (raw.get("config_groups") or {}).items():
+        if not isinstance(group, dict):
+            raise ValueError(f"config_groups.{name} is not an object")
         weights = group.get("weights")
         if not weights:
             continue  # activation-only group: weights stay dense
@@ -213,8 +268,11 @@ def _compressed_tensors(raw: dict):
             raise ValueError(f"config_groups.{name}: {e}") from None
         except ValueError as e:
             raise ValueError(f"config_groups.{name}: {e}") from None
-        groups.append((list(group.get("targets") or []), spec))
-    ignore = list(raw.get("ignore") or [])
+        groups.append((_strings(group.get("targets"), f"config_groups.{name}.targets"), spec))
+    ignore = _strings(raw.get("ignore"), "ignore")
+    for target in ignore + [t for targets, _ in groups for t in targets]:
+        if target.startswith("re:"):
+            re.compile(target[3:])  # a bad regex is refused now, not when a module meets it
 
     def resolve(module: str) -> QuantSpec | None:
         if any(_ct_matches(t, module) for t in ignore):
