@@ -78,16 +78,19 @@ def _rel(spec: ShardSpec) -> str:
 def check_plan(plan: Plan, report: CheckReport) -> None:
     """The seed's alignment checks that need no bytes: 1 group, 2 global vs per-rank, 3 logical vs physical, 4, 5."""
     topo = plan.topology
+    ranks_of: dict[tuple, tuple[int, ...]] = {}
     by_source: dict[str, list[ShardSpec]] = defaultdict(list)
     layer_groups: dict[str, set[str]] = defaultdict(set)
     for s in plan.shards:
         by_source[s.source].append(s)
         if s.kind not in ("replicated",):
             layer_groups[s.layer].add(s.group)
-        # 1. group: the group rank and members recorded are the ones the topology gives.
+        # 1. group: the ranks holding the shard's file are the ones the topology gives its group rank.
         try:
             size = topo.group_size(s.group, s.factor)
-            ranks = topo.ranks_of(s.group, s.group_rank, s.factor)
+            ranks = ranks_of.get((s.group, s.group_rank, s.factor))
+            if ranks is None:
+                ranks = ranks_of[s.group, s.group_rank, s.factor] = topo.ranks_of(s.group, s.group_rank, s.factor)
         except TpshardError as e:
             report.add("group", f"{_rel(s)}: {e}")
             continue
@@ -184,7 +187,7 @@ def _check_logical(plan: Plan, report: CheckReport) -> None:
 def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: int) -> None:
     plan = manifest.plan
     algorithm = plan.options.checksum
-    written = {f.name: f for f in manifest.files}
+    written = {f.name: f for f in manifest.files if f.checksum}
     layouts = {f.name: f for f in plan.files}
     specs_by_file = plan.specs_by_file()
 
@@ -232,7 +235,7 @@ def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: in
             if fh.read(len(header)) != header:
                 return [("files", f"{where}: safetensors header differs from the planned one")]
             digests = []
-            for s, offset, want in zip(specs, offsets, rec.tensor_checksums):
+            for s, offset, want in zip(specs, offsets, rec.digests):
                 d = hash_range(fh.fileno(), offset, nbytes_of(s.dtype, s.shape), algorithm)
                 digests.append(d)
                 if d.hex() != want:
@@ -274,6 +277,11 @@ def _check_rules(ckpt: Checkpoint, manifest: Manifest, report: CheckReport) -> b
     except TpshardError as e:
         report.add("rules", f"the rules refuse this source: {e}")
         return False
+    layout = [(f.name, f.ranks, f.size) for f in manifest.files]
+    if layout != [(f.name, f.ranks, f.size) for f in expected.files]:
+        report.add("rules", "the manifest's output files (names, ranks or sizes) are not the ones the rules lay out")
+    if manifest.tensors == expected.tensors:
+        return not any(p.check == "rules" for p in report.problems)
     got = {(s.name, s.group_rank): s for s in manifest.plan.shards}
     want = {(s.name, s.group_rank): s for s in expected.shards}
     for key in sorted(set(got) | set(want)):
@@ -284,6 +292,8 @@ def _check_rules(ckpt: Checkpoint, manifest: Manifest, report: CheckReport) -> b
             else:
                 fields = [f for f in g.__struct_fields__ if getattr(g, f) != getattr(w, f)]
                 report.add("rules", f"{_rel(g)}: manifest differs from the rules in {', '.join(f'{f}={getattr(g, f)!r} (rules: {getattr(w, f)!r})' for f in fields)}")
+    if not any(p.check == "rules" for p in report.problems):  # same shards, another order
+        report.add("rules", "the manifest lists the tensors or their cuts in another order than the rules")
     return not any(p.check == "rules" for p in report.problems)
 
 
@@ -294,9 +304,10 @@ def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckRe
     offsets: dict[int, int] = {}
     for specs in plan.specs_by_file().values():
         offsets.update({id(s): o for s, o in zip(specs, spec_layout(specs)[1])})
+    file_ranks = {f.name: f.ranks for f in plan.files}
     by_source: dict[str, list[ShardSpec]] = defaultdict(list)
     for s in plan.shards:
-        if written & set(s.ranks):
+        if written.intersection(file_ranks[s.file]):
             by_source[s.source].append(s)
 
     def rebuild(source: str) -> list[tuple[str, str]]:
@@ -306,7 +317,7 @@ def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckRe
             found = []
             for s in specs:
                 if s.value is not None:  # content set by the plan, not cut from the source
-                    held = _read_value(out, written, s, offsets)
+                    held = _read_value(out, written, s, offsets, file_ranks)
                     if held != list(s.value):
                         found.append(("reassembly", f"{_rel(s)}: holds {held}, not the planned {list(s.value)}"))
             specs = [s for s in specs if s.value is None]
@@ -314,7 +325,7 @@ def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckRe
             opened.append(src_fd)
             fds = []
             for s in specs:
-                fds.append(os.open(out / rank_dir(min(written & set(s.ranks))) / s.file, os.O_RDONLY))
+                fds.append(os.open(out / rank_dir(min(written.intersection(file_ranks[s.file]))) / s.file, os.O_RDONLY))
                 opened.append(fds[-1])
             bad: dict[int, int] = {}  # spec index -> first differing byte
             buf = np.empty(0, np.uint8)
@@ -340,10 +351,10 @@ def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckRe
                 report.add(c, m)
 
 
-def _read_value(out: Path, written: set[int], spec: ShardSpec, offsets: dict[int, int]) -> list[int]:
+def _read_value(out: Path, written: set[int], spec: ShardSpec, offsets: dict[int, int], file_ranks: dict) -> list[int]:
     """The content of a value spec as written (to compare with `spec.value`)."""
     n = len(value_bytes(spec))
-    with open(out / rank_dir(min(written & set(spec.ranks))) / spec.file, "rb") as fh:
+    with open(out / rank_dir(min(written.intersection(file_ranks[spec.file]))) / spec.file, "rb") as fh:
         fh.seek(offsets[id(spec)])
         raw = fh.read(n)
     return np.frombuffer(raw, dtype=VALUE_DTYPES[spec.dtype]).tolist() if len(raw) == n else []

@@ -14,7 +14,7 @@ import msgspec
 
 from tpshard.checkpoint import Checkpoint, model_info
 from tpshard.errors import PlanError
-from tpshard.manifest import FileLayout, Kind, ModelInfo, Options, Plan, ShardSpec
+from tpshard.manifest import Kind, ModelInfo, Options, OutputFile, Plan, ShardSpec, pack_tensors
 from tpshard.quant.config import read_quant_config
 from tpshard.quant.formats import QuantSpec, alignment
 from tpshard.quant import shards as qshards
@@ -167,6 +167,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
 
     specs: list[dict] = []
     unknown: list[str] = []
+    ranks_of: dict[tuple, tuple[int, ...]] = {}  # (group, group rank, factor) -> world ranks, computed once
     quant = read_quant_config(ckpt.path, ckpt.config)
     qlayers = _QuantLayers(topology, model, options)
     # Source order by (file, offset): the writer then reads each file front to back.
@@ -190,6 +191,9 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
             shape = list(info.shape)
             if cutting.dim is not None:
                 shape[cutting.dim] = cut.length + cut.pad
+            key = (group, cut.group_rank, cutting.factor)
+            if key not in ranks_of:
+                ranks_of[key] = topology.ranks_of(*key)
             specs.append(
                 dict(
                     name=name,
@@ -209,7 +213,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
                     factor=cutting.factor,
                     group_rank=cut.group_rank,
                     group_size=cutting.group_size,
-                    ranks=topology.ranks_of(group, cut.group_rank, cutting.factor),
+                    ranks=ranks_of[key],
                 )
             )
     if unknown:
@@ -228,7 +232,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
         topology=topology,
         options=options,
         model=model,
-        shards=tuple(ShardSpec(**s) for s in specs),
+        tensors=pack_tensors(specs, files),
         files=tuple(files),
         warnings=tuple(warnings),
         quant_layers={m: msgspec.to_builtins(q) for m, (q, _) in sorted(qlayers.suffixes.items())},
@@ -396,7 +400,7 @@ def _file_label(spec: dict, topology: Topology) -> str:
     return f"{label}-{spec['group_rank']:03d}-of-{spec['group_size']:03d}"
 
 
-def _layout_files(specs: list[dict], topology: Topology, options: Options) -> list[FileLayout]:
+def _layout_files(specs: list[dict], topology: Topology, options: Options) -> list[OutputFile]:
     """Group specs by the set of ranks holding them (one file set each), split into parts by size.
 
     Sets `spec["file"]` in place. Tensors keep source order inside a file.
@@ -404,7 +408,7 @@ def _layout_files(specs: list[dict], topology: Topology, options: Options) -> li
     by_ranks: dict[tuple[int, ...], list[dict]] = {}
     for spec in specs:
         by_ranks.setdefault(spec["ranks"], []).append(spec)
-    files: list[FileLayout] = []
+    files: list[OutputFile] = []
     for ranks, members in by_ranks.items():
         label = _file_label(members[0], topology)
         parts: list[list[dict]] = [[]]
@@ -423,10 +427,9 @@ def _layout_files(specs: list[dict], topology: Topology, options: Options) -> li
             for s in part:
                 s["file"] = name
             files.append(
-                FileLayout(
+                OutputFile(
                     name=name,
                     ranks=ranks,
-                    tensors=tuple(s["name"] for s in part),
                     size=len(header) + sum(nbytes_of(s["dtype"], s["shape"]) for s in part),
                 )
             )

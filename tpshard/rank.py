@@ -68,10 +68,12 @@ def load_rank(out_dir: str | Path, rank: int) -> dict:
     if rank not in manifest.written_ranks:
         raise OutputError(f"{out_dir}: holds ranks {list(manifest.written_ranks)}, not rank {rank}")
     folder = Path(out_dir) / rank_dir(rank)
-    specs_by_file = manifest.plan.specs_by_file()
+    specs_by_file: dict[str, list] = {}
+    for s in manifest.plan.rank_shards(rank):
+        specs_by_file.setdefault(s.file, []).append(s)
     tensors = {}
     for f in manifest.plan.rank_files(rank):
-        specs = specs_by_file[f.name]
+        specs = specs_by_file.get(f.name, [])
         _, offsets = spec_layout(specs)
         path = folder / f.name
         if not path.is_file() or path.stat().st_size != f.size:
