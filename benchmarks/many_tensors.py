@@ -122,12 +122,14 @@ def run(cmd: list[str], env: dict) -> tuple[float, float, str]:
     """(seconds incl. the sync after, peak RSS MiB, stdout) of one child."""
     subprocess.run(["sync"], check=True)
     t = time.perf_counter()
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(p.pid, 0)
-    out, err = p.stdout.read().decode(), p.stderr.read().decode()
-    p.returncode = os.waitstatus_to_exitcode(status)
-    subprocess.run(["sync"], check=True)
-    seconds = time.perf_counter() - t
+    with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe:  # files: a full pipe would block the child
+        p = subprocess.Popen(cmd, env=env, stdout=fo, stderr=fe)
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        subprocess.run(["sync"], check=True)
+        seconds = time.perf_counter() - t
+        fo.seek(0), fe.seek(0)
+        out, err = fo.read().decode(), fe.read().decode()
     if p.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{err[-2000:]}")
     return seconds, usage.ru_maxrss / 1024, out
@@ -139,8 +141,8 @@ def bench_case(name: str, work: Path, runs: int, tp: int, log) -> dict:
     t = time.perf_counter()
     make_checkpoint(model, c)
     log(f"{name}: checkpoint {model} ({len(tensors(c))} tensors) ready in {time.perf_counter() - t:.1f} s")
-    for f in model.iterdir():  # warm the page cache
-        f.read_bytes()
+    for f in model.iterdir():  # warm the page cache (not through this process: a child inherits its peak RSS)
+        subprocess.run(["cat", str(f)], stdout=subprocess.DEVNULL, check=True)
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     py = [sys.executable, "-m", "tpshard"]
     out = work / f"out-{name}"

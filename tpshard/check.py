@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,7 +26,7 @@ from tpshard.digest import file_digest, new_hash, sha256_file
 from tpshard.errors import TpshardError
 from tpshard.manifest import Manifest, Plan, ShardSpec, rank_dir, read_manifest
 from tpshard.pieces import VALUE_DTYPES, cut_pieces, read_into, value_bytes
-from tpshard.plan import make_plan, spec_layout
+from tpshard.plan import make_plan
 from tpshard.safetensors_format import DTYPE_SIZE, nbytes_of
 from tpshard.writer import default_workers
 
@@ -229,7 +230,7 @@ def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: in
         size = path.stat().st_size
         if size != layout.size:
             return [("files", f"{where}: {size} bytes, the manifest says {layout.size} (truncated or extended)")]
-        header, offsets = spec_layout(specs)
+        header, offsets = plan.layout(name)
         found: list[tuple[str, str]] = []
         with open(path, "rb") as fh:
             if fh.read(len(header)) != header:
@@ -302,17 +303,28 @@ def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckRe
     plan = manifest.plan
     written = set(manifest.written_ranks)
     offsets: dict[int, int] = {}
-    for specs in plan.specs_by_file().values():
-        offsets.update({id(s): o for s, o in zip(specs, spec_layout(specs)[1])})
+    for name, specs in plan.specs_by_file().items():
+        offsets.update({id(s): o for s, o in zip(specs, plan.layout(name)[1])})
     file_ranks = {f.name: f.ranks for f in plan.files}
     by_source: dict[str, list[ShardSpec]] = defaultdict(list)
     for s in plan.shards:
         if written.intersection(file_ranks[s.file]):
             by_source[s.source].append(s)
 
+    fds_open: dict[Path, int] = {}  # each file opened once, shared by the threads (pread only)
+    lock = threading.Lock()
+
+    def fd_of(path: Path) -> int:
+        fd = fds_open.get(path)
+        if fd is None:
+            with lock:
+                fd = fds_open.get(path)
+                if fd is None:
+                    fd = fds_open[path] = os.open(path, os.O_RDONLY)
+        return fd
+
     def rebuild(source: str) -> list[tuple[str, str]]:
         info, specs = ckpt.tensors[source], by_source[source]
-        opened: list[int] = []
         try:
             found = []
             for s in specs:
@@ -321,12 +333,8 @@ def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckRe
                     if held != list(s.value):
                         found.append(("reassembly", f"{_rel(s)}: holds {held}, not the planned {list(s.value)}"))
             specs = [s for s in specs if s.value is None]
-            src_fd = os.open(ckpt.path / info.file, os.O_RDONLY)
-            opened.append(src_fd)
-            fds = []
-            for s in specs:
-                fds.append(os.open(out / rank_dir(min(written.intersection(file_ranks[s.file]))) / s.file, os.O_RDONLY))
-                opened.append(fds[-1])
+            src_fd = fd_of(ckpt.path / info.file)
+            fds = [fd_of(out / rank_dir(min(written.intersection(file_ranks[s.file]))) / s.file) for s in specs]
             bad: dict[int, int] = {}  # spec index -> first differing byte
             buf = np.empty(0, np.uint8)
             for i, at, data in cut_pieces(src_fd, info, specs):
@@ -340,15 +348,17 @@ def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckRe
             return found + [("reassembly", _diagnose(src_fd, info, specs, i, fds[i], offsets, byte)) for i, byte in bad.items()]
         except (OSError, TpshardError) as e:  # a missing or truncated file, already reported by name
             return [("files", f"{source}: cannot be reassembled: {e}")]
-        finally:
-            for fd in opened:
-                os.close(fd)
 
-    with ThreadPoolExecutor(workers) as pool:
-        for found in pool.map(rebuild, list(by_source)):
-            report.tensors_reassembled += 1
-            for c, m in found:
-                report.add(c, m)
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            results = list(pool.map(rebuild, list(by_source)))
+    finally:
+        for fd in fds_open.values():
+            os.close(fd)
+    for found in results:
+        report.tensors_reassembled += 1
+        for c, m in found:
+            report.add(c, m)
 
 
 def _read_value(out: Path, written: set[int], spec: ShardSpec, offsets: dict[int, int], file_ranks: dict) -> list[int]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from functools import cached_property
+from operator import itemgetter
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -75,7 +76,10 @@ class Options(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
             raise PlanError(f"--checksum {self.checksum}: choose crc32 or sha256")
 
 
-class ShardSpec(msgspec.Struct, frozen=True, kw_only=True):
+# gc=False on the per-shard and per-tensor records: there are hundreds of thousands of them in a
+# large plan, they hold only numbers, strings and tuples (no cycle), and tracked they made every
+# collection of the garbage collector walk them all.
+class ShardSpec(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One distinct per-rank tensor: source[dim][start : start+length] followed by `pad` zeros."""
 
     name: str  # HF tensor name in the rank's files
@@ -112,7 +116,7 @@ class ShardSpec(msgspec.Struct, frozen=True, kw_only=True):
     value: tuple[int, ...] | None = None  # exact content, written instead of source bytes (CT weight_shape)
 
 
-class Cut(msgspec.Struct, frozen=True, array_like=True):
+class Cut(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """One group rank's piece of a tensor, a JSON array:
     [group_rank, start, length, pad, file, logical_start, logical_length, logical_pad, value],
     trailing defaults left out. `file` indexes `Manifest.files`."""
@@ -128,7 +132,7 @@ class Cut(msgspec.Struct, frozen=True, array_like=True):
     value: tuple[int, ...] | None = None
 
 
-class TensorPlan(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class TensorPlan(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
     """What every cut of one source tensor shares; ShardSpec documents each field."""
 
     name: str  # HF name, in the source and in the rank files
@@ -151,7 +155,7 @@ class TensorPlan(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     cuts: tuple[Cut, ...]
 
 
-class OutputFile(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class OutputFile(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
     """One output safetensors file, shared (hard linked) by every rank in `ranks`."""
 
     name: str  # a plain file name inside each rank folder
@@ -185,17 +189,18 @@ def pack_tensors(specs: Iterable[Mapping[str, Any] | ShardSpec], files: Iterable
     The inverse of the ShardSpec view; `make_plan` assembles its plan with it, and tests use it to
     write a deliberately wrong manifest. Shards of one tensor must agree on every shared field."""
     index = {f.name: i for i, f in enumerate(files)}
+    shared_of, cut_of, logical_of = itemgetter("source_shape", *_SHARED), itemgetter(*_PER_CUT), itemgetter(*_LOGICAL)
     shared: dict[str, tuple] = {}
     cuts: dict[str, list[Cut]] = {}
     for s in specs:
-        get = (lambda f, s=s: s.get(f, _DEFAULTS.get(f))) if isinstance(s, Mapping) else s.__getattribute__
-        name = get("name")
-        key = (get("source_shape"), *(get(f) for f in _SHARED))
+        d = {**_DEFAULTS, **s} if isinstance(s, Mapping) else msgspec.structs.asdict(s)
+        name = d["name"]
+        key = shared_of(d)
         if name not in shared:
             shared[name], cuts[name] = key, []
         elif shared[name] != key:
             raise ValueError(f"{name}: its shards disagree on {[f for f, a, b in zip(('source_shape', *_SHARED), key, shared[name]) if a != b]}")
-        cuts[name].append(Cut(*(get(f) for f in _PER_CUT), index[get("file")], *(get(f) for f in _LOGICAL)))
+        cuts[name].append(Cut(*cut_of(d), index[d["file"]], *logical_of(d)))
     out = []
     for name, key in shared.items():
         out.append(TensorPlan(name=name, shape=tuple(key[0]), cuts=tuple(cuts[name]), **dict(zip(_SHARED, key[1:]))))
@@ -234,6 +239,8 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
 
     def rank_shards(self, rank: int) -> list[ShardSpec]:
         """Rank `rank`'s tensors, in plan order; builds only this rank's views."""
+        if "shards" in self.__dict__:  # every view is built already
+            return [s for s in self.shards if rank in s.ranks]
         held = {i for i, f in enumerate(self.files) if rank in f.ranks}
         return [self._view(t, c) for t in self.tensors for c in t.cuts if c.file in held]
 
@@ -242,10 +249,21 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
 
     def specs_by_file(self) -> dict[str, list[ShardSpec]]:
         """File name -> its tensors' specs, in data order (the files' order)."""
-        by_file: dict[str, list[ShardSpec]] = {f.name: [] for f in self.files}
-        for s in self.shards:
-            by_file[s.file].append(s)
-        return by_file
+        if "_by_file" not in self.__dict__:
+            by_file: dict[str, list[ShardSpec]] = {f.name: [] for f in self.files}
+            for s in self.shards:
+                by_file[s.file].append(s)
+            self.__dict__["_by_file"] = by_file
+        return {name: list(specs) for name, specs in self.__dict__["_by_file"].items()}
+
+    def layout(self, file: str) -> tuple[bytes, list[int]]:
+        """The header bytes and tensor data offsets of an output file (tpshard.plan.spec_layout), built once."""
+        from tpshard.plan import spec_layout
+
+        layouts = self.__dict__.setdefault("_layouts", {})
+        if file not in layouts:
+            layouts[file] = spec_layout(self.specs_by_file()[file])
+        return layouts[file]
 
     def with_shards(self, specs: Iterable[ShardSpec]) -> Plan:
         """This plan with its tensors rebuilt from `specs` (files kept): for tests that break a plan."""

@@ -227,8 +227,9 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
     if pad_notes:
         warnings.append(f"zero-padded to divide: {', '.join(pad_notes)}")
 
-    files = _layout_files(specs, topology, options)
-    return Plan(
+    layouts: dict[str, tuple[bytes, list[int]]] = {}
+    files = _layout_files(specs, topology, options, layouts)
+    plan = Plan(
         topology=topology,
         options=options,
         model=model,
@@ -237,6 +238,8 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
         warnings=tuple(warnings),
         quant_layers={m: msgspec.to_builtins(q) for m, (q, _) in sorted(qlayers.suffixes.items())},
     )
+    plan.__dict__["_layouts"] = layouts  # the headers laid out below, so that Plan.layout need not redo them
+    return plan
 
 
 _LINEAR = ("QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "ParallelLMHead")
@@ -400,10 +403,11 @@ def _file_label(spec: dict, topology: Topology) -> str:
     return f"{label}-{spec['group_rank']:03d}-of-{spec['group_size']:03d}"
 
 
-def _layout_files(specs: list[dict], topology: Topology, options: Options) -> list[OutputFile]:
+def _layout_files(specs: list[dict], topology: Topology, options: Options, layouts: dict) -> list[OutputFile]:
     """Group specs by the set of ranks holding them (one file set each), split into parts by size.
 
-    Sets `spec["file"]` in place. Tensors keep source order inside a file.
+    Sets `spec["file"]` in place and each file's (header, offsets) in `layouts`. Tensors keep source
+    order inside a file.
     """
     by_ranks: dict[tuple[int, ...], list[dict]] = {}
     for spec in specs:
@@ -423,7 +427,7 @@ def _layout_files(specs: list[dict], topology: Topology, options: Options) -> li
         for p, part in enumerate(parts):
             suffix = f"-part-{p + 1:05d}-of-{len(parts):05d}" if len(parts) > 1 else ""
             name = f"model-{label}{suffix}.safetensors"
-            header, _ = file_header([(s["name"], s["dtype"], s["shape"]) for s in part])
+            header, offsets = layouts[name] = file_header([(s["name"], s["dtype"], s["shape"]) for s in part])
             for s in part:
                 s["file"] = name
             files.append(

@@ -42,7 +42,7 @@ from tpshard.manifest import (
     rank_dir,
 )
 from tpshard.pieces import cut_pieces, value_bytes
-from tpshard.plan import make_plan, spec_layout
+from tpshard.plan import make_plan
 from tpshard.safetensors_format import TensorInfo, nbytes_of, read_header_bytes
 from tpshard.topology import Topology
 
@@ -138,7 +138,7 @@ def _write(
     try:
         for f in files:
             specs = specs_by_file[f.name]
-            header, offsets = spec_layout(specs)
+            header, offsets = plan.layout(f.name)
             path = staging / rank_dir(min(chosen & set(f.ranks))) / f.name
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             fds[f.name], headers[f.name] = fd, header
