@@ -23,14 +23,16 @@ def rewrite_checksums(out: Path) -> None:
 
     specs = m.plan.specs_by_file()
     files = []
-    for w in m.files:
-        f = next(f for f in m.plan.files if f.name == w.name)
+    for f in m.files:
+        if not f.checksum:  # not written (split --ranks)
+            files.append(f)
+            continue
         path = out / rank_dir(min(set(f.ranks) & set(m.written_ranks))) / f.name
         header, offsets = spec_layout(specs[f.name])
         fd = os.open(path, os.O_RDONLY)
         digests = [hash_range(fd, o, e - o, m.plan.options.checksum) for o, e in zip(offsets, offsets[1:] + [f.size])]
         os.close(fd)
-        files.append(msgspec.structs.replace(w, checksum=file_digest(header, digests), tensor_checksums=tuple(d.hex() for d in digests)))
+        files.append(msgspec.structs.replace(f, checksum=file_digest(header, digests), digests=tuple(d.hex() for d in digests)))
     (out / MANIFEST_NAME).write_bytes(encode_manifest(msgspec.structs.replace(m, files=tuple(files))))
 
 

@@ -242,7 +242,7 @@ def test_check_fails_on_packed_offset_off_by_one_word(checkpoints, tmp_path):
     # Manifest: the recorded physical start moved by one word no longer converts from the logical start.
     plan = manifest.plan
     moved = msgspec.structs.replace(spec, start=spec.start + 1)
-    broken = msgspec.structs.replace(plan, shards=tuple(moved if s is spec else s for s in plan.shards))
+    broken = plan.with_shards(moved if s is spec else s for s in plan.shards)
     report = CheckReport(out_dir=str(out), source=None)
     check_plan(broken, report)
     assert any(p.check == "logical" and "physical start 65 != logical start 512 x 1/8" in p.message for p in report.problems), report.problems

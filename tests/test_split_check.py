@@ -226,11 +226,10 @@ def test_manifest_that_disagrees_with_the_rules_is_caught(good, llama, copy_of):
 
     out = copy_of(good)
     m = read_manifest(out)
-    shards = list(m.plan.shards)
-    i = next(i for i, s in enumerate(shards) if s.name.endswith("o_proj.weight"))
-    shards[i] = msgspec.structs.replace(shards[i], group="tp")  # o_proj sliced over the wrong group
-    plan = msgspec.structs.replace(m.plan, shards=tuple(shards))
-    (out / MANIFEST_NAME).write_bytes(encode_manifest(msgspec.structs.replace(m, plan=plan)))
+    first = next(s for s in m.plan.shards if s.name.endswith("o_proj.weight")).name
+    # o_proj sliced over the wrong group
+    plan = m.plan.with_shards(msgspec.structs.replace(s, group="tp") if s.name == first else s for s in m.plan.shards)
+    (out / MANIFEST_NAME).write_bytes(encode_manifest(m.with_plan(plan)))
     found = problems(out, llama)
     assert any("[group]" in p and "o_proj" in p for p in found), found
     assert any("[rules]" in p and "group='tp'" in p for p in found), found
@@ -246,7 +245,7 @@ def test_row_bias_marked_sliced_is_caught(tmp_path):
     assert tpshard.check(out, model).ok
     m = read_manifest(out)
     shards = [msgspec.structs.replace(s, kind="replicated") if s.name.endswith("o_proj.bias") else s for s in m.plan.shards]
-    (out / MANIFEST_NAME).write_bytes(encode_manifest(msgspec.structs.replace(m, plan=msgspec.structs.replace(m.plan, shards=tuple(shards)))))
+    (out / MANIFEST_NAME).write_bytes(encode_manifest(m.with_plan(m.plan.with_shards(shards))))
     found = problems(out, None)
     assert any("[reduction]" in p and "o_proj.bias" in p for p in found), found
 
@@ -302,7 +301,7 @@ def test_sha256_tensor_digests_on_request(llama, tmp_path):
     out = tmp_path / "out"
     tpshard.split(llama, out, Topology(tp=2), Options(checksum="sha256"))
     assert tpshard.check(out, llama).ok
-    assert {len(c) for f in read_manifest(out).files for c in f.tensor_checksums} == {64}
+    assert {len(c) for f in read_manifest(out).files for c in f.digests} == {64}
     path = out / rank_dir(0) / "model-tp-000-of-002.safetensors"
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x80

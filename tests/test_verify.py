@@ -95,8 +95,7 @@ def broken_outputs(good: Path, root: Path) -> dict[str, Path]:
         if s.name == "model.layers.0.self_attn.o_proj.bias" else s
         for s in m.plan.shards
     )  # fmt: skip
-    plan = msgspec.structs.replace(m.plan, shards=shards)
-    (out / MANIFEST_NAME).write_bytes(encode_manifest(msgspec.structs.replace(m, plan=plan)))
+    (out / MANIFEST_NAME).write_bytes(encode_manifest(m.with_plan(m.plan.with_shards(shards))))
 
     # The embedding shard of attn_tp rank 1 (world ranks 1, 5) replaced by rank 2's, checksums rewritten.
     out = copy("embed_wrong_rank")

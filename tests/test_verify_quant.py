@@ -113,7 +113,7 @@ def test_tp2_formats_pass_and_wrong_group_rank_scales_fail(outputs, tmp_path):
         msgspec.structs.replace(s, group_rank=0) if s.name == "model.layers.0.mlp.down_proj.scales" and s.ranks == (1,) else s
         for s in m.plan.shards
     )  # fmt: skip
-    (misfiled / MANIFEST_NAME).write_bytes(encode_manifest(msgspec.structs.replace(m, plan=msgspec.structs.replace(m.plan, shards=shards))))
+    (misfiled / MANIFEST_NAME).write_bytes(encode_manifest(m.with_plan(m.plan.with_shards(shards))))
 
     r, wrong_rank = assert_passes(DEFAULT[2], outputs, extra=[(src, bad), (src, misfiled)])
     problems = {x.layer: "; ".join(x.problems) for x in wrong_rank.layers if not x.ok}

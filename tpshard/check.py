@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import stat
+import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +27,7 @@ from tpshard.digest import file_digest, new_hash, sha256_file
 from tpshard.errors import TpshardError
 from tpshard.manifest import MANIFEST_NAME, Manifest, Plan, ShardSpec, rank_dir, read_manifest
 from tpshard.pieces import VALUE_DTYPES, cut_pieces, read_into, value_bytes
-from tpshard.plan import make_plan, spec_layout
+from tpshard.plan import make_plan
 from tpshard.safetensors_format import DTYPE_SIZE, nbytes_of
 from tpshard.writer import check_workers, rank_index_bytes
 
@@ -90,16 +91,19 @@ def _rel(spec: ShardSpec) -> str:
 def check_plan(plan: Plan, report: CheckReport) -> None:
     """The seed's alignment checks that need no bytes: 1 group, 2 global vs per-rank, 3 logical vs physical, 4, 5."""
     topo = plan.topology
+    ranks_of: dict[tuple, tuple[int, ...]] = {}
     by_source: dict[str, list[ShardSpec]] = defaultdict(list)
     layer_groups: dict[str, set[str]] = defaultdict(set)
     for s in plan.shards:
         by_source[s.source].append(s)
         if s.kind not in ("replicated",):
             layer_groups[s.layer].add(s.group)
-        # 1. group: the group rank and members recorded are the ones the topology gives.
+        # 1. group: the ranks holding the shard's file are the ones the topology gives its group rank.
         try:
             size = topo.group_size(s.group, s.factor)
-            ranks = topo.ranks_of(s.group, s.group_rank, s.factor)
+            ranks = ranks_of.get((s.group, s.group_rank, s.factor))
+            if ranks is None:
+                ranks = ranks_of[s.group, s.group_rank, s.factor] = topo.ranks_of(s.group, s.group_rank, s.factor)
         except TpshardError as e:
             report.add("group", f"{_rel(s)}: {e}")
             continue
@@ -203,7 +207,7 @@ def check_rank_files(out_dir: str | Path, manifest: Manifest, ranks: list[int], 
 def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: int, ranks: list[int] | None = None) -> None:
     plan = manifest.plan
     algorithm = plan.options.checksum
-    written = {f.name: f for f in manifest.files}
+    written = {f.name: f for f in manifest.files if f.checksum}
     layouts = {f.name: f for f in plan.files}
     specs_by_file = plan.specs_by_file()
 
@@ -230,13 +234,13 @@ def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: in
         size = os.lstat(path).st_size
         if size != layout.size:
             return [("files", f"{where}: {size} bytes, the manifest says {layout.size} (truncated or extended)")]
-        header, offsets = spec_layout(specs)
+        header, offsets = plan.layout(name)
         found: list[tuple[str, str]] = []
         with open(path, "rb") as fh:
             if fh.read(len(header)) != header:
                 return [("files", f"{where}: safetensors header differs from the planned one")]
             digests = []
-            for s, offset, want in zip(specs, offsets, rec.tensor_checksums):
+            for s, offset, want in zip(specs, offsets, rec.digests):
                 d = hash_range(fh.fileno(), offset, nbytes_of(s.dtype, s.shape), algorithm)
                 digests.append(d)
                 if d.hex() != want:
@@ -353,6 +357,11 @@ def _check_rules(ckpt: Checkpoint, manifest: Manifest, report: CheckReport) -> b
     except TpshardError as e:
         report.add("rules", f"the rules refuse this source: {e}")
         return False
+    layout = [(f.name, f.ranks, f.size) for f in manifest.files]
+    if layout != [(f.name, f.ranks, f.size) for f in expected.files]:
+        report.add("rules", "the manifest's output files (names, ranks or sizes) are not the ones the rules lay out")
+    if manifest.tensors == expected.tensors:
+        return not any(p.check == "rules" for p in report.problems)
     got = {(s.name, s.group_rank): s for s in manifest.plan.shards}
     want = {(s.name, s.group_rank): s for s in expected.shards}
     for key in sorted(set(got) | set(want)):
@@ -363,6 +372,8 @@ def _check_rules(ckpt: Checkpoint, manifest: Manifest, report: CheckReport) -> b
             else:
                 fields = [f for f in g.__struct_fields__ if getattr(g, f) != getattr(w, f)]
                 report.add("rules", f"{_rel(g)}: manifest differs from the rules in {', '.join(f'{f}={getattr(g, f)!r} (rules: {getattr(w, f)!r})' for f in fields)}")
+    if not any(p.check == "rules" for p in report.problems):  # same shards, another order
+        report.add("rules", "the manifest lists the tensors or their cuts in another order than the rules")
     return not any(p.check == "rules" for p in report.problems)
 
 
@@ -391,7 +402,7 @@ def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckRe
     located: dict[str, list[Place]] = defaultdict(list)
     for name, specs in plan.specs_by_file().items():
         held = copies.get(name, [])
-        for s, offset in zip(specs, spec_layout(specs)[1]):
+        for s, offset in zip(specs, plan.layout(name)[1]):
             if not written & set(s.ranks):
                 continue
             if not held:  # every copy missing or not a plain file: reported by name, never counted as proven
@@ -410,9 +421,20 @@ def reassemble(ckpt: Checkpoint, located: dict[str, list[Place]], report: CheckR
     the spec says it cuts from its source tensor, reading each source tensor once. Only tensors
     proven bit-exact in every place are counted."""
 
+    fds_open: dict[Path, int] = {}  # each file opened once, shared by the threads (pread only)
+    lock = threading.Lock()
+
+    def fd_of(path: Path) -> int:
+        fd = fds_open.get(path)
+        if fd is None:
+            with lock:
+                fd = fds_open.get(path)
+                if fd is None:
+                    fd = fds_open[path] = os.open(path, os.O_RDONLY)
+        return fd
+
     def rebuild(source: str) -> list[tuple[str, str]]:
         info = ckpt.tensors[source]
-        opened: list[int] = []
         try:
             found = []
             unread = sorted({s.file for s, path, _, _ in located[source] if path is None})
@@ -426,12 +448,8 @@ def reassemble(ckpt: Checkpoint, located: dict[str, list[Place]], report: CheckR
             places = [(s, path, offset, where) for s, path, offset, where in located[source] if s.value is None]
             specs = [s for s, _, _, _ in places]
             offsets = [offset for _, _, offset, _ in places]
-            src_fd = os.open(ckpt.path / info.file, os.O_RDONLY)
-            opened.append(src_fd)
-            fds = []
-            for _, path, _, _ in places:
-                fds.append(os.open(path, os.O_RDONLY))
-                opened.append(fds[-1])
+            src_fd = fd_of(ckpt.path / info.file)
+            fds = [fd_of(path) for _, path, _, _ in places]
             bad: dict[int, int] = {}  # place index -> first differing byte
             buf = np.empty(0, np.uint8)
             for i, at, data in cut_pieces(src_fd, info, specs):
@@ -445,16 +463,18 @@ def reassemble(ckpt: Checkpoint, located: dict[str, list[Place]], report: CheckR
             ]
         except (OSError, TpshardError) as e:  # a missing or truncated file, already reported by name
             return [("files", f"{source}: cannot be reassembled: {e}")]
-        finally:
-            for fd in opened:
-                os.close(fd)
 
-    with ThreadPoolExecutor(workers) as pool:
-        for found in pool.map(rebuild, list(located)):
-            if not found:
-                report.tensors_reassembled += 1  # only tensors proven bit-exact are counted
-            for c, m in found:
-                report.add(c, m)
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            results = list(pool.map(rebuild, list(located)))
+    finally:
+        for fd in fds_open.values():
+            os.close(fd)
+    for found in results:
+        if not found:
+            report.tensors_reassembled += 1  # only tensors proven bit-exact are counted
+        for c, m in found:
+            report.add(c, m)
 
 
 def _read_value(path: Path, offset: int, spec: ShardSpec) -> list[int]:

@@ -159,16 +159,16 @@ def split(
             ranks=parse_ranks(ranks), on_tensor=lambda n: progress.advance(task, n),
         )  # fmt: skip
     seconds = time.perf_counter() - start
-    written = sum(f.size for f in manifest.files)
+    written = sum(f.size for f in manifest.written_files)
     summary = {
-        "out": str(out), "ranks": list(manifest.written_ranks), "files": len(manifest.files),
+        "out": str(out), "ranks": list(manifest.written_ranks), "files": len(manifest.written_files),
         "bytes_read": total, "bytes_written": written, "seconds": round(seconds, 3),
     }  # fmt: skip
     if json:
         _emit_json(summary)
         return
     err.print(
-        f"[green]split[/] {model} -> {out}: {len(manifest.written_ranks)} ranks, {len(manifest.files)} files,"
+        f"[green]split[/] {model} -> {out}: {len(manifest.written_ranks)} ranks, {len(manifest.written_files)} files,"
         f" read {human_bytes(total)}, wrote {human_bytes(written)} in {seconds:.2f} s"
     )
     for w in manifest.plan.warnings:

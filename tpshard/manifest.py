@@ -1,18 +1,25 @@
-"""The plan and the manifest: the parallel and load contracts as data.
+"""The plan and the manifest: the parallel and load contracts as data (manifest version 2).
 
-A `Plan` is what `tpshard plan` prints and `tpshard split` executes: for every distinct per-rank
-tensor, where its bytes come from (source tensor, dim, start, length, zero padding) and which
-group rank holds it. A `Manifest` is the plan as written, plus checksums; it is the last file
-`split` writes and the first one `check`, `verify` and `open_rank` read.
+A `Plan` is what `tpshard plan` prints and `tpshard split` executes: one `TensorPlan` per source
+tensor kept, holding what all of its cuts share (layer, kind, group, dim, quantized layout), and one
+`Cut` per distinct per-rank piece (group rank, start, length, padding, the file holding it). A
+`Manifest` is the plan as written, plus checksums; it is the last file `split` writes and the first
+one `check`, `verify` and `open_rank` read. docs/format.md describes the JSON.
 
-One `ShardSpec` per distinct output tensor: ranks that hold identical bytes (replicated tensors,
-attention shards shared by attention-DP replicas, GQA kv replicas) share one spec and one file.
+`ShardSpec` is the per-rank view of one (TensorPlan, Cut) with every field spelled out, built on
+demand: `Plan.rank_shards(rank)` builds one rank's, `Plan.shards` and `Plan.specs_by_file()` all of
+them. A shard's shape is derived, never stored; its world ranks are its file's `ranks`, which
+`make_plan` lays out from `Topology.ranks_of(group, group_rank, factor)` and `check` compares with it. Ranks that hold identical bytes (replicated tensors, attention shards shared by
+attention-DP replicas, GQA kv replicas) share one cut and one file.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from functools import cached_property
+from operator import itemgetter
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -20,14 +27,23 @@ from tpshard.topology import GroupName, Topology
 
 MANIFEST_NAME = "tpshard-manifest.json"
 MANIFEST_FORMAT = "tpshard-manifest"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+
+# Bounds on numbers read from a manifest (docs/format.md): no command may hang or allocate without
+# limit on a crafted one.
+MAX_BYTES = 1 << 50  # one tensor or one file
+MAX_WORLD = 1 << 16  # ranks
+MAX_MANIFEST_BYTES = 1 << 31
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_BYTES)]
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_WORLD)]
+Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_WORLD)]
 
 # How a tensor is cut. The four linear kinds follow the engines' layer classes; `row_bias` is a
 # row-parallel layer's bias, whole on every rank and added once per reduction group.
 Kind = Literal["column", "merged", "qkv_q", "qkv_k", "qkv_v", "row", "row_bias", "vocab", "replicated"]
 
 
-class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
+class ModelInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """The config numbers the rules use; recorded so that readers need not re-parse config.json."""
 
     architecture: str
@@ -45,7 +61,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str = "BF16"
 
 
-class Options(msgspec.Struct, frozen=True, kw_only=True):
+class Options(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     pad: bool = True  # pad dims the group does not divide (MLP intermediate) instead of refusing
     dp_lm_head: bool = False  # lm_head over attn_tp instead of tp (SGLang --enable-dp-lm-head)
     vocab_multiple: int = 64  # vocab padded to this multiple before the split (vLLM/SGLang)
@@ -60,7 +76,10 @@ class Options(msgspec.Struct, frozen=True, kw_only=True):
             raise PlanError(f"--checksum {self.checksum}: choose crc32 or sha256")
 
 
-class ShardSpec(msgspec.Struct, frozen=True, kw_only=True):
+# gc=False on the per-shard and per-tensor records: there are hundreds of thousands of them in a
+# large plan, they hold only numbers, strings and tuples (no cycle), and tracked they made every
+# collection of the garbage collector walk them all.
+class ShardSpec(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One distinct per-rank tensor: source[dim][start : start+length] followed by `pad` zeros."""
 
     name: str  # HF tensor name in the rank's files
@@ -81,7 +100,7 @@ class ShardSpec(msgspec.Struct, frozen=True, kw_only=True):
     group_rank: int = 0
     group_size: int = 1
     ranks: tuple[int, ...]  # world ranks holding these bytes
-    file: str  # FileLayout.name holding it
+    file: str  # OutputFile.name holding it
     # Quantized layers (docs/quantization.md). The physical cut above is the layer's logical cut
     # along N (logical_dim 0) or K (1) converted by the format's layout: physical = logical * ratio,
     # offsets on multiples of `atom` logical values, a partial last word/group/block taken at the end.
@@ -97,63 +116,221 @@ class ShardSpec(msgspec.Struct, frozen=True, kw_only=True):
     value: tuple[int, ...] | None = None  # exact content, written instead of source bytes (CT weight_shape)
 
 
-class FileLayout(msgspec.Struct, frozen=True, kw_only=True):
+class Cut(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One group rank's piece of a tensor, a JSON array:
+    [group_rank, start, length, pad, file, logical_start, logical_length, logical_pad, value],
+    trailing defaults left out. `file` indexes `Manifest.files`."""
+
+    group_rank: Rank
+    start: Count
+    length: Count
+    pad: Count
+    file: Annotated[int, msgspec.Meta(ge=0)]
+    logical_start: Count = 0
+    logical_length: Count = 0
+    logical_pad: Count = 0
+    value: tuple[int, ...] | None = None
+
+
+class TensorPlan(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
+    """What every cut of one source tensor shares; ShardSpec documents each field."""
+
+    name: str  # HF name, in the source and in the rank files
+    layer: str
+    layer_class: str
+    piece: str = ""
+    kind: Kind
+    dtype: str
+    shape: tuple[Count, ...]  # the source shape
+    group: GroupName
+    factor: Positive = 1
+    group_size: Positive = 1
+    dim: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    quant: str = ""
+    step: str = ""
+    ratio: tuple[Positive, Positive] = (1, 1)
+    atom: Positive = 1
+    logical_dim: Annotated[int, msgspec.Meta(ge=0, le=1)] | None = None
+    logical_size: Count = 0
+    cuts: tuple[Cut, ...]
+
+
+class OutputFile(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
     """One output safetensors file, shared (hard linked) by every rank in `ranks`."""
 
-    name: str  # file name inside each rank folder
-    ranks: tuple[int, ...]
-    tensors: tuple[str, ...]  # tensor names, in data order
-    size: int  # bytes, header included
+    name: str  # a plain file name inside each rank folder
+    ranks: tuple[Rank, ...]  # world ranks holding it: the only place ranks are stored
+    size: Count  # bytes, header included
+    checksum: str = ""  # tpshard.digest.file_digest: sha256 of the header, then the tensor digests
+    digests: tuple[str, ...] = ()  # per tensor, in file order (Options.checksum); () = not written
+
+    @property
+    def tensor_checksums(self) -> tuple[str, ...]:
+        return self.digests
 
 
-class Plan(msgspec.Struct, frozen=True, kw_only=True):
+# The fields of a ShardSpec stored once per tensor (TensorPlan) and once per cut (Cut).
+_SHARED = ("layer", "layer_class", "piece", "kind", "dtype", "group", "factor", "group_size", "dim",
+           "quant", "step", "ratio", "atom", "logical_dim", "logical_size")  # fmt: skip
+_PER_CUT = ("group_rank", "start", "length", "pad")
+_LOGICAL = ("logical_start", "logical_length", "logical_pad", "value")
+
+
+def shard_shape(t: TensorPlan, c: Cut) -> tuple[int, ...]:
+    """A shard's shape: the source shape with the cut dim replaced by length + pad."""
+    if t.dim is None:
+        return t.shape
+    return t.shape[: t.dim] + (c.length + c.pad,) + t.shape[t.dim + 1 :]
+
+
+def pack_tensors(specs: Iterable[Mapping[str, Any] | ShardSpec], files: Iterable[OutputFile]) -> tuple[TensorPlan, ...]:
+    """TensorPlans from per-shard records (dicts or ShardSpecs), in the order tensors first appear.
+
+    The inverse of the ShardSpec view; `make_plan` assembles its plan with it, and tests use it to
+    write a deliberately wrong manifest. Shards of one tensor must agree on every shared field."""
+    index = {f.name: i for i, f in enumerate(files)}
+    shared_of, cut_of, logical_of = itemgetter("source_shape", *_SHARED), itemgetter(*_PER_CUT), itemgetter(*_LOGICAL)
+    shared: dict[str, tuple] = {}
+    cuts: dict[str, list[Cut]] = {}
+    for s in specs:
+        d = {**_DEFAULTS, **s} if isinstance(s, Mapping) else msgspec.structs.asdict(s)
+        name = d["name"]
+        key = shared_of(d)
+        if name not in shared:
+            shared[name], cuts[name] = key, []
+        elif shared[name] != key:
+            raise ValueError(f"{name}: its shards disagree on {[f for f, a, b in zip(('source_shape', *_SHARED), key, shared[name]) if a != b]}")
+        cuts[name].append(Cut(*cut_of(d), index[d["file"]], *logical_of(d)))
+    out = []
+    for name, key in shared.items():
+        out.append(TensorPlan(name=name, shape=tuple(key[0]), cuts=tuple(cuts[name]), **dict(zip(_SHARED, key[1:]))))
+    return tuple(out)
+
+
+_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(ShardSpec) if f.default is not msgspec.NODEFAULT}
+
+
+class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
     topology: Topology
     options: Options
     model: ModelInfo
-    shards: tuple[ShardSpec, ...]
-    files: tuple[FileLayout, ...]
+    tensors: tuple[TensorPlan, ...]
+    files: tuple[OutputFile, ...]
     warnings: tuple[str, ...] = ()
     # HF module prefix -> its tpshard.quant.formats.QuantSpec as plain data (format, bits,
     # group_size, desc_act, sym, block, static_input), for readers that dequantize (verify).
     quant_layers: dict[str, dict] = {}
 
-    def rank_shards(self, rank: int) -> list[ShardSpec]:
-        return [s for s in self.shards if rank in s.ranks]
+    def _view(self, t: TensorPlan, c: Cut) -> ShardSpec:
+        f = self.files[c.file]
+        return ShardSpec(
+            name=t.name, source=t.name, layer=t.layer, layer_class=t.layer_class, piece=t.piece, kind=t.kind,
+            dtype=t.dtype, source_shape=t.shape, shape=shard_shape(t, c), dim=t.dim, start=c.start,
+            length=c.length, pad=c.pad, group=t.group, factor=t.factor, group_rank=c.group_rank,
+            group_size=t.group_size, ranks=f.ranks, file=f.name, quant=t.quant, step=t.step,
+            ratio=t.ratio, atom=t.atom, logical_dim=t.logical_dim, logical_size=t.logical_size,
+            logical_start=c.logical_start, logical_length=c.logical_length, logical_pad=c.logical_pad, value=c.value,
+        )  # fmt: skip
 
-    def rank_files(self, rank: int) -> list[FileLayout]:
+    @cached_property
+    def shards(self) -> tuple[ShardSpec, ...]:
+        """Every distinct per-rank tensor, in plan order (built on first use)."""
+        return tuple(self._view(t, c) for t in self.tensors for c in t.cuts)
+
+    def rank_shards(self, rank: int) -> list[ShardSpec]:
+        """Rank `rank`'s tensors, in plan order; builds only this rank's views."""
+        if "shards" in self.__dict__:  # every view is built already
+            return [s for s in self.shards if rank in s.ranks]
+        held = {i for i, f in enumerate(self.files) if rank in f.ranks}
+        return [self._view(t, c) for t in self.tensors for c in t.cuts if c.file in held]
+
+    def rank_files(self, rank: int) -> list[OutputFile]:
         return [f for f in self.files if rank in f.ranks]
 
     def specs_by_file(self) -> dict[str, list[ShardSpec]]:
-        """File name -> its tensors' specs, in data order."""
-        by_file: dict[str, list[ShardSpec]] = {}
-        for s in self.shards:
-            by_file.setdefault(s.file, []).append(s)
-        return by_file
+        """File name -> its tensors' specs, in data order (the files' order)."""
+        if "_by_file" not in self.__dict__:
+            by_file: dict[str, list[ShardSpec]] = {f.name: [] for f in self.files}
+            for s in self.shards:
+                by_file[s.file].append(s)
+            self.__dict__["_by_file"] = by_file
+        return {name: list(specs) for name, specs in self.__dict__["_by_file"].items()}
+
+    def layout(self, file: str) -> tuple[bytes, list[int]]:
+        """The header bytes and tensor data offsets of an output file (tpshard.plan.spec_layout), built once."""
+        from tpshard.plan import spec_layout
+
+        layouts = self.__dict__.setdefault("_layouts", {})
+        if file not in layouts:
+            layouts[file] = spec_layout(self.specs_by_file()[file])
+        return layouts[file]
+
+    def with_shards(self, specs: Iterable[ShardSpec]) -> Plan:
+        """This plan with its tensors rebuilt from `specs` (files kept): for tests that break a plan."""
+        return msgspec.structs.replace(self, tensors=pack_tensors(specs, self.files))
 
 
 class SourceFile(msgspec.Struct, frozen=True, kw_only=True):
     name: str
-    size: int
+    size: Count
     checksum: str  # weight files: tpshard.digest.file_digest over crc32s; others: sha256
 
 
-class WrittenFile(msgspec.Struct, frozen=True, kw_only=True):
-    name: str
-    size: int
-    checksum: str  # tpshard.digest.file_digest: sha256 of the header, then the tensor digests
-    tensor_checksums: tuple[str, ...]  # per tensor (Options.checksum), in FileLayout.tensors order
+class Source(msgspec.Struct, frozen=True, kw_only=True):
+    path: str  # the checkpoint folder split, resolved
+    files: tuple[SourceFile, ...]  # safetensors files and index, as read
+    extra_files: tuple[SourceFile, ...] = ()  # config, tokenizer, ...: copied into every rank folder
 
 
-class Manifest(msgspec.Struct, frozen=True, kw_only=True):
+class Manifest(msgspec.Struct, frozen=True, kw_only=True, dict=True):
     format: str = MANIFEST_FORMAT
     version: int = MANIFEST_VERSION
     tool_version: str
-    source_path: str
-    source_files: tuple[SourceFile, ...]  # safetensors files and index, as read
-    extra_files: tuple[SourceFile, ...]  # config, tokenizer, ...: copied into every rank folder
-    plan: Plan
-    written_ranks: tuple[int, ...]  # ranks whose folders this output holds (all, unless --ranks)
-    files: tuple[WrittenFile, ...]  # checksums of every output weight file
+    source: Source
+    topology: Topology
+    options: Options
+    model: ModelInfo
+    quant_layers: dict[str, dict] = {}
+    warnings: tuple[str, ...] = ()
+    written_ranks: tuple[Rank, ...]  # ranks whose folders this output holds (all, unless --ranks)
+    tensors: tuple[TensorPlan, ...]
+    files: tuple[OutputFile, ...]  # every file of the plan; checksums for those written
+
+    @classmethod
+    def of(cls, plan: Plan, *, tool_version: str, source: Source, written_ranks: tuple[int, ...], files: tuple[OutputFile, ...]) -> Manifest:
+        return cls(
+            tool_version=tool_version, source=source, topology=plan.topology, options=plan.options, model=plan.model,
+            quant_layers=plan.quant_layers, warnings=plan.warnings, written_ranks=written_ranks, tensors=plan.tensors, files=files,
+        )  # fmt: skip
+
+    @cached_property
+    def plan(self) -> Plan:
+        return Plan(
+            topology=self.topology, options=self.options, model=self.model, tensors=self.tensors, files=self.files,
+            warnings=self.warnings, quant_layers=self.quant_layers,
+        )  # fmt: skip
+
+    def with_plan(self, plan: Plan) -> Manifest:
+        """This manifest recording `plan` instead (tests that break a manifest)."""
+        return msgspec.structs.replace(self, tensors=plan.tensors, files=plan.files, topology=plan.topology, options=plan.options)
+
+    @property
+    def source_path(self) -> str:
+        return self.source.path
+
+    @property
+    def source_files(self) -> tuple[SourceFile, ...]:
+        return self.source.files
+
+    @property
+    def extra_files(self) -> tuple[SourceFile, ...]:
+        return self.source.extra_files
+
+    @property
+    def written_files(self) -> list[OutputFile]:
+        """The files at least one written rank holds."""
+        written = set(self.written_ranks)
+        return [f for f in self.files if written.intersection(f.ranks)]
 
 
 def rank_dir(rank: int) -> str:
@@ -161,11 +338,60 @@ def rank_dir(rank: int) -> str:
 
 
 _encoder = msgspec.json.Encoder(order="sorted")
-_decoder = msgspec.json.Decoder(Manifest)
+_DEFAULT_TAIL = [0, 0, 0, None]
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
-    return msgspec.json.format(_encoder.encode(manifest), indent=1) + b"\n"
+    """Compact JSON, keys sorted, defaults left out (trailing ones of each cut array too)."""
+    data = msgspec.to_builtins(manifest)
+    for t in data["tensors"]:
+        t["cuts"] = [_trim(c) for c in t["cuts"]]
+    return _encoder.encode(data) + b"\n"
+
+
+def _trim(cut) -> list:
+    cut = list(cut)
+    if cut[5:] == _DEFAULT_TAIL:
+        return cut[:5]
+    while len(cut) > 5 and cut[-1] == _DEFAULT_TAIL[len(cut) - 6]:
+        cut.pop()
+    return cut
+
+
+class _Envelope(msgspec.Struct):
+    format: Any = None
+    version: Any = None
+
+
+_decoder = msgspec.json.Decoder(Manifest)
+
+
+def decode_manifest(data: bytes, where: str) -> Manifest:
+    """A manifest from JSON bytes, decoded against its schema and validated; OutputError otherwise."""
+    from tpshard.errors import OutputError
+
+    try:
+        envelope = msgspec.json.decode(data, type=_Envelope)
+    except msgspec.DecodeError as e:
+        raise OutputError(f"{where}: not a tpshard manifest ({e})") from None
+    if envelope.format != MANIFEST_FORMAT:
+        raise OutputError(f"{where}: format {envelope.format!r} is not {MANIFEST_FORMAT!r}; not a tpshard split manifest")
+    if envelope.version != MANIFEST_VERSION:
+        older = isinstance(envelope.version, int) and envelope.version < MANIFEST_VERSION
+        raise OutputError(
+            f"{where}: manifest version {envelope.version!r}, this tpshard reads version {MANIFEST_VERSION}"
+            + ("; written by an older tpshard, re-run tpshard split" if older else "; written by a newer tpshard, upgrade it")
+        )
+    try:
+        manifest = _decoder.decode(data)
+    except msgspec.DecodeError as e:  # msgspec names the field: "... - at `$.files[3].size`"
+        raise OutputError(f"{where}: not a valid tpshard manifest ({e})") from None
+    except Exception as e:  # a __post_init__ refusing a value (Options, Topology)
+        raise OutputError(f"{where}: not a valid tpshard manifest ({e})") from None
+    problem = validate(manifest)
+    if problem:
+        raise OutputError(f"{where}: not a valid tpshard manifest ({problem})")
+    return manifest
 
 
 def read_manifest(out_dir: str | Path) -> Manifest:
@@ -175,13 +401,68 @@ def read_manifest(out_dir: str | Path) -> Manifest:
     if not Path(out_dir).is_dir():
         raise OutputError(f"{out_dir}: no such folder")
     if not path.is_file():
-        raise OutputError(
-            f"{out_dir}: no {MANIFEST_NAME}; not a tpshard output, or a split that did not finish"
-        )
-    try:
-        manifest = _decoder.decode(path.read_bytes())
-    except msgspec.DecodeError as e:
-        raise OutputError(f"{path}: not a valid tpshard manifest ({e})") from None
-    if manifest.format != MANIFEST_FORMAT or manifest.version != MANIFEST_VERSION:
-        raise OutputError(f"{path}: manifest format {manifest.format} v{manifest.version} is not supported")
-    return manifest
+        raise OutputError(f"{out_dir}: no {MANIFEST_NAME}; not a tpshard output, or a split that did not finish")
+    size = path.stat().st_size
+    if size > MAX_MANIFEST_BYTES:
+        raise OutputError(f"{path}: {size} bytes, more than any tpshard manifest ({MAX_MANIFEST_BYTES})")
+    return decode_manifest(path.read_bytes(), str(path))
+
+
+def plain_name(name: str) -> bool:
+    """A file name that stays inside the folder it is joined to: no separator, no '..', not hidden."""
+    return bool(name) and "/" not in name and "\\" not in name and "\0" not in name and not name.startswith(".")
+
+
+def validate(m: Manifest) -> str | None:
+    """Cross-field facts the schema cannot say (docs/format.md); the first failure, naming its field."""
+    from tpshard.safetensors_format import DTYPE_SIZE
+
+    world = m.topology.world_size
+    if world > MAX_WORLD:
+        return f"topology: world size {world} exceeds {MAX_WORLD}"
+    for i, r in enumerate(m.written_ranks):
+        if r >= world:
+            return f"written_ranks[{i}]: rank {r} outside the world of {world}"
+    if len(set(m.written_ranks)) != len(m.written_ranks):
+        return "written_ranks: a rank is listed twice"
+    names: set[str] = set()
+    for i, f in enumerate(m.files):
+        if not plain_name(f.name) or not f.name.endswith(".safetensors"):
+            return f"files[{i}].name: {f.name!r} is not a plain *.safetensors file name"
+        if f.name in names:
+            return f"files[{i}].name: {f.name!r} listed twice"
+        names.add(f.name)
+        for r in f.ranks:
+            if r >= world:
+                return f"files[{i}].ranks: rank {r} outside the world of {world}"
+    for i, e in enumerate(m.source.extra_files):
+        if not e.name or "/" in e.name or "\\" in e.name or "\0" in e.name or e.name in (".", "..") or e.name == MANIFEST_NAME:
+            return f"source.extra_files[{i}].name: {e.name!r} is not a plain file name"
+    per_file = [0] * len(m.files)
+    nfiles = len(m.files)
+    for i, t in enumerate(m.tensors):
+        size = DTYPE_SIZE.get(t.dtype)
+        if size is None:
+            return f"tensors[{i}] ({t.name}).dtype: {t.dtype!r} is not a safetensors dtype tpshard writes"
+        for d in t.shape:  # zero dims count as one: no dim may hide a huge product
+            size *= max(d, 1)
+            if size > MAX_BYTES:
+                return f"tensors[{i}] ({t.name}).shape: {list(t.shape)} is more than {MAX_BYTES} bytes"
+        if t.dim is not None and t.dim >= len(t.shape):
+            return f"tensors[{i}] ({t.name}).dim: {t.dim} but the shape {list(t.shape)} has {len(t.shape)} dims"
+        full = t.shape[t.dim] if t.dim is not None else 0
+        row = size // max(full, 1)  # bytes per index along the cut dim
+        for j, c in enumerate(t.cuts):
+            if c.file >= nfiles:
+                return f"tensors[{i}] ({t.name}).cuts[{j}]: file index {c.file} but there are {nfiles} files"
+            per_file[c.file] += 1
+            if c.group_rank >= t.group_size:
+                return f"tensors[{i}] ({t.name}).cuts[{j}]: group rank {c.group_rank} of a group of {t.group_size}"
+            if t.dim is not None and (c.start + c.length > full or (c.length + c.pad) * row > MAX_BYTES):
+                return f"tensors[{i}] ({t.name}).cuts[{j}]: [{c.start}, +{c.length}) + {c.pad} padding does not fit dim {t.dim} of size {full}"
+            if c.value is not None and len(c.value) > 64:
+                return f"tensors[{i}] ({t.name}).cuts[{j}]: a value of {len(c.value)} numbers"
+    for i, f in enumerate(m.files):
+        if f.digests and len(f.digests) != per_file[i]:
+            return f"files[{i}].digests: {len(f.digests)} digests for the {per_file[i]} tensors of {f.name}"
+    return None

@@ -23,21 +23,23 @@ INDEX_NAME = "model.safetensors.index.json"
 
 def merge_manifests(parts: list[Manifest]) -> Manifest:
     first = parts[0]
-    files = {f.name: f for f in first.files}
+    files = list(first.files)
     for m in parts[1:]:
-        if m.plan != first.plan:
+        same_plan = (m.topology, m.options, m.model, m.tensors) == (first.topology, first.options, first.model, first.tensors)
+        if not same_plan or [(f.name, f.ranks, f.size) for f in m.files] != [(f.name, f.ranks, f.size) for f in files]:
             raise OutputError("the parts were split with different plans (source, topology or options differ)")
-        if m.source_files != first.source_files:
+        if m.source.files != first.source.files:
             raise OutputError("the parts were split from different source checkpoints (source checksums differ)")
         if m.extra_files != first.extra_files:
             raise OutputError("the parts copied different config or tokenizer files; split them again from one source")
-        for f in m.files:
-            if f.name in files and files[f.name] != f:
+        for i, f in enumerate(m.files):
+            if not f.checksum:
+                continue
+            if files[i].checksum and files[i] != f:
                 raise OutputError(f"{f.name} differs between parts; split the parts again with the same tpshard")
-            files[f.name] = f
-    order = [f.name for f in first.plan.files if f.name in files]
+            files[i] = f
     ranks = sorted({r for m in parts for r in m.written_ranks})
-    return msgspec.structs.replace(first, written_ranks=tuple(ranks), files=tuple(files[n] for n in order))
+    return msgspec.structs.replace(first, written_ranks=tuple(ranks), files=tuple(files))
 
 
 def _rank_files(part: Path, m: Manifest, rank: int) -> list[tuple[Path, str]]:

@@ -15,7 +15,7 @@ import msgspec
 from tpshard.checkpoint import Checkpoint, model_info
 from tpshard.completeness import check_complete
 from tpshard.errors import PlanError
-from tpshard.manifest import FileLayout, Kind, ModelInfo, Options, Plan, ShardSpec
+from tpshard.manifest import Kind, ModelInfo, Options, OutputFile, Plan, ShardSpec, pack_tensors
 from tpshard.quant.config import read_quant_config
 from tpshard.quant.formats import QuantSpec, alignment
 from tpshard.quant import shards as qshards
@@ -168,6 +168,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
 
     specs: list[dict] = []
     unknown: list[str] = []
+    ranks_of: dict[tuple, tuple[int, ...]] = {}  # (group, group rank, factor) -> world ranks, computed once
     quant = read_quant_config(ckpt.path, ckpt.config)
     check_complete(model, ckpt.config, ckpt.tensors, lambda m: quant is not None and quant.spec_for(m, True) is not None)
     qlayers = _QuantLayers(topology, model, options)
@@ -192,6 +193,9 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
             shape = list(info.shape)
             if cutting.dim is not None:
                 shape[cutting.dim] = cut.length + cut.pad
+            key = (group, cut.group_rank, cutting.factor)
+            if key not in ranks_of:
+                ranks_of[key] = topology.ranks_of(*key)
             specs.append(
                 dict(
                     name=name,
@@ -211,7 +215,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
                     factor=cutting.factor,
                     group_rank=cut.group_rank,
                     group_size=cutting.group_size,
-                    ranks=topology.ranks_of(group, cut.group_rank, cutting.factor),
+                    ranks=ranks_of[key],
                 )
             )
     if unknown:
@@ -225,16 +229,19 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
     if pad_notes:
         warnings.append(f"zero-padded to divide: {', '.join(pad_notes)}")
 
-    files = _layout_files(specs, topology, options)
-    return Plan(
+    layouts: dict[str, tuple[bytes, list[int]]] = {}
+    files = _layout_files(specs, topology, options, layouts)
+    plan = Plan(
         topology=topology,
         options=options,
         model=model,
-        shards=tuple(ShardSpec(**s) for s in specs),
+        tensors=pack_tensors(specs, files),
         files=tuple(files),
         warnings=tuple(warnings),
         quant_layers={m: msgspec.to_builtins(q) for m, (q, _) in sorted(qlayers.suffixes.items())},
     )
+    plan.__dict__["_layouts"] = layouts  # the headers laid out below, so that Plan.layout need not redo them
+    return plan
 
 
 _LINEAR = ("QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "ParallelLMHead")
@@ -398,15 +405,16 @@ def _file_label(spec: dict, topology: Topology) -> str:
     return f"{label}-{spec['group_rank']:03d}-of-{spec['group_size']:03d}"
 
 
-def _layout_files(specs: list[dict], topology: Topology, options: Options) -> list[FileLayout]:
+def _layout_files(specs: list[dict], topology: Topology, options: Options, layouts: dict) -> list[OutputFile]:
     """Group specs by the set of ranks holding them (one file set each), split into parts by size.
 
-    Sets `spec["file"]` in place. Tensors keep source order inside a file.
+    Sets `spec["file"]` in place and each file's (header, offsets) in `layouts`. Tensors keep source
+    order inside a file.
     """
     by_ranks: dict[tuple[int, ...], list[dict]] = {}
     for spec in specs:
         by_ranks.setdefault(spec["ranks"], []).append(spec)
-    files: list[FileLayout] = []
+    files: list[OutputFile] = []
     for ranks, members in by_ranks.items():
         label = _file_label(members[0], topology)
         parts: list[list[dict]] = [[]]
@@ -421,14 +429,13 @@ def _layout_files(specs: list[dict], topology: Topology, options: Options) -> li
         for p, part in enumerate(parts):
             suffix = f"-part-{p + 1:05d}-of-{len(parts):05d}" if len(parts) > 1 else ""
             name = f"model-{label}{suffix}.safetensors"
-            header, _ = file_header([(s["name"], s["dtype"], s["shape"]) for s in part])
+            header, offsets = layouts[name] = file_header([(s["name"], s["dtype"], s["shape"]) for s in part])
             for s in part:
                 s["file"] = name
             files.append(
-                FileLayout(
+                OutputFile(
                     name=name,
                     ranks=ranks,
-                    tensors=tuple(s["name"] for s in part),
                     size=len(header) + sum(nbytes_of(s["dtype"], s["shape"]) for s in part),
                 )
             )

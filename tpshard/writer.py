@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import msgspec
+
 from tpshard import __version__
 from tpshard.checkpoint import Checkpoint, open_checkpoint
 from tpshard.digest import Crc32, crc32_combine, file_digest, new_hash, sha256_file
@@ -32,15 +34,16 @@ from tpshard.manifest import (
     MANIFEST_NAME,
     Manifest,
     Options,
+    OutputFile,
     Plan,
     ShardSpec,
+    Source,
     SourceFile,
-    WrittenFile,
     encode_manifest,
     rank_dir,
 )
 from tpshard.pieces import cut_pieces, value_bytes
-from tpshard.plan import make_plan, spec_layout
+from tpshard.plan import make_plan
 from tpshard.publish import staged_output
 from tpshard.safetensors_format import TensorInfo, nbytes_of, read_header_bytes
 from tpshard.topology import Topology
@@ -132,7 +135,7 @@ def _write(
     try:
         for f in files:
             specs = specs_by_file[f.name]
-            header, offsets = spec_layout(specs)
+            header, offsets = plan.layout(f.name)
             path = staging / rank_dir(min(chosen & set(f.ranks))) / f.name
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             fds[f.name], headers[f.name] = fd, header
@@ -167,16 +170,11 @@ def _write(
             os.close(fd)
 
     tensor_digests = {id(t.spec): t.hash.digest() for ts in targets_by_source.values() for t in ts}
-    written = []
+    written: dict[str, OutputFile] = {}
     for f in files:
         digests = [tensor_digests[id(s)] for s in specs_by_file[f.name]]
-        written.append(
-            WrittenFile(
-                name=f.name,
-                size=f.size,
-                checksum=file_digest(headers[f.name], digests),
-                tensor_checksums=tuple(d.hex() for d in digests),
-            )
+        written[f.name] = msgspec.structs.replace(
+            f, checksum=file_digest(headers[f.name], digests), digests=tuple(d.hex() for d in digests)
         )
         canonical = staging / rank_dir(min(chosen & set(f.ranks))) / f.name
         for r in sorted(chosen & set(f.ranks)):
@@ -195,14 +193,12 @@ def _write(
         index = rank_index_bytes(plan, r)
         (staging / rank_dir(r) / "model.safetensors.index.json").write_bytes(index)
 
-    manifest = Manifest(
+    manifest = Manifest.of(
+        plan,
         tool_version=__version__,
-        source_path=str(ckpt.path.resolve()),
-        source_files=_source_files(ckpt, source_digests),
-        extra_files=tuple(extra),
-        plan=plan,
+        source=Source(path=str(ckpt.path.resolve()), files=_source_files(ckpt, source_digests), extra_files=tuple(extra)),
         written_ranks=tuple(selected),
-        files=tuple(written),
+        files=tuple(written.get(f.name, f) for f in plan.files),
     )
     write_durably(staging / MANIFEST_NAME, encode_manifest(manifest))
     return manifest

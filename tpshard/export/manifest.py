@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 
 from tpshard.errors import OutputError
-from tpshard.manifest import Options, SourceFile
+from tpshard.manifest import Options, Source, plain_name
 from tpshard.topology import Topology
 
 EXPORT_MANIFEST_NAME = "tpshard-export.json"
@@ -47,14 +47,6 @@ class From(msgspec.Struct, frozen=True, kw_only=True):
     options: Options
 
 
-class Source(msgspec.Struct, frozen=True, kw_only=True):
-    """Copied from the tpshard manifest: the Hugging Face checkpoint that was split."""
-
-    path: str
-    files: tuple[SourceFile, ...]
-    extra_files: tuple[SourceFile, ...]  # config, tokenizer, ...: copied beside the export's files
-
-
 class ExportManifest(msgspec.Struct, frozen=True, kw_only=True):
     format: str = EXPORT_FORMAT
     version: int = EXPORT_VERSION
@@ -79,7 +71,7 @@ class ExportManifest(msgspec.Struct, frozen=True, kw_only=True):
                 raise OutputError(f"{EXPORT_MANIFEST_NAME}: files: {f.name} has rank {f.rank}, outside tp {self.from_.topology.tp}")
             seen.add(f.name)
         for s in self.source.extra_files:
-            if "/" in s.name or "\\" in s.name or s.name in ("", ".", ".."):
+            if not plain_name(s.name):
                 raise OutputError(f"{EXPORT_MANIFEST_NAME}: source.extra_files: {s.name!r} is not a plain file name")
 
 

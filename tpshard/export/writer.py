@@ -29,12 +29,11 @@ from tpshard.export.manifest import (
     ExportManifest,
     ExportTensor,
     From,
-    Source,
     encode_export_manifest,
 )
 from tpshard.manifest import MANIFEST_NAME, Manifest, rank_dir, read_manifest
 from tpshard.pieces import read_into, scratch
-from tpshard.plan import file_header, spec_layout
+from tpshard.plan import file_header
 from tpshard.publish import staged_output
 from tpshard.safetensors_format import nbytes_of
 from tpshard.writer import WRITE_BYTES, default_workers, start_writeback, write_durably
@@ -83,7 +82,7 @@ class _Source:
         checksums = {w.name: w.tensor_checksums for w in manifest.files}
         self.at: dict[int, tuple[Path, int, str]] = {}
         for name, specs in manifest.plan.specs_by_file().items():
-            _, offsets = spec_layout(specs)
+            _, offsets = manifest.plan.layout(name)
             for spec, offset, digest in zip(specs, offsets, checksums[name]):
                 path = out / rank_dir(min(written & set(spec.ranks))) / name
                 self.at[id(spec)] = (path, offset, digest)
@@ -136,7 +135,7 @@ def _write(out: Path, manifest: Manifest, layout: list[PartFile], engine: str, m
         tool_version=__version__,
         engine=engine,
         from_=From(path=str(out.resolve()), manifest_sha256=sha256_file(out / MANIFEST_NAME), topology=plan.topology, options=plan.options),
-        source=Source(path=manifest.source_path, files=manifest.source_files, extra_files=manifest.extra_files),
+        source=manifest.source,
         max_part_bytes=max_part_bytes,
         files=tuple(files),
     )

@@ -1,0 +1,135 @@
+"""Manifest v2: compact, decoded against its schema, and every crafted manifest refused in one line.
+
+Each crafted manifest is a real split's manifest with one field edited in its JSON; read_manifest,
+check, open_rank and load_rank must refuse it with an OutputError naming the field (the CLI: exit 2,
+one line, no traceback), never read outside the output folder, never hang or allocate by it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tpshard
+from tpshard.errors import OutputError
+from tpshard.manifest import MANIFEST_NAME, read_manifest
+from tpshard.topology import Topology
+
+
+@pytest.fixture(scope="module")
+def good(llama, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("manifest") / "out"
+    tpshard.split(llama, out, Topology(tp=4, attn_dp=2))
+    return out
+
+
+def test_manifest_is_compact_and_round_trips(good):
+    raw = (good / MANIFEST_NAME).read_bytes()
+    data = json.loads(raw)
+    assert (data["format"], data["version"]) == ("tpshard-manifest", 2)
+    assert b"\n" not in raw.rstrip(b"\n") and list(data) == sorted(data)  # compact, sorted keys
+    m = read_manifest(good)
+    assert len(raw) < 1024 * len(m.tensors)
+    # Trailing defaults of a cut are left out: a dense cut is [group_rank, start, length, pad, file].
+    assert {len(c) for t in data["tensors"] for c in t["cuts"]} == {5}
+    # Every shard has one cut record; the per-rank views agree with the all-ranks view.
+    assert len(m.plan.shards) == sum(len(t.cuts) for t in m.tensors)
+    for r in range(4):
+        assert m.plan.rank_shards(r) == [s for s in m.plan.shards if r in s.ranks]
+
+
+def craft(good: Path, tmp_path: Path, edit) -> Path:
+    out = tmp_path / "crafted"
+    shutil.copytree(good, out, symlinks=True)
+    data = json.loads((out / MANIFEST_NAME).read_bytes())
+    edit(data)
+    (out / MANIFEST_NAME).write_text(json.dumps(data))
+    return out
+
+
+def _tensor(data: dict, suffix: str) -> dict:
+    return next(t for t in data["tensors"] if t["name"].endswith(suffix))
+
+
+def _set(path: str, value):
+    """An edit setting data[path] (dotted, list indexes as numbers)."""
+
+    def edit(data):
+        *keys, last = [int(k) if k.lstrip("-").isdigit() else k for k in path.split(".")]
+        for k in keys:
+            data = data[k]
+        data[last] = value
+
+    return edit
+
+
+def _cut(suffix: str, i: int, value):
+    def edit(data):
+        cut = _tensor(data, suffix)["cuts"][0]
+        cut[i] = value
+
+    return edit
+
+
+CRAFTED = {
+    "dotdot file name": (_set("files.0.name", "../../../etc/passwd.safetensors"), "files[0].name"),
+    "absolute file name": (_set("files.0.name", "/etc/passwd"), "files[0].name"),
+    "hidden file name": (_set("files.0.name", ".model.safetensors"), "files[0].name"),
+    "not a safetensors name": (_set("files.0.name", "config.json"), "files[0].name"),
+    "duplicate file name": (lambda d: d["files"][1].update(name=d["files"][0]["name"]), "listed twice"),
+    "dotdot extra file": (_set("source.extra_files.0.name", "../config.json"), "extra_files[0].name"),
+    "file index out of range": (_cut("q_proj.weight", 4, 999), "file index 999"),
+    "negative file index": (_cut("q_proj.weight", 4, -1), "cuts[0]"),
+    "group rank out of range": (_cut("q_proj.weight", 0, 7), "group rank 7"),
+    "cut past the dim": (_cut("q_proj.weight", 2, 10**6), "does not fit dim"),
+    "huge padding": (_cut("q_proj.weight", 3, 2**49), "does not fit dim"),
+    "huge shape": (lambda d: _tensor(d, "q_proj.weight").update(shape=[2**40, 2**40]), "more than"),
+    "negative shape": (lambda d: _tensor(d, "q_proj.weight").update(shape=[-1, 64]), "shape"),
+    "dim out of range": (lambda d: _tensor(d, "q_proj.weight").update(dim=5), "dim: 5"),
+    "unknown dtype": (lambda d: _tensor(d, "q_proj.weight").update(dtype="F128"), "dtype"),
+    "unknown group": (lambda d: _tensor(d, "q_proj.weight").update(group="pp"), "group"),
+    "file rank out of world": (_set("files.0.ranks", [0, 99]), "rank 99 outside the world"),
+    "written rank out of world": (_set("written_ranks", [0, 99]), "written_ranks"),
+    "huge world": (_set("topology.tp", 10**9), "--tp must be an integer from 1 to 65536"),  # Topology refuses it while decoding
+    "digests miscounted": (lambda d: d["files"][0].update(digests=d["files"][0]["digests"][:-1]), "files[0].digests"),
+    "string for a number": (_set("files.0.size", "12"), "files[0].size"),
+    "version 1": (_set("version", 1), "older tpshard"),
+    "future version": (_set("version", 3), "newer tpshard"),
+    "another format": (_set("format", "safetensors-index"), "not 'tpshard-manifest'"),
+    "missing field": (lambda d: d.pop("tensors"), "tensors"),
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_crafted_manifest_is_refused_in_one_line(good, tmp_path, case):
+    edit, needle = CRAFTED[case]
+    out = craft(good, tmp_path, edit)
+    for call in (read_manifest, tpshard.check, lambda o: tpshard.open_rank(o, 0), lambda o: tpshard.load_rank(o, 0)):
+        with pytest.raises(OutputError) as e:
+            call(out)
+        message = str(e.value)
+        assert needle in message and "\n" not in message, message
+
+
+def test_crafted_manifest_cli_exit_2_one_line(good, tmp_path):
+    out = craft(good, tmp_path, _set("files.0.name", "../../outside.safetensors"))
+    p = subprocess.run([sys.executable, "-m", "tpshard", "check", str(out)], capture_output=True, text=True, timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "files[0].name" in lines[0], p.stderr
+
+
+def test_not_json_and_oversized_manifest(good, tmp_path):
+    out = tmp_path / "crafted"
+    shutil.copytree(good, out)
+    (out / MANIFEST_NAME).write_bytes(b'{"format": "tpshard-manifest", "version": 2, "tensors": [')
+    with pytest.raises(OutputError, match="not a tpshard manifest"):
+        read_manifest(out)
+    with open(out / MANIFEST_NAME, "wb") as f:  # sparse: a size no tpshard writes, refused unread
+        f.truncate(3 << 30)
+    with pytest.raises(OutputError, match="more than any tpshard manifest"):
+        read_manifest(out)
