@@ -1,0 +1,75 @@
+"""Tiny configs of the MoE and MLA architectures, and real checkpoints of them saved by transformers.
+
+Shapes chosen so that every topology of the tests cuts something: 8 routed experts (EP 1, 2, 4, 8),
+expert intermediate 32 (MoE-TP 1, 2, 4), 8 attention heads, DeepSeek grouped routing (4 groups,
+2 chosen) and one dense first layer, a Qwen2-MoE shared expert with its gate.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, vocab_size=250, max_position_embeddings=128, rms_norm_eps=1e-6)
+
+CONFIGS: dict[str, dict] = {
+    "deepseek_v3": dict(
+        COMMON, num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=8,
+        n_shared_experts=1, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+        first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, routed_scaling_factor=2.5, norm_topk_prob=True,
+    ),
+    "qwen3_moe": dict(
+        COMMON, intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True,
+    ),
+    "qwen2_moe": dict(
+        COMMON, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+    ),
+    "mixtral": dict(COMMON, intermediate_size=32, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2),
+}  # fmt: skip
+
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1)
+
+
+def hf_classes(kind: str):
+    import transformers
+
+    return {
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    }[kind]
+
+
+def hf_config(kind: str, **overrides):
+    config_cls, _ = hf_classes(kind)
+    return config_cls(**{**CONFIGS[kind], **overrides})
+
+
+def randomize(module: torch.nn.Module, seed: int) -> None:
+    """Random init leaves norms at 1, biases and the correction bias at 0: make every number matter."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in list(module.named_parameters()) + list(module.named_buffers()):
+            if not p.is_floating_point() or "inv_freq" in name:
+                continue
+            r = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            if p.dim() == 1:
+                p.copy_(r * 0.1 + (1.0 if "norm" in name else 0.0))
+            else:
+                p.copy_(r / p.shape[-1] ** 0.5)
+
+
+def make_moe_checkpoint(path: Path, kind: str, *, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
+    """Save a randomly initialised tiny `kind` model (deepseek_v3, qwen3_moe, qwen2_moe, mixtral)."""
+    _, model_cls = hf_classes(kind)
+    torch.manual_seed(seed)
+    model = model_cls(hf_config(kind, **overrides))
+    randomize(model, seed)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.to(torch.bfloat16).save_pretrained(path, **kwargs)
+    return path
