@@ -69,6 +69,11 @@ class LayerSpecs:
 
     @property
     def group(self) -> str:
+        """The group the layer's outputs are reduced or gathered over, which decides its inputs."""
+        from tpshard.verify.moe_layers import reduction_group
+
+        if reduction_group(self.layer_class):
+            return reduction_group(self.layer_class)
         # The weights decide the group; a bias recorded over another group is an alignment problem.
         w = self.main(self.pieces()[0]) if self.pieces() else None
         return (w or self.specs[0]).group
@@ -164,6 +169,10 @@ def build_layer(
     lay: LayerSpecs, plan: Plan, rank: int, tensors, *, dtype: torch.dtype, device: torch.device
 ) -> Built:
     """Construct `lay` for world rank `rank` from its specs and load this rank's tensors into it."""
+    from tpshard.verify import moe_layers
+
+    if lay.layer_class in moe_layers.MOE_CLASSES:  # routed experts, replicated linears (MoE / MLA plans)
+        return moe_layers.build(lay, plan, rank, tensors, dtype=dtype, device=device)
     topo: Topology = plan.topology
     model = plan.model
     group = LogicalGroup.of(topo, lay.group, rank)  # type: ignore[arg-type]

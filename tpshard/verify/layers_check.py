@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from tpshard.manifest import Plan
 from tpshard.quant.formats import dequantize
 from tpshard.runtime.quant_methods import quant_spec_of
+from tpshard.verify import moe_layers
 from tpshard.verify.build import Built, LayerSpecs, run_row
 from tpshard.verify.report import LayerResult
 
@@ -65,9 +66,11 @@ def batch_of(plan: Plan, group: str, rank: int) -> int:
     return rank // plan.topology.span(group)  # type: ignore[arg-type]
 
 
-def rank_outputs(built: Built, x: torch.Tensor) -> dict[str, tuple[int, torch.Tensor]]:
+def rank_outputs(built: Built, x: torch.Tensor, plan: Plan | None = None, *, seed: int = 0, tokens: int = 16) -> dict[str, tuple[int, torch.Tensor]]:
     """This rank's outputs of one layer: piece -> (group rank of the piece, tensor on the CPU)."""
     module, cls = built.module, built.spec.layer_class
+    if cls in moe_layers.MOE_CLASSES:
+        return moe_layers.rank_outputs(built, x, built.spec, plan, seed=seed, tokens=tokens)
     with torch.no_grad():
         if cls in COLUMN:
             out = module(x)
@@ -132,6 +135,8 @@ def compare_layer(
     dtype: torch.dtype, tolerance: float,
 ) -> LayerResult:  # fmt: skip
     """Rank 0: every rank's output of `lay` (sent[rank]) against the float64 reference."""
+    if lay.layer_class in moe_layers.MOE_CLASSES:
+        return moe_layers.compare(lay, plan, sent, src, seed=seed, tokens=tokens, dtype=dtype, tolerance=tolerance)
     topo = plan.topology
     nbatch = topo.world_size // topo.span(lay.group)  # type: ignore[arg-type]
     result = LayerResult(

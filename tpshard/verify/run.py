@@ -61,7 +61,7 @@ def preflight(job: Job) -> None:
     if job.model:
         from tpshard.verify.model import unsupported_reason
 
-        reason = unsupported_reason(plan, ckpt.config)
+        reason = unsupported_reason(plan, ckpt.config, job.tokens)
         if reason:
             raise TpshardError(f"--model: {reason}")
 
@@ -104,7 +104,7 @@ def _verify_job(info: DistInfo, job: Job) -> VerifyReport:
         if _all_true(built is not None, device):
             sent["problems"] += built.problems
             x = layer_input(lay, sent["batch"], seed=job.seed, tokens=job.tokens, dtype=dtype).to(device)
-            sent["outputs"] = rank_outputs(built, x)
+            sent["outputs"] = rank_outputs(built, x, plan, seed=job.seed, tokens=job.tokens)
             if job.model and dtype == torch.float32:
                 keep[lay.layer] = built
         gathered = [None] * info.world_size if rank == 0 else None
@@ -132,6 +132,8 @@ def _all_true(flag: bool, device: torch.device) -> bool:
 
 def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict):
     from tpshard.verify.model import TPDecoder, compare_logits, hf_logits, model_tokens
+    from tpshard.verify.moe_layers import hf_config
+    from tpshard.verify.moe_model import MoEDecoder, is_moe
 
     rank, device, topo = info.rank, info.device, plan.topology
     # Load problems are reported per layer already; here only the logits are judged.
@@ -144,7 +146,10 @@ def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict):
         for s in plan.rank_shards(rank)
         if s.layer_class == "Replicated"
     }
-    decoder = TPDecoder(plan, rank, layers, norms, device)
+    if is_moe(plan):
+        decoder = MoEDecoder(plan, rank, layers, norms, device, tensors.folder, hf_config(tensors))
+    else:
+        decoder = TPDecoder(plan, rank, layers, norms, device)
     batch = rank // topo.span("attn_tp")  # attention-DP replica
     ids = model_tokens(plan, batch, seed=job.seed, tokens=job.tokens)
     with torch.no_grad():
