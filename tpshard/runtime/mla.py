@@ -201,7 +201,9 @@ class MLAAttention(nn.Module):
             q = lay["q_proj"](x)
             latent = lay["kv_a_proj_with_mqa"](x)  # [B, S, kv_lora + rope], the same on every rank
         else:
-            q_a, latent = lay["fused_qkv_a_proj_with_mqa"].split(lay["fused_qkv_a_proj_with_mqa"](x))
+            fused = lay["fused_qkv_a_proj_with_mqa"]
+            parts = dict(zip(fused.piece_names, fused.split(fused(x))))
+            q_a, latent = parts["q_a"], parts["kv_a"]  # [B, S, q_lora], [B, S, kv_lora + rope]
             q = lay["q_b_proj"](rms_norm(q_a, self.q_a_layernorm, c.rms_norm_eps))
         q = q.view(b, s, self.num_local_heads, c.qk_head_dim).transpose(1, 2)  # [B, nh_r, S, nope+rope]
         q_pass, q_rot = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)

@@ -86,7 +86,7 @@ class LayerSpecs:
         for s in self.specs:
             if self._is_weight(s):
                 seen.setdefault(s.piece)
-        order = {"q": 0, "k": 1, "v": 2, "gate": 0, "up": 1}
+        order = {"q": 0, "k": 1, "v": 2, "gate": 0, "up": 1, "q_a": 0, "kv_a": 1}  # the engines' fused order
         return sorted(seen, key=lambda p: (order.get(p, 9), p))
 
     def first(self, piece: str = "", param: str = "weight") -> ShardSpec | None:
@@ -144,14 +144,15 @@ def sharded_layers(plan: Plan) -> list[LayerSpecs]:
     return sorted(layers, key=_forward_order)
 
 
-_CLASS_ORDER = {"VocabParallelEmbedding": 0, "QKVParallelLinear": 1, "RowParallelLinear": 4, "ParallelLMHead": 9}
+_CLASS_ORDER = {"VocabParallelEmbedding": 0, "QKVParallelLinear": 1, "ReplicatedLinear": 1, "RowParallelLinear": 4, "ParallelLMHead": 9}
 
 
 def _forward_order(lay: LayerSpecs) -> tuple:
     """Embedding, then each decoder layer (qkv, o_proj, gate_up, down), then lm_head."""
     m = re.search(r"\.layers\.(\d+)\.", lay.layer + ".")
     index = int(m.group(1)) if m else (-1 if _CLASS_ORDER.get(lay.layer_class) == 0 else 1 << 30)
-    return (index, "mlp" in lay.layer, _CLASS_ORDER.get(lay.layer_class, 2), lay.layer)
+    mlp = "mlp" in lay.layer or "block_sparse_moe" in lay.layer
+    return (index, mlp, _CLASS_ORDER.get(lay.layer_class, 2), lay.layer)
 
 
 @dataclass
