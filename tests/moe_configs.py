@@ -73,3 +73,43 @@ def make_moe_checkpoint(path: Path, kind: str, *, seed: int = 0, max_shard_size:
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.to(torch.bfloat16).save_pretrained(path, **kwargs)
     return path
+
+
+# DeepSeek-V3 as it ships (FP8 block 128 x 128), scaled down so that every cut of tp 2 is whole
+# blocks: q_b rows 4 heads x 192 / 2, kv_b rows 4 x 256 / 2, o_proj columns 4 x 128 / 2, dense
+# intermediate 512 / 2, expert intermediate 256 / moe_tp 2, shared expert 256 / 2.
+FP8_DEEPSEEK = dict(
+    hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=250,
+    intermediate_size=512, moe_intermediate_size=256, n_shared_experts=1, n_routed_experts=4, n_group=2,
+    topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=128, kv_lora_rank=128,
+    qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=128,
+)  # fmt: skip
+FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def make_fp8_deepseek(path: Path, *, seed: int = 0) -> Path:
+    """A tiny DeepSeek-V3 checkpoint with every linear but the router and lm_head in FP8 block format
+    (random codes and scales, tpshard.quant.formats.random_layer), as DeepSeek-V3 ships."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tpshard.quant.formats import QuantSpec, random_layer
+
+    make_moe_checkpoint(path, "deepseek_v3", seed=seed, **FP8_DEEPSEEK)
+    spec = QuantSpec(format="fp8_block", bits=8, block=(128, 128))
+    tensors = load_file(path / "model.safetensors")
+    out = {}
+    for i, (name, t) in enumerate(sorted(tensors.items())):
+        module = name.rsplit(".", 1)[0]
+        linear = t.dim() == 2 and "embed_tokens" not in name and not name.startswith("lm_head") and not module.endswith("mlp.gate")
+        if not linear:
+            out[name] = t
+            continue
+        packed, _ = random_layer(spec, t.shape[0], t.shape[1], seed=seed * 10000 + i, scale_dtype=torch.float32)
+        out.update({f"{module}.{suffix}": v for suffix, v in packed.items()})
+    save_file(out, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = FP8_BLOCK
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path

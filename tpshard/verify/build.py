@@ -114,9 +114,12 @@ class LayerSpecs:
             raise ValueError(f"{self.layer}: the manifest has no weight for piece {piece!r}")
         if not w.quant:
             return w.source_shape[0], w.source_shape[-1]
+        fp8 = self.first(piece)  # FP8 weights hold one value per byte: their shape is the logical [N, K]
+        if fp8 is not None and fp8.quant and fp8.dtype.startswith("F8"):
+            return fp8.source_shape[0], fp8.source_shape[-1]
         if w.logical_dim is None:
             raise ValueError(f"{w.name}: a quantized tensor with no logical cut; verify cannot size {self.layer}")
-        nk = [self.hidden, self.hidden]
+        nk = [self.hidden, self.hidden]  # packed formats: q/k/v/gate/up read, o/down write the residual stream
         nk[w.logical_dim] = w.logical_size
         return nk[0], nk[1]
 

@@ -58,7 +58,8 @@ def layer_input(lay: LayerSpecs, batch: int, *, seed: int, tokens: int, dtype: t
         ids = ((torch.arange(n, dtype=torch.float64) + u) * vocab / n).long().clamp(0, vocab - 1)
         ids[0], ids[-1] = 0, vocab - 1
         return ids
-    return torch.randn(tokens, lay.logical_shape(lay.pieces()[0])[1], generator=g).to(dtype)
+    k = moe_layers.input_size(lay) if lay.layer_class == "ReplicatedLinear" else lay.logical_shape(lay.pieces()[0])[1]
+    return torch.randn(tokens, k, generator=g).to(dtype)
 
 
 def batch_of(plan: Plan, group: str, rank: int) -> int:

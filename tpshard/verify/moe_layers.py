@@ -35,9 +35,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tpshard.manifest import Plan, ShardSpec
+from tpshard.manifest import Plan
 from tpshard.runtime import ColumnParallelLinear, LogicalGroup, MergedColumnParallelLinear
+from tpshard.quant.formats import dequantize
 from tpshard.runtime.moe import FusedMoE, RouterConfig, route, router_config
+from tpshard.runtime.quant_methods import quant_spec_of
 from tpshard.verify.report import LayerResult
 
 MOE_CLASSES = ("FusedMoE", "ReplicatedLinear")
@@ -62,6 +64,15 @@ def hf_config(tensors) -> dict:
         raise ValueError(f"cannot read the model config {path}: {e}") from None
 
 
+def input_size(lay) -> int:
+    """K of a ReplicatedLinear: its weight's last dim (whole, so the source shape), also for FP8
+    weights (one byte per value); packed formats are not sized here."""
+    w = next((s for s in lay.specs if s.name.endswith(".weight")), None)
+    if w is None or (w.quant and not w.dtype.startswith("F8")):
+        raise ValueError(f"{lay.layer}: verify cannot size a {lay.quant or 'weightless'} ReplicatedLinear")
+    return w.source_shape[-1]
+
+
 def is_router(lay) -> bool:
     """A ReplicatedLinear that is a MoE router: the HF module `...mlp.gate` / `...block_sparse_moe.gate`."""
     return lay.layer_class == "ReplicatedLinear" and lay.layer.rsplit(".", 1)[-1] == "gate"
@@ -74,37 +85,56 @@ def build(lay, plan: Plan, rank: int, tensors, *, dtype: torch.dtype, device: to
     """The Built of a FusedMoE or ReplicatedLinear layer on `rank`, loaded from its own files."""
     from tpshard.verify.build import Built
 
-    if lay.quant:
-        raise ValueError(f"{lay.layer}: quantized ({lay.quant}); verify has no quantized {lay.layer_class} yet")
     if lay.layer_class == "FusedMoE":
         return _build_experts(lay, plan, rank, tensors, dtype=dtype, device=device, built_cls=Built)
     group = LogicalGroup.of(plan.topology, "replicated", rank)
     pieces = lay.pieces()
-    k = lay.logical_shape(pieces[0])[1]
-    sizes = [lay.logical_shape(p)[0] for p in pieces]
-    kw = dict(group=group, dtype=dtype, name=lay.layer, bias=any(s.name.endswith(".bias") for s in lay.specs))
-    if len(pieces) == 1 and pieces[0] == "":
-        module = ColumnParallelLinear(k, sizes[0], **kw)
-    else:
-        module = MergedColumnParallelLinear(k, sizes, piece_names=pieces, **kw)
-    module.to(device)
-    built = Built(lay, module, group)
-    module.correction_bias = None
-    for s in lay.specs:
-        if rank not in s.ranks:
-            continue
-        param = s.name.rsplit(".", 1)[1]
-        tensor = tensors[s.name].to(device=device, dtype=dtype)
-        if s.kind != "replicated" or s.dim is not None:
-            built.problems.append(f"{s.name}: recorded as {s.kind} over {s.group}; a ReplicatedLinear holds it whole on every rank")
-            continue
-        if param == CORRECTION_BIAS:
-            module.correction_bias = tensor
-            continue
+    mine = [s for s in lay.specs if rank in s.ranks]
+    problems = [
+        f"{s.name}: recorded as {s.kind} over {s.group}; a ReplicatedLinear holds it whole on every rank"
+        for s in mine if s.kind != "replicated" or s.dim is not None
+    ]  # fmt: skip
+    mine = [s for s in mine if s.kind == "replicated" and s.dim is None]
+    weights: dict[str, torch.Tensor] = {}  # piece -> this rank's float weight [N, K]
+    loaded: dict[tuple[str, str], torch.Tensor] = {}  # (piece, param) -> tensor, biases and the correction bias
+    for piece in pieces:
+        quant = [s for s in mine if s.quant and s.piece == piece]
         try:
-            module.load_shard(s.piece or None, tensor, param=param)
-        except (ValueError, KeyError) as e:
-            built.problems.append(f"{s.name} on rank {rank}: {e.args[0]}")
+            if quant:  # dequantized with torch, as the reference quant method does for the sharded kinds
+                weights[piece] = dequantize_specs(plan, quant, {s.name.rpartition(".")[2]: tensors[s.name] for s in quant})
+            else:
+                w = next((s for s in mine if s.piece == piece and s.name.endswith(".weight")), None)
+                if w is not None:
+                    weights[piece] = tensors[w.name]
+        except (ValueError, KeyError, RuntimeError) as e:
+            problems.append(f"{lay.layer} piece {piece!r} on rank {rank}: cannot dequantize its {lay.quant} tensors: {e}")
+    for s in mine:
+        param = s.name.rpartition(".")[2]
+        if not s.quant and not s.name.endswith(".weight"):
+            loaded[(s.piece, param)] = tensors[s.name]
+    if set(weights) != set(pieces):
+        raise ValueError(f"rank {rank} has no weight for pieces {sorted(set(pieces) - set(weights))}: {'; '.join(problems)}")
+    k = {w.shape[-1] for w in weights.values()}
+    if len(k) != 1:
+        raise ValueError(f"pieces {pieces} read inputs of different sizes {sorted(k)}")
+    wdtype = torch.float32 if lay.quant else dtype
+    kw = dict(group=group, dtype=wdtype, name=lay.layer, bias=any(param == "bias" for _, param in loaded))
+    sizes = [weights[p].shape[0] for p in pieces]
+    if len(pieces) == 1 and pieces[0] == "":
+        module = ColumnParallelLinear(k.pop(), sizes[0], **kw)
+    else:
+        module = MergedColumnParallelLinear(k.pop(), sizes, piece_names=pieces, **kw)
+    module.to(device)
+    built = Built(lay, module, group, problems=problems)
+    module.correction_bias = None
+    for piece, w in weights.items():
+        _load(built, lay.layer, rank, lambda: module.load_shard(piece or None, w.to(device=device, dtype=wdtype)))
+    for (piece, param), t in loaded.items():
+        t = t.to(device=device, dtype=wdtype)
+        if param == CORRECTION_BIAS:
+            module.correction_bias = t
+        else:
+            _load(built, lay.layer, rank, lambda: module.load_shard(piece or None, t, param=param))
     missing = module.missing_shards()
     if missing:
         built.problems.append(f"{lay.layer} on rank {rank}: never loaded {missing}")
@@ -115,22 +145,49 @@ def build(lay, plan: Plan, rank: int, tensors, *, dtype: torch.dtype, device: to
     return built
 
 
+def _load(built, layer: str, rank: int, load) -> None:
+    try:
+        load()
+    except (ValueError, KeyError) as e:
+        built.problems.append(f"{layer} on rank {rank}: {e.args[0]}")
+
+
+def dequantize_specs(plan: Plan, specs, tensors: dict, k: int | None = None) -> torch.Tensor:
+    """float32 [N, K] of one quantized linear's tensors (by suffix), with the QuantSpec the plan recorded."""
+    modules = {s.source.rpartition(".")[0] for s in specs}
+    if len(modules) != 1:
+        raise ValueError(f"tensors of several modules {sorted(modules)} in one piece")
+    spec = quant_spec_of(plan, modules.pop())
+    if spec is None:
+        raise ValueError(f"the plan records no quantized format for {specs[0].source.rpartition('.')[0]}")
+    return dequantize(spec, tensors, k=k)
+
+
+def _ids(experts) -> str:
+    ids = sorted(experts)
+    return str(ids[:8])[:-1] + (f", ... {len(ids) - 8} more]" if len(ids) > 8 else "]")
+
+
 def _experts_numbers(lay, plan: Plan) -> tuple[int, int, int]:
     """(E, I_e, H) from the model info and the expert specs (the specs win: they are what was cut)."""
     w1 = [s for s in lay.specs if s.piece == "w1" and s.expert is not None]
     if not w1:
         raise ValueError(f"{lay.layer}: the manifest has no gate (w1) expert tensors for it")
     e = plan.model.num_experts or max(s.expert for s in w1) + 1
-    i, h = w1[0].source_shape[0], w1[0].source_shape[-1]
-    return e, i, h
+    if w1[0].quant:  # the logical cut: I_e along N; the hidden size on K
+        return e, w1[0].logical_size, plan.model.hidden_size
+    return e, w1[0].source_shape[0], w1[0].source_shape[-1]
 
 
 def _build_experts(lay, plan: Plan, rank: int, tensors, *, dtype, device, built_cls):
     topo = plan.topology
     tp = LogicalGroup.of(topo, "tp", rank)
     e, i, h = _experts_numbers(lay, plan)
-    module = FusedMoE(e, h, i, group=tp, ep_size=topo.ep, dtype=dtype, name=lay.layer).to(device)
+    wdtype = torch.float32 if lay.quant else dtype  # quantized: dequantized float32, as ReferenceQuantMethod
+    module = FusedMoE(e, h, i, group=tp, ep_size=topo.ep, dtype=wdtype, name=lay.layer).to(device)
     built = built_cls(lay, module, tp)
+    misplaced: dict[int, int] = {}  # expert -> EP slot the manifest gives it, where that is not its block
+    quant: dict[tuple[int, str], list] = defaultdict(list)  # (expert, piece) -> its quantized specs on this rank
     for s in lay.specs:
         if rank not in s.ranks:
             continue
@@ -138,24 +195,49 @@ def _build_experts(lay, plan: Plan, rank: int, tensors, *, dtype, device, built_
         if piece is None or s.expert is None:
             built.problems.append(f"{s.name}: recorded as piece {s.piece!r} of expert {s.expert}; FusedMoE has w1/w3/w2 of a global expert")
             continue
+        if s.expert not in module.local_experts:
+            # SGLang's FusedMoE skips it at load: this rank computes without it, another rank misses it.
+            misplaced[s.expert] = s.ep_slot
+            continue
         info = module.shard_info(s.expert, piece)
-        want_slot = s.expert // module.num_local_experts
-        got = (s.group, s.ep_slot, s.group_rank, s.group_size, tuple(s.shape))
+        shape = tuple(s.shape)
+        if s.quant:
+            quant[(s.expert, piece)].append(s)
+            if s.logical_dim is None:
+                continue
+            shape = [h, h]  # the logical per-rank [N, K]: I_p along the cut dim, hidden on the other
+            shape[s.logical_dim] = s.logical_length + s.logical_pad
+            shape = tuple(shape)
+        got = (s.group, s.ep_slot, s.group_rank, s.group_size, shape)
         expect = ("moe_tp", module.ep_rank, module.moe_tp_rank, module.moe_tp_size, info.shape)
         if got != expect:
             built.problems.append(
                 f"{s.name} on rank {rank}: manifest says group {got[0]} EP slot {got[1]} rank {got[2]}/{got[3]} shape"
-                f" {list(got[4])}; this rank's FusedMoE is EP slot {expect[1]} (expert {s.expert} belongs to EP slot"
-                f" {want_slot}), moe_tp rank {expect[2]}/{expect[3]}, shape {list(expect[4])}"
+                f" {list(got[4])}; the FusedMoE of this rank is group moe_tp EP slot {expect[1]} rank {expect[2]}/{expect[3]}"
+                f" shape {list(expect[4])}"
             )
+        if s.quant:
+            continue
         try:
             module.load_expert(s.expert, piece, tensors[s.name].to(device=device, dtype=dtype))
         except (ValueError, KeyError) as err:
             built.problems.append(f"{s.name} on rank {rank}: {err.args[0]}")
-    missing = module.missing_shards()
+    for (expert, piece), specs in quant.items():
+        try:
+            w = dequantize_specs(plan, specs, {x.name.rpartition(".")[2]: tensors[x.name] for x in specs})
+            module.load_expert(expert, piece, w.to(device))
+        except (ValueError, KeyError, RuntimeError, IndexError) as err:
+            built.problems.append(f"{lay.layer} expert {expert} {piece} on rank {rank}: cannot load its {lay.quant} tensors: {err}")
+    if misplaced:
+        slots = sorted({v for v in misplaced.values() if v is not None})
+        built.problems.append(
+            f"rank {rank} ({module.describe()}) holds experts {_ids(misplaced)}, which the manifest puts on EP slot(s)"
+            f" {slots}; experts are dealt to EP slots in contiguous blocks of {module.num_local_experts}, so they belong"
+            f" to EP slot(s) {sorted({e // module.num_local_experts for e in misplaced})}"
+        )
+    missing = sorted({int(m.split()[1]) for m in module.missing_shards()})
     if missing:
-        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
-        built.problems.append(f"{lay.layer} on rank {rank} ({module.describe()}): never loaded {', '.join(missing[:4])}{more}")
+        built.problems.append(f"rank {rank} ({module.describe()}) never loaded experts {_ids(missing)}")
     return built
 
 
@@ -212,13 +294,14 @@ def _dense_routing(cfg: RouterConfig, x: torch.Tensor, weight: torch.Tensor, bia
 # ---------------------------------------------------------------- rank 0: the reference and the verdict
 
 
-def _expert_sources(lay) -> dict[tuple[int, str], str]:
-    """(global expert, gate/up/down) -> source tensor name."""
-    out = {}
-    for s in lay.specs:
-        if s.expert is not None and s.piece in EXPERT_PIECE:
-            out[(s.expert, EXPERT_PIECE[s.piece])] = s.source
-    return out
+def _source_weight(lay, plan: Plan, src, specs) -> torch.Tensor:
+    """The unsharded float64 weight [N, K] of one matrix (a piece, or an expert's projection), from
+    the source: the tensor itself, or the dequantization of its source tensors."""
+    quant = [s for s in specs if s.quant]
+    if not quant:
+        return src[next(s for s in specs if s.name.endswith(".weight")).source]
+    sources = {s.source for s in quant}
+    return dequantize_specs(plan, quant, {n.rpartition(".")[2]: src.raw(n) for n in sources}).double()
 
 
 def _expert_out(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -253,7 +336,7 @@ def compare(lay, plan: Plan, sent: list[dict], src, *, seed: int, tokens: int, d
 def _compare_replicated(lay, plan, sent, src, *, seed, tokens, dtype, tol, findings, problems) -> tuple[float, float]:
     from tpshard.verify.layers_check import layer_input
 
-    weights = {p: src[lay.main(p).source] for p in lay.pieces()}
+    weights = {p: _source_weight(lay, plan, src, [s for s in lay.specs if s.piece == p]) for p in lay.pieces()}
     biases = {p: (src[b.source] if (b := lay.first(p, "bias")) is not None else None) for p in lay.pieces()}
     router = None
     if is_router(lay):
@@ -281,21 +364,24 @@ def _compare_replicated(lay, plan, sent, src, *, seed, tokens, dtype, tol, findi
             max_abs = max(max_abs, err)
             if err / scale > tol:
                 what = "routing (top-k experts and weights)" if p == "routing" else (f"piece {p}" if p else "output")
-                findings[f"{what} differs from the source's (rel error {err / scale:.3g})"].append(rank)
+                findings[f"{what} differs from the source's"].append(rank)
     return max_abs, scale
 
 
 def _compare_experts(lay, plan, sent, src, *, seed, tokens, dtype, tol, findings, problems) -> tuple[float, float]:
     topo = plan.topology
     e_total, i_e, _ = _experts_numbers(lay, plan)
-    names = _expert_sources(lay)
-    absent = sorted({e for e in range(e_total) for p in ("gate", "up", "down") if (e, p) not in names})
+    by_expert: dict[tuple[int, str], list] = defaultdict(list)
+    for s in lay.specs:
+        if s.expert is not None and s.piece in EXPERT_PIECE:
+            by_expert[(s.expert, EXPERT_PIECE[s.piece])].append(s)
+    absent = sorted({e for e in range(e_total) for p in ("gate", "up", "down") if (e, p) not in by_expert})
     if absent:
         problems.setdefault(f"the manifest has no tensors of experts {absent[:8]}")
         return 0.0, 1.0
     x, ids, w = experts_inputs(lay, plan, seed=seed, tokens=tokens, dtype=dtype)
     x = x.double()
-    full = {e: [src[names[(e, p)]] for p in ("gate", "up", "down")] for e in range(e_total)}
+    full = {e: [_source_weight(lay, plan, src, by_expert[(e, p)]) for p in ("gate", "up", "down")] for e in range(e_total)}
     per_expert = {e: _expert_out(x, *full[e]) for e in range(e_total)}  # [T, H] each, unweighted
     ref = torch.zeros_like(x)
     for j in range(ids.shape[1]):
@@ -310,7 +396,7 @@ def _compare_experts(lay, plan, sent, src, *, seed, tokens, dtype, tol, findings
         err = (msg["outputs"][""][1] - ref).abs().max().item()
         max_abs = max(max_abs, err)
         if err / scale > tol:
-            findings[f"routed output differs (rel error {err / scale:.3g})"].append(rank)
+            findings["routed output differs from the source's"].append(rank)
 
     # One expert per token, unreduced: which expert on which rank, and what it holds instead.
     moe_tp, per_slot = topo.moe_tp, e_total // topo.ep
@@ -356,12 +442,3 @@ def _diagnose(e, m, got, rows, sliced, e_total, moe_tp, scale, tol) -> str:
         if close(sliced(e, m2, m, rows)):
             return f"its gate/up_proj are MoE-TP rank {m2}'s slice"
     return f"rel error {(got - sliced(e, m, m, rows)).abs().max().item() / scale:.3g}"
-
-
-def expert_spec_ranks(specs: list[ShardSpec]) -> dict[int, set[int]]:
-    """Global expert -> world ranks the manifest gives it to (for messages and tests)."""
-    out: dict[int, set[int]] = defaultdict(set)
-    for s in specs:
-        if s.expert is not None:
-            out[s.expert].update(s.ranks)
-    return out
