@@ -113,3 +113,44 @@ def make_fp8_deepseek(path: Path, *, seed: int = 0) -> Path:
     config["quantization_config"] = FP8_BLOCK
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
+
+
+def add_mtp_layer(path: Path, *, seed: int = 7) -> Path:
+    """Append DeepSeek-V3's MTP module as layer num_hidden_layers, as the released checkpoints carry it
+    (transformers neither saves nor runs it): a MoE decoder layer (a copy of the last layer's tensors
+    with new values) plus enorm, hnorm, eh_proj [H, 2H], shared_head.norm, and its own embed_tokens
+    and shared_head.head. Written to its own file and added to the index."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    config = json.loads((path / "config.json").read_text())
+    n, h, v = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
+    index_path = path / "model.safetensors.index.json"
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+    else:
+        with safe_open(path / "model.safetensors", "pt") as f:
+            index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in f.keys()}}
+    g = torch.Generator().manual_seed(seed)
+    last, mtp = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    tensors = {}
+    for name, file in index["weight_map"].items():
+        if name.startswith(last):
+            with safe_open(path / file, "pt") as f:
+                t = f.get_tensor(name)
+            tensors[mtp + name[len(last):]] = (torch.randn(t.shape, generator=g) * t.float().std() + t.float().mean()).to(t.dtype)
+    dt = next(iter(tensors.values())).dtype
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{mtp}{norm}.weight"] = (1 + 0.1 * torch.randn(h, generator=g)).to(dt)
+    tensors[f"{mtp}eh_proj.weight"] = (torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5).to(dt)
+    tensors[f"{mtp}embed_tokens.weight"] = torch.randn(v, h, generator=g).to(dt)
+    tensors[f"{mtp}shared_head.head.weight"] = (torch.randn(v, h, generator=g) / h**0.5).to(dt)
+    save_file(tensors, path / "model-mtp.safetensors", metadata={"format": "pt"})
+    index["weight_map"].update({k: "model-mtp.safetensors" for k in tensors})
+    index["weight_map"] = dict(sorted(index["weight_map"].items()))
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
+    config["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path

@@ -20,7 +20,7 @@ import torch
 
 import tpshard
 from broken import overwrite_tensor, rewrite_checksums
-from moe_configs import YARN, make_fp8_deepseek, make_moe_checkpoint
+from moe_configs import YARN, add_mtp_layer, make_fp8_deepseek, make_moe_checkpoint
 from tpshard.topology import Topology
 from tpshard.verify import verify_many
 
@@ -30,8 +30,9 @@ EXPERTS = "model.layers.{i}.mlp.experts.{e}.{p}_proj.weight"
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory) -> Path:
-    """DeepSeek-V3: MLA with q_lora, 1 dense layer then 2 MoE layers, 8 experts in 4 groups, a shared expert."""
-    return make_moe_checkpoint(tmp_path_factory.mktemp("dsv3") / "model", "deepseek_v3", max_shard_size="100KB")
+    """DeepSeek-V3: MLA with q_lora, 1 dense layer then 2 MoE layers, 8 experts in 4 groups, a shared
+    expert, and the MTP module as layer 3 (which transformers does not run: layer level only)."""
+    return add_mtp_layer(make_moe_checkpoint(tmp_path_factory.mktemp("dsv3") / "model", "deepseek_v3", max_shard_size="100KB"))
 
 
 def copy(good: Path, dst: Path) -> Path:
@@ -106,6 +107,8 @@ def test_deepseek_v3_layer_and_model_level_and_broken_outputs(deepseek, tmp_path
     assert {"FusedMoE", "ReplicatedLinear", "ColumnParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear"} <= classes
     layers = {x.layer: x for x in r.layers}
     assert layers["model.layers.1.mlp.experts"].group == "tp" and layers["model.layers.1.self_attn.kv_b_proj"].batches == 2
+    mtp = ("eh_proj", "embed_tokens", "shared_head.head", "mlp.experts", "mlp.gate", "self_attn.kv_b_proj")
+    assert all(f"model.layers.3.{m}" in layers for m in mtp), sorted(layers)
     assert max(x.max_rel for x in r.layers) < 1e-6
     assert r.model.top1 == 1.0 and r.model.max_rel < 1e-5 and r.model.kl < 1e-9
 
@@ -129,7 +132,7 @@ def test_deepseek_v3_layer_and_model_level_and_broken_outputs(deepseek, tmp_path
     assert "of group rank 0/2 differs (it is group rank 1's slice) on world ranks [0, 2]" in bad["model.layers.1.self_attn.kv_b_proj"]
 
     bad = failing("round_robin")
-    assert set(bad) == {"model.layers.1.mlp.experts", "model.layers.2.mlp.experts"}, bad
+    assert set(bad) == {f"model.layers.{i}.mlp.experts" for i in (1, 2, 3)}, bad  # 3: the MTP layer
     msg = bad["model.layers.1.mlp.experts"]
     assert (
         "rank 2 (EP slot 1/2 (experts [4, 8)), MoE-TP rank 0/2 (world rank 2)) holds experts [1, 3], which the manifest"
