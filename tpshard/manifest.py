@@ -43,6 +43,28 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     dtype: str = "BF16"
+    # Mixture of experts (0 = dense model). Routing numbers are recorded for readers that run the
+    # router (verify); the cut needs only the counts and sizes.
+    num_experts: int = 0  # routed experts (n_routed_experts / num_experts / num_local_experts)
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # I_e of one routed expert (Mixtral: intermediate_size)
+    num_shared_experts: int = 0  # DeepSeek n_shared_experts
+    shared_expert_intermediate_size: int = 0  # width of the shared-expert MLP (DeepSeek: n_shared * I_e)
+    first_k_dense_replace: int = 0  # DeepSeek: layers below this have a dense MLP
+    moe_layer_freq: int = 1  # DeepSeek: layer i has experts iff i >= first_k_dense_replace and i % freq == 0
+    norm_topk_prob: bool = False
+    scoring_func: str = ""  # DeepSeek: sigmoid (V3) / softmax (V2); "" = softmax
+    topk_method: str = ""  # DeepSeek: noaux_tc (V3), greedy, group_limited_greedy
+    n_group: int = 0
+    topk_group: int = 0
+    routed_scaling_factor: float = 1.0
+    # DeepSeek MLA (kv_lora_rank 0 = no MLA)
+    q_lora_rank: int | None = None  # None: q_proj instead of q_a_proj/q_b_proj (V2-Lite)
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    num_nextn_predict_layers: int = 0  # DeepSeek MTP layers, stored as layers num_layers, num_layers + 1, ...
 
 
 class Options(msgspec.Struct, frozen=True, kw_only=True):
@@ -82,6 +104,9 @@ class ShardSpec(msgspec.Struct, frozen=True, kw_only=True):
     group_size: int = 1
     ranks: tuple[int, ...]  # world ranks holding these bytes
     file: str  # FileLayout.name holding it
+    # Routed experts: only the ranks of one EP slot hold an expert (Topology.ranks_of(..., ep_slot)).
+    ep_slot: int | None = None
+    expert: int | None = None  # global expert id, as in the HF name
     # Quantized layers (docs/quantization.md). The physical cut above is the layer's logical cut
     # along N (logical_dim 0) or K (1) converted by the format's layout: physical = logical * ratio,
     # offsets on multiples of `atom` logical values, a partial last word/group/block taken at the end.
