@@ -152,8 +152,9 @@ def _moe_mla_info(config: dict) -> dict:
             first_k_dense_replace=int(g("first_k_dense_replace") or 0),
             moe_layer_freq=int(g("moe_layer_freq") or 1),
             norm_topk_prob=bool(g("norm_topk_prob", False)),
-            scoring_func=str(g("scoring_func") or ""),
-            topk_method=str(g("topk_method") or ""),
+            # DeepSeek-V3 configs written by transformers omit these; the model always routes so.
+            scoring_func=str(g("scoring_func") or ("sigmoid" if config.get("model_type") == "deepseek_v3" else "")),
+            topk_method=str(g("topk_method") or ("noaux_tc" if config.get("model_type") == "deepseek_v3" else "")),
             n_group=int(g("n_group") or 0),
             topk_group=int(g("topk_group") or 0),
             routed_scaling_factor=float(g("routed_scaling_factor") or 1.0),

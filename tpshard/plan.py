@@ -8,6 +8,7 @@ QKV with GQA replicas, merged gate/up, vocab padding and padding of non-divisibl
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import NamedTuple
 
@@ -227,6 +228,7 @@ def refuse_topology(ctx: Layout, config: dict) -> list[str]:
 
 
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+_LAYER_OR_EXPERT = re.compile(r"\.\d+\.")
 
 
 class _Experts:
@@ -309,8 +311,9 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
         rule, layer, expert = found
         ep_slot = experts.place(name, rule, expert)
         qspec = quant.spec_for(module, rule.layer_class in _LINEAR) if quant else None
-        if qspec is not None and rule.layer_class == "ReplicatedLinear":
-            # Never cut, so quantized only if the checkpoint stores it so (DeepSeek's eh_proj may be bf16).
+        if qspec is not None and rule.layer_class in ("ReplicatedLinear", "ParallelLMHead"):
+            # Quantized only if the checkpoint stores it so: DeepSeek-V3's FP8 checkpoint keeps the MTP
+            # layer's eh_proj and shared_head.head in bf16 though its config names no exception.
             if not any(f"{module}.{r.suffix}" in ckpt.tensors for r in qspec.roles() if r.suffix not in ("weight", "bias")):
                 qspec = None
         if qspec is not None and param != "bias":
@@ -388,7 +391,8 @@ class _QuantLayers:
         self.topology, self.model, self.options = ctx.topology, ctx.model, ctx.options
         self.layers: dict[str, tuple] = {}  # module -> (logical cutting, n, k, misaligned suffixes)
         self.suffixes: dict[str, tuple[QuantSpec, set[str]]] = {}
-        self.errors: list[str] = []
+        self.cuttings: dict[tuple, tuple] = {}  # (layer kind, n, k, format) -> _logical_cut(...)
+        self.errors: list[tuple[str, str]] = []  # (tensor, message)
         self.engine = qshards.group_findings()
 
     def _layer(self, module: str, info: TensorInfo, qspec: QuantSpec, rule: Rule, layer: str, ep_slot: int | None):
@@ -398,15 +402,38 @@ class _QuantLayers:
         if shape is None:
             raise PlanError(f"{module}: quantized ({qspec.format}), but {rule.layer_class} has no quantized load rule")
         n, k = shape
+        # Every expert (and every layer) of one kind cuts the same way: work it out once.
+        key = (rule.layer_class, rule.role, rule.piece, n, k, qspec)
+        if key not in self.cuttings:
+            self.cuttings[key] = self._logical_cut(module, info, qspec, rule, n, k)
+        cutting, cuts, group, bad, pad_hint = self.cuttings[key]
+        if cutting.dim is not None:
+            full = (n, k)[cutting.dim]
+            by_role: dict[str, tuple] = {}
+            for role, c, step, atom in bad:
+                ranks = self.topology.ranks_of(group, c.group_rank, cutting.factor, ep_slot)
+                by_role.setdefault(role.suffix, (role, step, atom, []))[3].append((c, ranks))
+            for role, step, atom, cut_ranks in by_role.values():
+                self.errors.append((f"{module}.{role.suffix}", qshards.misalignment_message(
+                    module, qspec, role, cut_ranks, step, atom, cutting.dim, full, group, cutting.group_size, pad_hint,
+                )))  # fmt: skip
+            self._engine_check(module, qspec, rule, group, cutting, n, k)
+            if bad:
+                cuts = []  # refused in finish(); no spec is made from a misaligned cut
+        self.layers[module] = (cutting, cuts, n, k, group)
+        return self.layers[module]
+
+    def _logical_cut(self, module: str, info: TensorInfo, qspec: QuantSpec, rule: Rule, n: int, k: int):
+        """(cutting, logical cuts, group, misalignments, --pad-blocks hint) of a layer [n, k]."""
         logical = msgspec.structs.replace(info, shape=(n, k))
         cutting = cut_tensor(f"{module}.weight", logical, rule, "weight", self.ctx)
         cuts = [qshards.LogicalCut(*c) for c in cutting.cuts]
         group = group_of(rule, self.ctx) if cutting.dim is not None else "replicated"
+        bad, pad_hint = [], ""
         if cutting.dim is not None:
             full = (n, k)[cutting.dim]
             roles = qspec.roles()
             bad = qshards.misalignments(qspec, roles, cutting.dim, full, cuts)
-            pad_hint = ""
             if bad and qspec.format in qshards.PAD_BLOCK_FORMATS and rule.role in PADDED_ROLES:
                 atom = alignment(qspec, n, k)[cutting.dim]
                 per = qshards.pad_blocks_per(qspec, full, cutting.group_size, atom)
@@ -416,19 +443,12 @@ class _QuantLayers:
                     bad = qshards.misalignments(qspec, roles, cutting.dim, full, cuts)
                 else:
                     pad_hint = f" Pass --pad-blocks to zero-pad each rank to {per} ({per // atom} blocks)."
-            by_role: dict[str, tuple] = {}
-            for role, c, step, atom in bad:
-                ranks = self.topology.ranks_of(group, c.group_rank, cutting.factor, ep_slot)
-                by_role.setdefault(role.suffix, (role, step, atom, []))[3].append((c, ranks))
-            for role, step, atom, cut_ranks in by_role.values():
-                self.errors.append(qshards.misalignment_message(
-                    module, qspec, role, cut_ranks, step, atom, cutting.dim, full, group, cutting.group_size, pad_hint,
-                ))  # fmt: skip
-            self._engine_check(module, qspec, rule, group, cutting, n, k)
-            if bad:
-                cuts = []  # refused in finish(); no spec is made from a misaligned cut
-        self.layers[module] = (cutting, cuts, n, k, group)
-        return self.layers[module]
+            elif bad and rule.layer_class == "FusedMoE":
+                pad_hint = (
+                    f" SGLang's FusedMoE refuses it too: choose --ep so that moe_tp = tp / ep leaves whole"
+                    f" {bad[0][3]}-blocks of the expert intermediate size {full} per rank."
+                )
+        return cutting, cuts, group, bad, pad_hint
 
     def _engine_check(self, module, qspec, rule, group, cutting, n, k) -> None:
         if qspec.format not in qshards.ENGINE_MULTIPLES or cutting.dim is None:
@@ -457,7 +477,7 @@ class _QuantLayers:
         self.suffixes.setdefault(module, (qspec, set()))[1].add(suffix)
         if role.dtype is not None and info.dtype != role.dtype:
             raise PlanError(f"{name}: dtype {info.dtype} on disk; {qspec.format} stores {suffix} as {role.dtype}")
-        want = qshards.expected_physical_shape(qspec, role, info.shape, n, k)
+        want = _expected_physical_shape(qspec, role, info.shape, n, k)
         if want != info.shape:
             raise PlanError(
                 f"{name}: shape {list(info.shape)} on disk, but a {qspec.format} {qspec.bits}-bit layer"
@@ -489,7 +509,7 @@ class _QuantLayers:
                 value[cutting.dim] = c.length + c.pad
                 out.append(dict(per_rank, shape=info.shape, dim=None, start=0, length=info.shape[0], pad=0, value=tuple(value)))
                 continue
-            phys = qshards.physical_cut(qspec, role, cutting.dim, (n, k)[cutting.dim], c)
+            phys = _physical_cut(qspec, role, cutting.dim, (n, k)[cutting.dim], c)
             if phys is None:
                 return [dict(whole, logical_dim=None)]
             dim, start, length, pad, ratio, atom, step = phys
@@ -512,12 +532,23 @@ class _QuantLayers:
         if missing:
             raise PlanError(f"quantized tensors missing from the checkpoint: {', '.join(missing[:6])}" + (f" and {len(missing) - 6} more" if len(missing) > 6 else ""))
         if self.errors:
-            shown = "\n  ".join(self.errors[:8])
-            more = f"\n  ... and {len(self.errors) - 8} more" if len(self.errors) > 8 else ""
+            # One line per kind of tensor (layer and expert numbers masked): a MoE model repeats each
+            # misalignment for every expert of every layer.
+            kinds: dict[str, list[str]] = {}
+            for name, message in self.errors:
+                kinds.setdefault(_LAYER_OR_EXPERT.sub(".N.", name), []).append(message)
+            lines = [m[0] + (f" (and {len(m) - 1} more like it in other layers/experts)" if len(m) > 1 else "") for m in kinds.values()]
+            shown = "\n  ".join(lines[:12])
+            more = f"\n  ... and {len(lines) - 12} more kinds" if len(lines) > 12 else ""
             raise PlanError(
                 f"{len(self.errors)} quantized tensor cut(s) do not align at {self.topology.describe()}; nothing was written:\n  {shown}{more}"
             )
         return qshards.engine_warnings(self.engine)
+
+
+# The same quantized cut recurs for every expert and layer; Fraction arithmetic is worth caching.
+_expected_physical_shape = functools.lru_cache(maxsize=4096)(qshards.expected_physical_shape)
+_physical_cut = functools.lru_cache(maxsize=16384)(qshards.physical_cut)
 
 
 def file_header(tensors: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, list[int]]:
@@ -533,6 +564,9 @@ def spec_layout(specs: list[ShardSpec]) -> tuple[bytes, list[int]]:
 def _file_label(spec: dict, topology: Topology) -> str:
     if len(spec["ranks"]) == topology.world_size:
         return "common"
+    if spec.get("ep_slot") is not None:
+        label = f"ep-{spec['ep_slot']:03d}-of-{topology.ep:03d}"
+        return label + (f"-moe_tp-{spec['group_rank']:03d}-of-{spec['group_size']:03d}" if spec["group_size"] > 1 else "")
     # Without attention DP attn_tp is the tp group itself: name it so.
     group = "tp" if topology.span(spec["group"]) == topology.tp else spec["group"]
     label = group if spec["factor"] == 1 else f"{group}-x{spec['factor']}"

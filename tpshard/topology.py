@@ -14,6 +14,7 @@ by the ranks of its slot (`ranks_of(..., ep_slot=k)`), independent of the attent
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import msgspec
@@ -105,15 +106,7 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
         """All world ranks whose rank in (group, factor) is `group_rank`: they hold identical bytes.
 
         `ep_slot` (routed experts) keeps only the ranks of that EP slot."""
-        size = self.group_size(group, factor)
-        if not 0 <= group_rank < size:
-            return ()
-        span = self.span(group)
-        first = group_rank * factor  # offsets inside each group instance holding this group rank
-        ranks = (base + first + j for base in range(0, self.world_size, span) for j in range(factor))
-        if ep_slot is None:
-            return tuple(ranks)
-        return tuple(r for r in ranks if r // self.moe_tp == ep_slot)
+        return _ranks_of(self, group, group_rank, factor, ep_slot)
 
     def describe(self) -> str:
         text = f"tp={self.tp} attn_dp={self.attn_dp} attn_cp={self.attn_cp} (attn_tp={self.attn_tp})"
@@ -122,3 +115,16 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
         if self.moe_dense_tp is not None:
             text += f" moe_dense_tp={self.moe_dense_tp}"
         return text
+
+
+@functools.lru_cache(maxsize=65536)
+def _ranks_of(topology: Topology, group: GroupName, group_rank: int, factor: int, ep_slot: int | None) -> tuple[int, ...]:
+    size = topology.group_size(group, factor)
+    if not 0 <= group_rank < size:
+        return ()
+    span = topology.span(group)
+    first = group_rank * factor  # offsets inside each group instance holding this group rank
+    ranks = (base + first + j for base in range(0, topology.world_size, span) for j in range(factor))
+    if ep_slot is None:
+        return tuple(ranks)
+    return tuple(r for r in ranks if r // topology.moe_tp == ep_slot)

@@ -95,18 +95,33 @@ class Arch:
 DROPPED = re.compile(r".*\.rotary_emb\.inv_freq")
 
 
+_DIGITS = re.compile(r"\d+")
+_GROUP_REF = re.compile(r"\\(\d)")
+
+
 class Matcher:
-    """Compiled rule table: module path -> (rule, engine layer name, global expert id or None)."""
+    """Compiled rule table: module path -> (rule, engine layer name, global expert id or None).
+
+    DeepSeek-V3 has ~90,000 tensors that differ mostly in layer and expert numbers: the rule found
+    for a module with its numbers masked is tried first, and layer templates are pre-split."""
 
     def __init__(self, rules: tuple[Rule, ...]):
-        self._rules = [(re.compile(r.module), r) for r in rules]
+        self._rules = [(re.compile(r.module), r, _GROUP_REF.split(r.layer)) for r in rules]
+        self._seen: dict[str, int] = {}
 
     def match(self, module: str) -> tuple[Rule, str, int | None] | None:
-        for pattern, rule in self._rules:
+        shape = _DIGITS.sub("#", module)
+        hint = self._seen.get(shape)
+        order = ([hint] if hint is not None else []) + list(range(len(self._rules)))
+        for i in order:
+            pattern, rule, template = self._rules[i]
             m = pattern.fullmatch(module)
             if m:
+                self._seen[shape] = i
+                # template: literal, group number, literal, ... (from splitting at \N)
+                layer = "".join(part if j % 2 == 0 else m.group(int(part)) for j, part in enumerate(template))
                 expert = m.groupdict().get("expert")
-                return rule, m.expand(rule.layer), None if expert is None else int(expert)
+                return rule, layer, None if expert is None else int(expert)
         return None
 
 
