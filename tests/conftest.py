@@ -50,12 +50,50 @@ def copy_of(tmp_path):
 
 @pytest.fixture(scope="session")
 def biased(tmp_path_factory) -> tuple[Path, Path]:
-    """A Llama with attention biases (o_proj.bias exists), split at tp 8 attn-dp 2; tests break copies."""
+    """A Qwen3 with attention biases (o_proj.bias exists), split at tp 8 attn-dp 2 (attention over attn_tp:
+    DP replicas); tests break copies."""
     import tpshard
     from tpshard.topology import Topology
 
     root = tmp_path_factory.mktemp("biased")
-    model = make_checkpoint(root / "model", "llama", attention_bias=True)
+    model = make_checkpoint(root / "model", "qwen3", attention_bias=True, head_dim=8)
     out = root / "out"
     tpshard.split(model, out, Topology(tp=8, attn_dp=2))
     return model, out
+
+
+# MoE and MLA families (tests/checkpoints.py ARCH_DEFAULTS): 8 experts, 3 layers, several files.
+@pytest.fixture(scope="session")
+def qwen3_moe(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3_moe") / "model", "qwen3_moe", max_shard_size="100KB")
+
+
+@pytest.fixture(scope="session")
+def qwen2_moe(tmp_path_factory) -> Path:
+    """A shared expert of 48 and its sigmoid gate; q/k/v biases."""
+    return make_checkpoint(tmp_path_factory.mktemp("qwen2_moe") / "model", "qwen2_moe", max_shard_size="100KB")
+
+
+@pytest.fixture(scope="session")
+def mixtral(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("mixtral") / "model", "mixtral", max_shard_size="100KB")
+
+
+@pytest.fixture(scope="session")
+def deepseek_v3(tmp_path_factory) -> Path:
+    """MLA with q_lora_rank, layer 0 dense, layers 1-2 MoE with a shared expert, MTP layer 3 in its own file."""
+    return make_checkpoint(tmp_path_factory.mktemp("deepseek_v3") / "model", "deepseek_v3", max_shard_size="100KB", mtp=True)
+
+
+@pytest.fixture(scope="session")
+def deepseek_v2(tmp_path_factory) -> Path:
+    """MLA without q_lora_rank (q_proj, as V2-Lite), two shared experts."""
+    return make_checkpoint(tmp_path_factory.mktemp("deepseek_v2") / "model", "deepseek_v2")
+
+
+@pytest.fixture(scope="session")
+def deepseek_fp8(tmp_path_factory) -> Path:
+    """DeepSeek-V3 in its FP8 block format (tests/checkpoints.py FP8_DEEPSEEK), MTP layer included."""
+    from checkpoints import make_fp8_deepseek
+
+    return make_fp8_deepseek(tmp_path_factory.mktemp("deepseek_fp8") / "model")

@@ -22,26 +22,29 @@ def test_plan_json_and_table(llama):
     p = run("plan", llama, "--tp", 8, "--attn-dp", 2, "--json")
     data = json.loads(p.stdout)
     assert {r["rank"] for r in data["by_rank"]} == set(range(8))
-    assert data["plan"]["topology"] == {"tp": 8, "attn_dp": 2, "attn_cp": 1}
+    assert data["plan"]["topology"] == {"tp": 8, "attn_dp": 2, "attn_cp": 1, "ep": 1, "moe_dense_tp": None}
     human = run("plan", llama, "--tp", 8, "--attn-dp", 2)
     assert human.stdout == "" and "Per rank" in human.stderr
 
 
-def test_explain_layer(llama):
-    rows = json.loads(run("explain", llama, "--tp", 8, "--attn-dp", 2, "--layer", 1, "--json").stdout)
+def test_explain_layer(llama, qwen3):
+    rows = json.loads(run("explain", qwen3, "--tp", 8, "--attn-dp", 2, "--layer", 1, "--json").stdout)
     k = [r for r in rows if r["tensor"] == "model.layers.1.self_attn.k_proj.weight"]
-    assert [(r["ranks"], r["loads"]) for r in k] == [([0, 1, 4, 5], "dim 0 [0, 8)"), ([2, 3, 6, 7], "dim 0 [8, 16)")]
+    assert [(r["ranks"], r["loads"]) for r in k] == [([0, 1, 4, 5], "dim 0 [0, 32)"), ([2, 3, 6, 7], "dim 0 [32, 64)")]
+    assert all(r["group"].startswith("attn_tp") for r in rows if "self_attn" in r["tensor"] and "norm" not in r["tensor"])
+    llama_rows = json.loads(run("explain", llama, "--tp", 8, "--attn-dp", 2, "--layer", 1, "--json").stdout)
+    assert all(r["group"].startswith("tp") for r in llama_rows if "self_attn" in r["tensor"])
     assert all("all-reduce" in r["reduction"] for r in rows if "o_proj" in r["tensor"])
     assert "Layer 1" in run("explain", llama, "--tp", 2, "--layer", 1).stderr
     p = run("explain", llama, "--tp", 2, "--layer", 9, ok=False)
     assert p.returncode == 2 and "layer 9 does not exist" in p.stderr
 
 
-def test_split_then_check(llama, tmp_path):
+def test_split_then_check(qwen3, tmp_path):
     out = tmp_path / "out"
-    summary = json.loads(run("split", llama, "-o", out, "--tp", 8, "--attn-dp", 2, "--json").stdout)
+    summary = json.loads(run("split", qwen3, "-o", out, "--tp", 8, "--attn-dp", 2, "--json").stdout)
     assert summary["ranks"] == list(range(8))
-    assert "ok" in run("check", out, "--source", llama).stderr
+    assert "ok" in run("check", out, "--source", qwen3).stderr
     report = json.loads(run("check", out, "--json").stdout)
     assert report["ok"] and report["files_checked"] == 15
 
@@ -112,7 +115,7 @@ def no_config(tmp: Path, llama: Path) -> Path:
         (broken_index, [], "maps model.layers.0.mlp.extra.weight to"),
         (unknown_arch, [], "architecture GPT2LMHeadModel is not supported"),
         (wrong_shape, [], "but config.json implies ["),
-        (None, ["--tp", "3"], "does not divide over the attn_tp group of 3 ranks"),
+        (None, ["--tp", "3"], "does not divide over the tp group of 3 ranks"),
         (None, ["--tp", "8", "--attn-dp", "3"], "--tp 8 is not divisible by --attn-dp 3"),
         (None, ["--tp", "2", "--no-pad", "--tp", "64"], "does not divide"),
     ],

@@ -93,6 +93,8 @@ CRAFTED = {
     "dim out of range": (lambda d: _tensor(d, "q_proj.weight").update(dim=5), "dim: 5"),
     "unknown dtype": (lambda d: _tensor(d, "q_proj.weight").update(dtype="F128"), "dtype"),
     "unknown group": (lambda d: _tensor(d, "q_proj.weight").update(group="pp"), "group"),
+    "EP slot out of range": (lambda d: _tensor(d, "q_proj.weight").update(ep_slot=3), "ep_slot: 3 but --ep is 1"),
+    "expert id of a dense model": (lambda d: _tensor(d, "q_proj.weight").update(expert=0), "expert: 0 but the model has 0 routed experts"),
     "file rank out of world": (_set("files.0.ranks", [0, 99]), "rank 99 outside the world"),
     "written rank out of world": (_set("written_ranks", [0, 99]), "written_ranks"),
     "huge world": (_set("topology.tp", 10**9), "--tp must be an integer from 1 to 65536"),  # Topology refuses it while decoding

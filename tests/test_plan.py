@@ -35,6 +35,11 @@ def fake_checkpoint(
             f"{p}.input_layernorm.weight": (hidden,),
             f"{p}.post_attention_layernorm.weight": (hidden,),
         }
+        # What the architecture always has: a checkpoint without it is refused as incomplete.
+        if arch == "Qwen3ForCausalLM":
+            shapes |= {f"{p}.self_attn.q_norm.weight": (head_dim,), f"{p}.self_attn.k_norm.weight": (head_dim,)}
+        if arch == "Qwen2ForCausalLM":
+            shapes |= {f"{p}.self_attn.{x}_proj.bias": ((heads if x == "q" else kv) * head_dim,) for x in "qkv"}
     shapes |= extra or {}
     tensors, offset = {}, 0
     for name, shape in shapes.items():
@@ -71,7 +76,7 @@ def test_llama3_8b_qkv(tp, q_rows, kv_rows, replicas):
 
 def test_qwen3_30b_attention_dp():
     """tp 8, dp-attn 2, 32 heads, 4 kv heads: attn_tp 4, each rank 8 q heads and 1 kv head (§2)."""
-    plan = make_plan(fake_checkpoint(kv=4), Topology(tp=8, attn_dp=2))
+    plan = make_plan(fake_checkpoint(kv=4, arch="Qwen3ForCausalLM"), Topology(tp=8, attn_dp=2))
     q = [s for s in plan.shards if s.name.endswith("q_proj.weight")]
     assert [(s.group, s.group_rank, s.start, s.length, s.ranks) for s in q] == [
         ("attn_tp", a, 1024 * a, 1024, (a, a + 4)) for a in range(4)
@@ -98,7 +103,7 @@ def test_vocab_that_does_not_divide_is_refused(vocab, tp):
 
 
 def test_embedding_over_attn_tp_lm_head_over_tp():
-    ckpt = fake_checkpoint(vocab=1024)
+    ckpt = fake_checkpoint(vocab=1024, arch="Qwen3ForCausalLM")
     plan = make_plan(ckpt, Topology(tp=8, attn_dp=2))
     groups = {s.name: (s.group, s.group_size) for s in plan.shards}
     assert groups["model.embed_tokens.weight"] == ("attn_tp", 4)
@@ -123,7 +128,7 @@ def test_non_divisible_intermediate_is_padded_or_refused():
     "kwargs, tp, message",
     [
         (dict(heads=12, kv=4), 8, "12 attention heads do not divide"),
-        (dict(heads=24, kv=6), 4, "6 kv heads and the attn_tp group of 4 ranks"),
+        (dict(heads=24, kv=6), 4, "6 kv heads and the tp group of 4 ranks"),
         (dict(arch="GPT2LMHeadModel"), 2, "architecture GPT2LMHeadModel is not supported"),
         (dict(extra={"model.layers.0.mlp.mystery.weight": (4, 4)}), 2, "no LlamaForCausalLM rule covers model.layers.0.mlp.mystery.weight"),
         (dict(extra={"model.layers.0.self_attn.k_proj.weight": (512, 4095)}), 2, r"shape \[512, 4095\] on disk, but config.json implies \[1024, 4096\]"),
@@ -135,7 +140,7 @@ def test_refusals_name_the_numbers(kwargs, tp, message):
 
 
 def test_identical_tensors_are_planned_once_and_grouped_by_holders():
-    plan = make_plan(fake_checkpoint(kv=2), Topology(tp=8, attn_dp=2))
+    plan = make_plan(fake_checkpoint(kv=2, arch="Qwen3ForCausalLM"), Topology(tp=8, attn_dp=2))
     norm = [s for s in plan.shards if s.name == "model.norm.weight"]
     assert len(norm) == 1 and norm[0].ranks == tuple(range(8)) and norm[0].file == "model-common.safetensors"
     # attn_tp 4 over 2 kv heads: one kv head per 2 attn ranks, shared by both DP replicas

@@ -123,12 +123,14 @@ def verify_layers(out: Path, spec: QuantSpec, expected: dict[str, torch.Tensor],
     for layer in range(shape.layers):
         p = f"model.layers.{layer}"
         x = torch.randn(3, h, generator=gen)
-        for name, group, kind, pieces in (
-            ("self_attn.qkv_proj", "attn_tp", "qkv", ("q", "k", "v")),
-            ("mlp.gate_up_proj", "tp", "merged", ("gate", "up")),
-            ("self_attn.o_proj", "attn_tp", "row", (None,)),
-            ("mlp.down_proj", "tp", "row", (None,)),
+        for name, kind, pieces in (
+            ("self_attn.qkv_proj", "qkv", ("q", "k", "v")),
+            ("mlp.gate_up_proj", "merged", ("gate", "up")),
+            ("self_attn.o_proj", "row", (None,)),
+            ("mlp.down_proj", "row", (None,)),
         ):
+            # the architecture decides the group (a Llama keeps attention over tp under attention DP)
+            group = next(s.group for s in manifest.plan.shards if s.layer == f"{p}.{name}" and s.dim is not None)
             hf = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj"}
             sources = [f"{p}.{hf[pc]}" if pc else f"{p}.{name}" for pc in pieces]
             k_in = expected[sources[0]].shape[1]
@@ -280,13 +282,13 @@ def test_fp8_block_misaligned_is_refused_then_pads(checkpoints, tmp_path):
 def test_marlin_below_64_columns_is_refused(checkpoints, tmp_path):
     spec = QuantSpec(format="marlin", bits=4, group_size=-1)
     src, _ = checkpoints("marlin_channel", NARROW, spec)
-    _refused(src, tmp_path / "out", Topology(tp=8), "self_attn.q_proj.B", "N 256 over attn_tp of 8 gives 32 per rank",
+    _refused(src, tmp_path / "out", Topology(tp=8), "self_attn.q_proj.B", "N 256 over tp of 8 gives 32 per rank",
              "Marlin 64-column permutation unit", "32 % 64 = 32")  # fmt: skip
 
 
 def test_group_not_dividing_k_per_rank_is_refused(checkpoints, tmp_path):
     src, _ = checkpoints("gptq", TINY)
-    _refused(src, tmp_path / "out", Topology(tp=4), "self_attn.o_proj.scales", "K 256 over attn_tp of 4 gives 64 per rank",
+    _refused(src, tmp_path / "out", Topology(tp=4), "self_attn.o_proj.scales", "K 256 over tp of 4 gives 64 per rank",
              "quantization group of 128", "64 % 128 = 64")  # fmt: skip
 
 

@@ -52,14 +52,14 @@ def test_llama_every_rank_matches_the_contract(llama, tmp_path, tp, attn_dp):
     assert_contract(llama, out, tp, attn_dp)
 
 
-def test_llama_tp8_attn_dp2_shapes(llama, tmp_path):
-    """The 'done when' of the first issue: q 2 heads, k/v 1 head shared by 2 ranks, MLP 1/8,
-    embedding over attn_tp, lm_head over tp."""
-    out = split(llama, tmp_path / "out", tp=8, attn_dp=2)
+def test_qwen3_tp8_attn_dp2_shapes(qwen3, tmp_path):
+    """The 'done when' of the first issue, on a model whose engine class cuts attention over attn_tp:
+    q 2 heads, k/v 1 head shared by 2 ranks, MLP 1/8, embedding over attn_tp, lm_head over tp."""
+    out = split(qwen3, tmp_path / "out", tp=8, attn_dp=2)
     for rank in range(8):
         t = tpshard.open_rank(out, rank)
-        assert t["model.layers.0.self_attn.q_proj.weight"].shape == (2 * 8, 64)
-        assert t["model.layers.0.self_attn.k_proj.weight"].shape == (8, 64)
+        assert t["model.layers.0.self_attn.q_proj.weight"].shape == (2 * 32, 64)  # head_dim 32
+        assert t["model.layers.0.self_attn.k_proj.weight"].shape == (32, 64)
         assert t["model.layers.0.mlp.gate_proj.weight"].shape == (12, 64)
         assert t["model.layers.0.mlp.down_proj.weight"].shape == (64, 12)
         assert t["model.embed_tokens.weight"].shape == (64, 64)  # 256 padded rows / attn_tp 4
@@ -68,7 +68,19 @@ def test_llama_tp8_attn_dp2_shapes(llama, tmp_path):
     assert torch.equal(k[0], k[1]) and torch.equal(k[0], k[4]) and not torch.equal(k[0], k[2])
 
 
-@pytest.mark.parametrize("fixture, tp, attn_dp", [("qwen2_tied", 4, 1), ("qwen2_tied", 8, 2), ("qwen3", 4, 2), ("mistral", 8, 1)])
+def test_llama_attention_dp_keeps_the_tp_layout(llama, tmp_path):
+    """SGLang's LlamaForCausalLM cuts attention and the embedding over tp under attention DP too:
+    --attn-dp 2 writes the bytes of --attn-dp 1, and the plan says so."""
+    dp = split(llama, tmp_path / "dp", tp=8, attn_dp=2)
+    plain = split(llama, tmp_path / "plain", tp=8)
+    assert any("gives the layout of --attn-dp 1" in w for w in read_manifest(dp).plan.warnings)
+    for rank in range(8):
+        a, b = tpshard.open_rank(dp, rank), tpshard.open_rank(plain, rank)
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+        assert a["model.layers.0.self_attn.q_proj.weight"].shape == (8, 64)  # 8 heads / tp 8
+
+
+@pytest.mark.parametrize("fixture, tp, attn_dp", [("qwen2_tied", 4, 1), ("qwen2_tied", 8, 2), ("qwen3", 4, 2), ("mistral", 8, 1), ("mistral", 4, 2)])
 def test_other_architectures(request, tmp_path, fixture, tp, attn_dp):
     model = request.getfixturevalue(fixture)
     out = split(model, tmp_path / "out", tp=tp, attn_dp=attn_dp)
@@ -146,9 +158,10 @@ def test_ranks_subset_writes_only_those_ranks(llama, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def good(llama, tmp_path_factory) -> Path:
+def good(qwen3, tmp_path_factory) -> Path:
+    """Qwen3 at tp 8 / attn-dp 2: attention over attn_tp, kv heads shared by 2 ranks and both DP replicas."""
     out = tmp_path_factory.mktemp("good") / "out"
-    tpshard.split(llama, out, Topology(tp=8, attn_dp=2))
+    tpshard.split(qwen3, out, Topology(tp=8, attn_dp=2))
     return out
 
 
@@ -157,7 +170,7 @@ def problems(out, source):
     return [f"[{p.check}] {p.message}" for p in report.problems]
 
 
-def test_kv_heads_swapped_between_ranks_with_checksums_rewritten(good, llama, copy_of):
+def test_kv_heads_swapped_between_ranks_with_checksums_rewritten(good, qwen3, copy_of):
     out = copy_of(good)
     name = "model.layers.1.self_attn.k_proj.weight"
     k0, k2 = (tpshard.open_rank(out, r)[name].clone() for r in (0, 2))
@@ -165,7 +178,7 @@ def test_kv_heads_swapped_between_ranks_with_checksums_rewritten(good, llama, co
     overwrite_tensor(out, 2, name, k0)
     rewrite_checksums(out)
     assert not problems(out, None), "with consistent checksums only the source can tell"
-    found = problems(out, llama)
+    found = problems(out, qwen3)
     assert any(name in p and "holds the slice of group rank 1" in p for p in found), found
     assert any(name in p and "holds the slice of group rank 0" in p for p in found), found
 
@@ -180,13 +193,13 @@ def test_flipped_byte_is_caught_by_checksums(good, copy_of):
     assert any("model-tp-003-of-008" in p and "does not match its crc32" in p for p in found), found
 
 
-def test_flipped_padding_byte_is_caught_by_reassembly(good, llama, copy_of):
+def test_flipped_padding_byte_is_caught_by_reassembly(good, qwen3, copy_of):
     out = copy_of(good)
     lm = tpshard.open_rank(out, 7)["lm_head.weight"].clone()
     lm[-1, 0] = 1.0  # a padding row must be zero
     overwrite_tensor(out, 7, "lm_head.weight", lm)
     rewrite_checksums(out)
-    found = problems(out, llama)
+    found = problems(out, qwen3)
     assert any("lm_head.weight" in p and "(padding (must be zero))" in p for p in found), found
 
 
@@ -198,13 +211,13 @@ def test_truncated_file_is_caught(good, copy_of):
     assert any("model-common.safetensors" in p and "truncated" in p for p in found), found
 
 
-def test_shard_from_another_rank_is_caught(good, llama, copy_of):
+def test_shard_from_another_rank_is_caught(good, qwen3, copy_of):
     out = copy_of(good)
     # rank 1's tp file replaced by rank 0's bytes (a broken copy, not a link), manifest untouched
     dst = out / rank_dir(1) / "model-tp-001-of-008.safetensors"
     dst.unlink()
     shutil.copyfile(out / rank_dir(0) / "model-tp-000-of-008.safetensors", dst)
-    found = problems(out, llama)
+    found = problems(out, qwen3)
     assert any("model-tp-001-of-008" in p and "crc32" in p for p in found), found
 
 
@@ -221,7 +234,7 @@ def test_replica_copy_that_differs_is_caught(good, copy_of):
     assert any(name in p and "[4]" in p for p in found), found
 
 
-def test_manifest_that_disagrees_with_the_rules_is_caught(good, llama, copy_of):
+def test_manifest_that_disagrees_with_the_rules_is_caught(good, qwen3, copy_of):
     import msgspec
 
     out = copy_of(good)
@@ -230,7 +243,7 @@ def test_manifest_that_disagrees_with_the_rules_is_caught(good, llama, copy_of):
     # o_proj sliced over the wrong group
     plan = m.plan.with_shards(msgspec.structs.replace(s, group="tp") if s.name == first else s for s in m.plan.shards)
     (out / MANIFEST_NAME).write_bytes(encode_manifest(m.with_plan(plan)))
-    found = problems(out, llama)
+    found = problems(out, qwen3)
     assert any("[group]" in p and "o_proj" in p for p in found), found
     assert any("[rules]" in p and "group='tp'" in p for p in found), found
 
@@ -311,13 +324,13 @@ def test_sha256_tensor_digests_on_request(llama, tmp_path):
         msgspec.structs.replace(Options(), checksum="md5")
 
 
-def test_missing_and_truncated_files_are_reported_not_raised(good, llama, copy_of):
+def test_missing_and_truncated_files_are_reported_not_raised(good, qwen3, copy_of):
     out = copy_of(good)
     (out / rank_dir(0) / "model-tp-000-of-008.safetensors").unlink()
     (out / rank_dir(1) / "model-tp-001-of-008.safetensors").unlink()
     path = out / rank_dir(2) / "model-tp-002-of-008.safetensors"
     os.truncate(path, path.stat().st_size // 2)
-    found = problems(out, llama)
+    found = problems(out, qwen3)
     assert any("rank 0: model-tp-000-of-008.safetensors is missing" in p for p in found), found
     assert any("model-tp-002-of-008" in p and "truncated" in p for p in found), found
     assert any("cannot be reassembled" in p for p in found), found

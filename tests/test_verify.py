@@ -37,21 +37,22 @@ def run(*args, env=None) -> subprocess.CompletedProcess:
     return p
 
 
+# Attention-DP layouts come from Qwen3: SGLang's Llama keeps attention over the full tp group.
 @pytest.fixture(scope="module")
-def llama_tp8(llama, tmp_path_factory) -> Path:
+def qwen3_tp8(qwen3, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("v8") / "out"
-    tpshard.split(llama, out, Topology(tp=8, attn_dp=2))
+    tpshard.split(qwen3, out, Topology(tp=8, attn_dp=2))
     return out
 
 
-def test_cli_llama_tp8_attn_dp2_passes_with_report_and_junit(llama, llama_tp8, tmp_path):
+def test_cli_qwen3_tp8_attn_dp2_passes_with_report_and_junit(qwen3, qwen3_tp8, tmp_path):
     """The 'done when': a per-layer table, report.json and junit.xml, exit 0, well under a minute."""
     report, junit = tmp_path / "report.json", tmp_path / "junit.xml"
-    p = run("verify", llama_tp8, "--source", llama, "--report", report, "--junit", junit)
+    p = run("verify", qwen3_tp8, "--source", qwen3, "--report", report, "--junit", junit)
     assert p.returncode == 0, p.stderr
     assert p.stdout == "" and "layers.1.self_attn.qkv_proj" in p.stderr and "ok" in p.stderr
     data = json.loads(report.read_text())
-    assert data["ok"] and data["topology"] == {"tp": 8, "attn_dp": 2, "attn_cp": 1} and data["backend"] == "gloo"
+    assert data["ok"] and data["topology"] == {"tp": 8, "attn_dp": 2, "attn_cp": 1, "ep": 1, "moe_dense_tp": None} and data["backend"] == "gloo"
     layers = {r["layer"]: r for r in data["layers"]}
     assert len(layers) == 10  # embed, 2 x (qkv, o, gate_up, down), lm_head
     assert layers["model.layers.0.self_attn.o_proj"]["batches"] == 2  # one batch per DP replica
@@ -139,16 +140,16 @@ def test_broken_outputs_fail_naming_the_layer(biased, tmp_path):
     assert "token ids of group rank(s) [1] (shards held by world ranks [1, 5])" in emb["model.embed_tokens"]
 
 
-def test_cli_exits_1_on_swapped_kv_heads(llama, llama_tp8, tmp_path):
+def test_cli_exits_1_on_swapped_kv_heads(qwen3, qwen3_tp8, tmp_path):
     out = tmp_path / "broken"
-    subprocess.run(["cp", "-a", str(llama_tp8), str(out)], check=True)
+    subprocess.run(["cp", "-a", str(qwen3_tp8), str(out)], check=True)
     name = "model.layers.0.self_attn.v_proj.weight"
     v0, v2 = (tpshard.open_rank(out, r)[name].clone() for r in (0, 2))
     overwrite_tensor(out, 0, name, v2)
     overwrite_tensor(out, 2, name, v0)
     rewrite_checksums(out)
     junit = tmp_path / "junit.xml"
-    p = run("verify", out, "--source", llama, "--junit", junit)
+    p = run("verify", out, "--source", qwen3, "--junit", junit)
     assert p.returncode == 1, p.stderr
     assert "FAIL model.layers.0.self_attn.qkv_proj" in p.stderr and "piece v of group rank" in p.stderr
     failed = [tc.get("name") for tc in ET.parse(junit).getroot().iter("testcase") if tc.find("failure") is not None]
@@ -175,15 +176,15 @@ def test_model_level_tp2_json(mistral, tmp_path):
     assert data["ok"] and data["model"]["architecture"] == "MistralForCausalLM" and data["model"]["top1"] == 1.0
 
 
-def test_world_size_must_equal_tp_under_torchrun(llama, llama_tp8):
-    p = run("verify", llama_tp8, "--source", llama, env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+def test_world_size_must_equal_tp_under_torchrun(qwen3, qwen3_tp8):
+    p = run("verify", qwen3_tp8, "--source", qwen3, env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
     assert p.returncode == 2 and "torchrun started 2 processes" in p.stderr and "tp=8" in p.stderr
 
 
-def test_user_errors(llama, llama_tp8, qwen3, tmp_path):
+def test_user_errors(llama, qwen3_tp8, qwen3, tmp_path):
     with pytest.raises(TpshardError, match="nccl needs one GPU per rank"):
         choose_backend(8, "nccl") if not _gpus(8) else pytest.skip("has 8 GPUs")
-    p = run("verify", llama_tp8, "--source", qwen3)
+    p = run("verify", qwen3_tp8, "--source", llama)
     assert p.returncode == 2 and "not the checkpoint" in p.stderr
     part = tmp_path / "part"
     tpshard.split(llama, part, Topology(tp=8, attn_dp=2), ranks=[0, 1])

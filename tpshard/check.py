@@ -35,7 +35,7 @@ MAX_PROBLEMS = 50
 
 
 class Problem(msgspec.Struct, frozen=True):
-    check: str  # group | sizes | logical | replicas | reduction | files | stray | checksum | extras | rules | reassembly
+    check: str  # group | experts | sizes | logical | replicas | reduction | files | stray | checksum | extras | rules | reassembly
     message: str
 
 
@@ -101,14 +101,22 @@ def check_plan(plan: Plan, report: CheckReport) -> None:
         # 1. group: the ranks holding the shard's file are the ones the topology gives its group rank.
         try:
             size = topo.group_size(s.group, s.factor)
-            ranks = ranks_of.get((s.group, s.group_rank, s.factor))
+            key = (s.group, s.group_rank, s.factor, s.ep_slot)
+            ranks = ranks_of.get(key)
             if ranks is None:
-                ranks = ranks_of[s.group, s.group_rank, s.factor] = topo.ranks_of(s.group, s.group_rank, s.factor)
+                ranks = ranks_of[key] = topo.ranks_of(*key)
         except TpshardError as e:
             report.add("group", f"{_rel(s)}: {e}")
             continue
         if size != s.group_size or tuple(s.ranks) != ranks or not 0 <= s.group_rank < size:
-            report.add("group", f"{_rel(s)}: the topology ({topo.describe()}) puts group rank {s.group_rank} with factor {s.factor} on ranks {list(ranks)} of a group of {size}")
+            slot = f" in EP slot {s.ep_slot}" if s.ep_slot is not None else ""
+            report.add("group", f"{_rel(s)}: the topology ({topo.describe()}) puts group rank {s.group_rank} with factor {s.factor}{slot} on ranks {list(ranks)} of a group of {size}")
+        # 1b. EP slot: a routed expert lives in the contiguous block of experts of its slot.
+        if (s.expert is None) != (s.ep_slot is None) or (
+            s.expert is not None and (not plan.model.num_experts or s.ep_slot != s.expert // (plan.model.num_experts // topo.ep))
+        ):
+            want = s.expert // (plan.model.num_experts // topo.ep) if s.expert is not None and plan.model.num_experts else None
+            report.add("experts", f"{_rel(s)}: expert {s.expert} recorded in EP slot {s.ep_slot}; with {plan.model.num_experts} experts over ep {topo.ep} it belongs to slot {want}")
         # 2. per-rank shape = the cut plus its padding; every other dim as in the source.
         expected = list(s.source_shape)
         if s.dim is None:
@@ -133,14 +141,16 @@ def check_plan(plan: Plan, report: CheckReport) -> None:
                 covered = max(covered, s.start + s.length)
             if covered != first.source_shape[first.dim] or len({s.shape for s in specs}) != 1:
                 report.add("sizes", f"{source}: per-rank pieces cover {covered} of {first.source_shape[first.dim]} along dim {first.dim} with shapes {sorted({s.shape for s in specs})}")
-        # 4. replicas: every rank holds exactly one piece of every tensor.
+        # 4. replicas: every rank holds exactly one piece of every tensor (of a routed expert: every
+        # rank of its EP slot, and no other).
         holders: dict[int, int] = defaultdict(int)
         for s in specs:
             for r in s.ranks:
                 holders[r] += 1
-        wrong = [r for r in range(topo.world_size) if holders[r] != 1]
+        owners = range(topo.world_size) if first.ep_slot is None else topo.ranks_of("moe_tp", 0, topo.moe_tp, first.ep_slot)
+        wrong = [r for r in range(topo.world_size) if holders[r] != (r in owners)]
         if wrong:
-            report.add("replicas", f"{source}: ranks {wrong} hold {[holders[r] for r in wrong]} pieces instead of one")
+            report.add("replicas", f"{source}: ranks {wrong} hold {[holders[r] for r in wrong]} pieces instead of {[int(r in owners) for r in wrong]}")
 
     _check_logical(plan, report)
 

@@ -148,4 +148,41 @@ def model_info(ckpt: Checkpoint) -> ModelInfo:
         rms_norm_eps=float(_get(config, "rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", _get(config, "rope_theta", 10000.0))),
         dtype={"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(str(dtype), str(dtype)),
+        **_moe_mla_info(config),
     )
+
+
+def _moe_mla_info(config: dict) -> dict:
+    """MoE and MLA numbers under the names each family's config uses; absent keys keep ModelInfo's defaults."""
+    g = lambda key, default=None: _get(config, key, default)  # noqa: E731
+    experts = g("n_routed_experts") or g("num_experts") or g("num_local_experts") or 0
+    info: dict = {}
+    if experts:
+        expert_size = g("moe_intermediate_size") or g("intermediate_size")
+        shared = g("n_shared_experts") or 0
+        info.update(
+            num_experts=int(experts),
+            num_experts_per_tok=int(g("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(expert_size),
+            num_shared_experts=int(shared),
+            shared_expert_intermediate_size=int(g("shared_expert_intermediate_size") or shared * expert_size),
+            first_k_dense_replace=int(g("first_k_dense_replace") or 0),
+            moe_layer_freq=int(g("moe_layer_freq") or 1),
+            norm_topk_prob=bool(g("norm_topk_prob", False)),
+            # DeepSeek-V3 configs written by transformers omit these; the model always routes so.
+            scoring_func=str(g("scoring_func") or ("sigmoid" if config.get("model_type") == "deepseek_v3" else "")),
+            topk_method=str(g("topk_method") or ("noaux_tc" if config.get("model_type") == "deepseek_v3" else "")),
+            n_group=int(g("n_group") or 0),
+            topk_group=int(g("topk_group") or 0),
+            routed_scaling_factor=float(g("routed_scaling_factor") or 1.0),
+        )
+    if g("kv_lora_rank"):
+        info.update(
+            q_lora_rank=g("q_lora_rank") or None,
+            kv_lora_rank=int(g("kv_lora_rank")),
+            qk_nope_head_dim=int(g("qk_nope_head_dim")),
+            qk_rope_head_dim=int(g("qk_rope_head_dim")),
+            v_head_dim=int(g("v_head_dim")),
+            num_nextn_predict_layers=int(g("num_nextn_predict_layers") or 0),
+        )
+    return info

@@ -36,6 +36,8 @@ Model = Annotated[Path, typer.Argument(help="Hugging Face checkpoint folder (con
 Tp = Annotated[int, typer.Option("--tp", help="Tensor-parallel size (world size).")]
 AttnDp = Annotated[int, typer.Option("--attn-dp", help="Attention data-parallel replicas (SGLang --dp with --enable-dp-attention).")]
 AttnCp = Annotated[int, typer.Option("--attn-cp", help="Attention context-parallel size.")]
+Ep = Annotated[int, typer.Option("--ep", help="Expert-parallel size (SGLang --ep-size): routed experts in tp/ep-rank blocks, MoE-TP = tp / ep.")]
+MoeDenseTp = Annotated[Optional[int], typer.Option("--moe-dense-tp", help="DeepSeek dense-layer MLP group (SGLang --moe-dense-tp-size): 1 = whole on every rank, or tp (default).")]
 Pad = Annotated[bool, typer.Option("--pad/--no-pad", help="Zero-pad MLP dims the group does not divide (or refuse).")]
 DpLmHead = Annotated[bool, typer.Option("--dp-lm-head", help="Shard lm_head over attn_tp instead of tp.")]
 Json = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
@@ -49,11 +51,15 @@ def _options(pad: bool, dp_lm_head: bool, pad_blocks: bool = False) -> Options:
     return Options(pad=pad, dp_lm_head=dp_lm_head, pad_blocks=pad_blocks)
 
 
-def _plan(model: Path, tp: int, attn_dp: int, attn_cp: int, options: Options):
+def _topology(tp: int, attn_dp: int, attn_cp: int, ep: int, moe_dense_tp: int | None) -> Topology:
+    return Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp, ep=ep, moe_dense_tp=moe_dense_tp)
+
+
+def _plan(model: Path, topology: Topology, options: Options):
     from tpshard.checkpoint import open_checkpoint
     from tpshard.plan import make_plan
 
-    return make_plan(open_checkpoint(model), Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp), options)
+    return make_plan(open_checkpoint(model), topology, options)
 
 
 def _emit_json(obj) -> None:
@@ -71,15 +77,15 @@ def _table(title: str, rows: list[dict]) -> Table:
 
 @app.command()
 def plan(
-    model: Model, tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, pad: Pad = True,
-    dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False, json: Json = False,
+    model: Model, tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = 1, moe_dense_tp: MoeDenseTp = None,
+    pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False, json: Json = False,
 ) -> None:  # fmt: skip
     """Show what every rank will hold, before a byte is written."""
     from tpshard.report import human_bytes, kind_rows, rank_rows
 
     from tpshard.quant.shards import alignment_rows
 
-    p = _plan(model, tp, attn_dp, attn_cp, _options(pad, dp_lm_head, pad_blocks))
+    p = _plan(model, _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp), _options(pad, dp_lm_head, pad_blocks))
     alignment = alignment_rows(p)  # quantized tensors: the pre-flight (misaligned cuts were refused above)
     if json:
         _emit_json({"plan": p, "by_kind": kind_rows(p), "by_rank": rank_rows(p), "alignment": alignment})
@@ -89,6 +95,8 @@ def plan(
     ranks = rank_rows(p)
     for row in ranks:
         row["bytes"] = human_bytes(row["bytes"])
+        if "expert_bytes" in row:
+            row["expert_bytes"] = human_bytes(row["expert_bytes"])
     err.print(_table("Per rank", ranks))
     if alignment:
         err.print(_table("Quantized tensors: cut, atom (pack unit / group / tile / block) and per-rank shape", alignment))
@@ -100,18 +108,19 @@ def plan(
 
 @app.command()
 def explain(
-    model: Model, tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, pad: Pad = True,
-    dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False,
+    model: Model, tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = 1, moe_dense_tp: MoeDenseTp = None,
+    pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False,
     layer: Annotated[int, typer.Option("--layer", help="Decoder layer to walk through.")] = 0,
     json: Json = False,
 ) -> None:  # fmt: skip
     """Walk through one layer: segment, layer class and group, per-rank shape, disk slice, reduction."""
     from tpshard.report import explain_rows
 
-    p = _plan(model, tp, attn_dp, attn_cp, _options(pad, dp_lm_head, pad_blocks))
+    p = _plan(model, _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp), _options(pad, dp_lm_head, pad_blocks))
     rows = explain_rows(p, layer)
     if not rows:
-        raise TpshardError(f"layer {layer} does not exist (the model has {p.model.num_layers} layers)")
+        mtp = f" + {p.model.num_nextn_predict_layers} MTP" if p.model.num_nextn_predict_layers else ""
+        raise TpshardError(f"layer {layer} does not exist (the model has {p.model.num_layers}{mtp} layers)")
     if json:
         _emit_json(rows)
         return
@@ -122,8 +131,8 @@ def explain(
 def split(
     model: Model,
     out: Annotated[Path, typer.Option("-o", "--out", help="Output folder (must not exist unless --force).")],
-    tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, pad: Pad = True, dp_lm_head: DpLmHead = False,
-    pad_blocks: PadBlocks = False, workers: Workers = None,
+    tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = 1, moe_dense_tp: MoeDenseTp = None,
+    pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False, workers: Workers = None,
     checksum: Annotated[str, typer.Option("--checksum", help="Tensor digests in the manifest: crc32 (fast) or sha256.")] = "crc32",
     ranks: Annotated[Optional[str], typer.Option("--ranks", help="Write only these ranks, e.g. 0-3 or 0,2,4.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
@@ -144,7 +153,7 @@ def split(
     from tpshard.report import human_bytes
     from tpshard.writer import split as do_split
 
-    topology = Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp)
+    topology = _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp)
     ckpt = open_checkpoint(model)
     total = sum(t.nbytes for t in ckpt.tensors.values())
     start = time.perf_counter()

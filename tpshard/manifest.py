@@ -59,6 +59,28 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     dtype: str = "BF16"
+    # Mixture of experts (0 = dense model). Routing numbers are recorded for readers that run the
+    # router (verify); the cut needs only the counts and sizes.
+    num_experts: int = 0  # routed experts (n_routed_experts / num_experts / num_local_experts)
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # I_e of one routed expert (Mixtral: intermediate_size)
+    num_shared_experts: int = 0  # DeepSeek n_shared_experts
+    shared_expert_intermediate_size: int = 0  # width of the shared-expert MLP (DeepSeek: n_shared * I_e)
+    first_k_dense_replace: int = 0  # DeepSeek: layers below this have a dense MLP
+    moe_layer_freq: int = 1  # DeepSeek: layer i has experts iff i >= first_k_dense_replace and i % freq == 0
+    norm_topk_prob: bool = False
+    scoring_func: str = ""  # DeepSeek: sigmoid (V3) / softmax (V2); "" = softmax
+    topk_method: str = ""  # DeepSeek: noaux_tc (V3), greedy, group_limited_greedy
+    n_group: int = 0
+    topk_group: int = 0
+    routed_scaling_factor: float = 1.0
+    # DeepSeek MLA (kv_lora_rank 0 = no MLA)
+    q_lora_rank: int | None = None  # None: q_proj instead of q_a_proj/q_b_proj (V2-Lite)
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    num_nextn_predict_layers: int = 0  # DeepSeek MTP layers, stored as layers num_layers, num_layers + 1, ...
 
 
 class Options(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -101,6 +123,9 @@ class ShardSpec(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     group_size: int = 1
     ranks: tuple[int, ...]  # world ranks holding these bytes
     file: str  # OutputFile.name holding it
+    # Routed experts: only the ranks of one EP slot hold an expert (Topology.ranks_of(..., ep_slot)).
+    ep_slot: int | None = None
+    expert: int | None = None  # global expert id, as in the HF name
     # Quantized layers (docs/quantization.md). The physical cut above is the layer's logical cut
     # along N (logical_dim 0) or K (1) converted by the format's layout: physical = logical * ratio,
     # offsets on multiples of `atom` logical values, a partial last word/group/block taken at the end.
@@ -152,6 +177,8 @@ class TensorPlan(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
     atom: Positive = 1
     logical_dim: Annotated[int, msgspec.Meta(ge=0, le=1)] | None = None
     logical_size: Count = 0
+    ep_slot: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    expert: Annotated[int, msgspec.Meta(ge=0)] | None = None
     cuts: tuple[Cut, ...]
 
 
@@ -171,7 +198,7 @@ class OutputFile(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
 
 # The fields of a ShardSpec stored once per tensor (TensorPlan) and once per cut (Cut).
 _SHARED = ("layer", "layer_class", "piece", "kind", "dtype", "group", "factor", "group_size", "dim",
-           "quant", "step", "ratio", "atom", "logical_dim", "logical_size")  # fmt: skip
+           "quant", "step", "ratio", "atom", "logical_dim", "logical_size", "ep_slot", "expert")  # fmt: skip
 _PER_CUT = ("group_rank", "start", "length", "pad")
 _LOGICAL = ("logical_start", "logical_length", "logical_pad", "value")
 
@@ -230,6 +257,7 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
             group_size=t.group_size, ranks=f.ranks, file=f.name, quant=t.quant, step=t.step,
             ratio=t.ratio, atom=t.atom, logical_dim=t.logical_dim, logical_size=t.logical_size,
             logical_start=c.logical_start, logical_length=c.logical_length, logical_pad=c.logical_pad, value=c.value,
+            ep_slot=t.ep_slot, expert=t.expert,
         )  # fmt: skip
 
     @cached_property
@@ -450,6 +478,10 @@ def validate(m: Manifest) -> str | None:
                 return f"tensors[{i}] ({t.name}).shape: {list(t.shape)} is more than {MAX_BYTES} bytes"
         if t.dim is not None and t.dim >= len(t.shape):
             return f"tensors[{i}] ({t.name}).dim: {t.dim} but the shape {list(t.shape)} has {len(t.shape)} dims"
+        if t.ep_slot is not None and t.ep_slot >= m.topology.ep:
+            return f"tensors[{i}] ({t.name}).ep_slot: {t.ep_slot} but --ep is {m.topology.ep}"
+        if t.expert is not None and t.expert >= m.model.num_experts:
+            return f"tensors[{i}] ({t.name}).expert: {t.expert} but the model has {m.model.num_experts} routed experts"
         full = t.shape[t.dim] if t.dim is not None else 0
         row = size // max(full, 1)  # bytes per index along the cut dim
         for j, c in enumerate(t.cuts):

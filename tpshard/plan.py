@@ -8,10 +8,14 @@ QKV with GQA replicas, merged gate/up, vocab padding and padding of non-divisibl
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import NamedTuple
 
 import msgspec
 
+from tpshard.arch import SHAPES, Arch, Matcher, Rule, arch_for
+from tpshard.arch.base import DROPPED, VOCAB
 from tpshard.checkpoint import Checkpoint, model_info
 from tpshard.completeness import check_complete
 from tpshard.errors import PlanError
@@ -19,9 +23,13 @@ from tpshard.manifest import Kind, ModelInfo, Options, OutputFile, Plan, ShardSp
 from tpshard.quant.config import read_quant_config
 from tpshard.quant.formats import QuantSpec, alignment
 from tpshard.quant import shards as qshards
-from tpshard.rules import ARCHITECTURES, DROPPED, Matcher, Rule
 from tpshard.safetensors_format import TensorInfo, build_header, nbytes_of
 from tpshard.topology import GroupName, Topology
+
+# MLP roles whose intermediate dim may be zero-padded (--pad, --pad-blocks): plain linears over
+# tp, where padded gate/up rows meet padded down columns. Routed experts are never padded
+# (SGLang's FusedMoE asserts I_e % moe_tp == 0), attention never (whole heads).
+PADDED_ROLES = ("mlp", "dense_mlp", "shared_expert")
 
 
 class Cut(NamedTuple):
@@ -31,6 +39,15 @@ class Cut(NamedTuple):
     start: int
     length: int
     pad: int
+
+
+class Layout(NamedTuple):
+    """Everything a rule is applied with, besides the tensor itself."""
+
+    topology: Topology
+    model: ModelInfo
+    options: Options
+    arch: Arch
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -45,29 +62,27 @@ def even_cuts(n: int, parts: int, per: int) -> list[Cut]:
     ]
 
 
-def group_of(rule: Rule, options: Options) -> GroupName:
-    if rule.role == "lm_head":
-        return "attn_tp" if options.dp_lm_head else "tp"
-    return {"attn": "attn_tp", "embed": "attn_tp", "mlp": "tp", "replicated": "replicated"}[rule.role]
+def group_of(rule: Rule, ctx: Layout) -> GroupName:
+    """The group a rule's layer is cut over: the architecture says which for attention and embedding."""
+    match rule.role:
+        case "attn":
+            return ctx.arch.attn_group
+        case "embed":
+            return ctx.arch.embed_group
+        case "lm_head":
+            return "attn_tp" if ctx.options.dp_lm_head else "tp"
+        case "dense_mlp":
+            return "replicated" if ctx.topology.dense_tp == 1 else "tp"
+        case "expert":
+            return "moe_tp"
+        case "mlp" | "shared_expert":
+            return "tp"
+    return "replicated"
 
 
 def expected_shape(rule: Rule, model: ModelInfo) -> tuple[int, int] | None:
-    """[out, in] of a dense linear/embedding weight according to config.json."""
-    h, q, kv, i = model.hidden_size, model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim, model.intermediate_size
-    match rule.layer_class, rule.piece, rule.role:
-        case ("VocabParallelEmbedding" | "ParallelLMHead"), _, _:
-            return (model.vocab_size, h)
-        case "QKVParallelLinear", "q", _:
-            return (q, h)
-        case "QKVParallelLinear", ("k" | "v"), _:
-            return (kv, h)
-        case "MergedColumnParallelLinear", _, _:
-            return (i, h)
-        case "RowParallelLinear", _, "attn":
-            return (h, q)
-        case "RowParallelLinear", _, "mlp":
-            return (h, i)
-    return None
+    """[out, in] of a weight according to config.json."""
+    return SHAPES[rule.shape](model) if rule.shape else None
 
 
 class _Cutting(NamedTuple):
@@ -78,11 +93,10 @@ class _Cutting(NamedTuple):
     cuts: list[Cut]
 
 
-def cut_tensor(
-    name: str, info: TensorInfo, rule: Rule, param: str, topology: Topology, model: ModelInfo, options: Options
-) -> _Cutting:
+def cut_tensor(name: str, info: TensorInfo, rule: Rule, param: str, ctx: Layout) -> _Cutting:
     """How one tensor is cut over its layer's group: the load contract of one weight."""
-    group = group_of(rule, options)
+    topology, model, options = ctx.topology, ctx.model, ctx.options
+    group = group_of(rule, ctx)
     g = topology.group_size(group)
     shape = info.shape
     cls = rule.layer_class
@@ -98,7 +112,7 @@ def cut_tensor(
         # factor = group size: every rank of the group holds the one replica
         return _Cutting(kind, None, g, 1, [Cut(0, 0, length, 0)])
 
-    if cls == "Replicated":
+    if cls in ("Replicated", "ReplicatedLinear"):
         return whole("replicated")
     if cls == "RowParallelLinear" and param == "bias":
         return whole("row_bias")
@@ -115,11 +129,12 @@ def cut_tensor(
             )
         return _Cutting("vocab", 0, 1, g, even_cuts(v, g, v_pad // g))
 
+    if (cls == "QKVParallelLinear" or rule.heads) and model.num_heads % g:
+        raise PlanError(
+            f"{name}: {model.num_heads} attention heads do not divide over the {group} group of {g} ranks"
+        )
+
     if cls == "QKVParallelLinear":
-        if model.num_heads % g:
-            raise PlanError(
-                f"{name}: {model.num_heads} attention heads do not divide over the {group} group of {g} ranks"
-            )
         if rule.piece == "q":
             per = model.num_heads // g * model.head_dim
             return _Cutting("qkv_q", 0, 1, g, even_cuts(shape[0], g, per))
@@ -134,13 +149,23 @@ def cut_tensor(
             return _Cutting(f"qkv_{rule.piece}", 0, g // kv, kv, even_cuts(shape[0], kv, head_rows))  # type: ignore[arg-type]
         return _Cutting(f"qkv_{rule.piece}", 0, 1, g, even_cuts(shape[0], g, kv // g * head_rows))  # type: ignore[arg-type]
 
+    if cls == "FusedMoE":  # w1/w3 by rows, w2 by columns, over the MoE-TP ranks of the expert's slot
+        dim = 1 if rule.piece == "w2" else 0
+        n = shape[dim]
+        if n % g:
+            raise PlanError(
+                f"{name}: expert intermediate size {n} does not divide over moe_tp {g} (tp {topology.tp} / ep"
+                f" {topology.ep}); SGLang's FusedMoE asserts it. Choose --ep so that tp / ep divides {n}"
+            )
+        return _Cutting("row" if dim else "merged", dim, 1, g, even_cuts(n, g, n // g))
+
     if cls in ("MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear"):
         kind: Kind = {"MergedColumnParallelLinear": "merged", "ColumnParallelLinear": "column"}.get(cls, "row")  # type: ignore[assignment]
         dim = 1 if kind == "row" else 0
         n = shape[dim]
         if n % g:
-            if not (options.pad and rule.role == "mlp"):
-                hint = " (pass --pad to zero-pad it)" if rule.role == "mlp" else ""
+            if not (options.pad and rule.role in PADDED_ROLES):
+                hint = " (pass --pad to zero-pad it)" if rule.role in PADDED_ROLES else ""
                 raise PlanError(f"{name}: dim {dim} of size {n} does not divide over the {group} group of {g} ranks{hint}")
             return _Cutting(kind, dim, 1, g, even_cuts(n, g, ceil_div(n, g)))
         return _Cutting(kind, dim, 1, g, even_cuts(n, g, n // g))
@@ -148,30 +173,133 @@ def cut_tensor(
     raise PlanError(f"{name}: layer class {cls} has no load rule")
 
 
+def refuse_topology(ctx: Layout, config: dict) -> list[str]:
+    """Topologies the engine refuses or would not build as asked (one line each); else warnings."""
+    t, m, a, o = ctx.topology, ctx.model, ctx.arch, ctx.options
+    engine = f"SGLang {a.engine}"
+    if a.check:
+        a.check(config, m)
+    if t.attn_dp > 1 and not a.attn_dp:
+        raise PlanError(
+            f"--attn-dp {t.attn_dp}: {m.architecture} has no attention-DP layout in {engine} (attention, embedding"
+            " and lm_head stay over the full tp group); split without --attn-dp"
+        )
+    if o.dp_lm_head and t.attn_dp == 1:
+        raise PlanError(
+            "--dp-lm-head needs --attn-dp > 1: SGLang turns --enable-dp-lm-head off without attention DP,"
+            " so lm_head would be cut over tp, not the layout asked for"
+        )
+    if o.dp_lm_head and not a.dp_lm_head:
+        raise PlanError(
+            f"--dp-lm-head: {engine} builds the {m.architecture} lm_head over the full tp group whatever"
+            " --enable-dp-lm-head says; split without --dp-lm-head"
+        )
+    warnings = []
+    if t.attn_dp > 1 and a.attn_group == "tp" and a.embed_group == "tp":
+        warnings.append(
+            f"{m.architecture}: {engine} cuts attention and the embedding over the full tp group also under"
+            f" attention DP, so --attn-dp {t.attn_dp} gives the layout of --attn-dp 1"
+            + (" except lm_head (--dp-lm-head)" if o.dp_lm_head else "")
+        )
+    elif t.attn_dp > 1 and a.attn_group == "tp":
+        warnings.append(
+            f"{m.architecture}: {engine} cuts attention over the full tp group also under attention DP;"
+            f" only the embedding follows --attn-dp {t.attn_dp}"
+        )
+    if not m.num_experts or a.sparse is None:
+        if t.ep > 1:
+            raise PlanError(f"--ep {t.ep}: {m.architecture} has no routed experts; expert parallelism needs a MoE model")
+    else:
+        e = m.num_experts
+        if e % t.ep:
+            raise PlanError(f"--ep {t.ep} does not divide the {e} routed experts of {m.architecture}: every EP slot holds experts / ep")
+        if a.experts_limit and t.span(a.experts_limit) > e:
+            raise PlanError(
+                f"{a.experts_limit} size {t.span(a.experts_limit)} is greater than the {e} routed experts of"
+                f" {m.architecture}; {engine} refuses it"
+            )
+        if m.moe_intermediate_size % t.moe_tp:
+            raise PlanError(
+                f"expert intermediate size {m.moe_intermediate_size} does not divide over moe_tp {t.moe_tp}"
+                f" (tp {t.tp} / ep {t.ep}); SGLang's FusedMoE asserts it. Choose --ep so that tp / ep divides it"
+            )
+    if t.moe_dense_tp is not None and not any(r.role == "dense_mlp" for r in a.rules):
+        raise PlanError(f"--moe-dense-tp applies to DeepSeek's dense MLP layers; {m.architecture} has none")
+    return warnings
+
+
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+_LAYER_OR_EXPERT = re.compile(r"\.\d+\.")
+
+
+class _Experts:
+    """Per-tensor facts of MoE models: layer index bounds, dense vs MoE layers, EP slots, and the
+    expert set of every MoE layer complete."""
+
+    def __init__(self, ctx: Layout):
+        self.ctx = ctx
+        self.seen: dict[int, set[tuple[int, str]]] = {}
+
+    def place(self, name: str, rule: Rule, expert: int | None) -> int | None:
+        """The EP slot of `name` (None: not a routed expert); refuses tensors the config has no home for."""
+        m, a, t = self.ctx.model, self.ctx.arch, self.ctx.topology
+        found = _LAYER_INDEX.match(name)
+        if found is None:
+            return None
+        index = int(found.group(1))
+        if index >= m.num_layers + m.num_nextn_predict_layers:
+            mtp = f" and {m.num_nextn_predict_layers} MTP layer(s)" if m.num_nextn_predict_layers else ""
+            raise PlanError(f"{name}: layer {index}, but config.json has {m.num_layers} layers{mtp}")
+        if a.sparse is not None and rule.moe is not None and a.sparse(m, index) != rule.moe:
+            raise PlanError(
+                f"{name}: {'an expert' if rule.moe else 'a dense'} MLP tensor in layer {index}, which config.json makes a"
+                f" {'dense' if rule.moe else 'MoE'} layer (first_k_dense_replace {m.first_k_dense_replace},"
+                f" moe_layer_freq {m.moe_layer_freq})"
+            )
+        if expert is None:
+            return None
+        if expert >= m.num_experts:
+            raise PlanError(f"{name}: expert {expert}, but config.json has {m.num_experts} routed experts")
+        if name.endswith(".weight"):
+            self.seen.setdefault(index, set()).add((expert, rule.piece))
+        return expert // (m.num_experts // t.ep)
+
+    def finish(self) -> None:
+        m, a = self.ctx.model, self.ctx.arch
+        if a.sparse is None or not m.num_experts:
+            return
+        layers = {i for i in range(m.num_layers) if a.sparse(m, i)} | set(self.seen)
+        for index in sorted(layers):
+            have = self.seen.get(index, set())
+            missing = sorted({(e, p) for e in range(m.num_experts) for p in ("w1", "w3", "w2")} - have)
+            if missing:
+                e, p = missing[0]
+                raise PlanError(
+                    f"model.layers.{index}: {len(missing)} of {3 * m.num_experts} routed expert weights are missing"
+                    f" from the checkpoint (first: expert {e} {p}); a MoE layer needs every expert"
+                )
+
+
 def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = None) -> Plan:
     """Every distinct per-rank tensor of the split, and the files that will hold them."""
     options = options or Options()
     model = model_info(ckpt)
-    rules = ARCHITECTURES.get(model.architecture)
-    if rules is None:
-        raise PlanError(
-            f"architecture {model.architecture} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
-            " (docs/architectures.md says how to add one)"
-        )
-    matcher = Matcher(rules)
-    warnings: list[str] = []
+    arch = arch_for(model)
+    ctx = Layout(topology, model, options, arch)
+    warnings = refuse_topology(ctx, ckpt.config)
+    matcher = Matcher(arch.table(model))
     if model.tie_word_embeddings:
         warnings.append(
             "lm_head is tied to model.embed_tokens (no lm_head.weight on disk): engines reuse the"
-            f" embedding shard, over the {group_of(Rule('', 'VocabParallelEmbedding', 'embed', ''), options)} group"
+            f" embedding shard, over the {group_of(VOCAB[0], ctx)} group"
         )
 
     specs: list[dict] = []
     unknown: list[str] = []
-    ranks_of: dict[tuple, tuple[int, ...]] = {}  # (group, group rank, factor) -> world ranks, computed once
+    ranks_of: dict[tuple, tuple[int, ...]] = {}  # (group, group rank, factor, ep slot) -> world ranks, computed once
     quant = read_quant_config(ckpt.path, ckpt.config)
-    check_complete(model, ckpt.config, ckpt.tensors, lambda m: quant is not None and quant.spec_for(m, True) is not None)
-    qlayers = _QuantLayers(topology, model, options)
+    qlayers = _QuantLayers(ctx)
+    experts = _Experts(ctx)
     # Source order by (file, offset): the writer then reads each file front to back.
     for name, info in sorted(ckpt.tensors.items(), key=lambda kv: (kv[1].file, kv[1].begin)):
         if DROPPED.fullmatch(name):
@@ -182,18 +310,24 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
         if found is None:
             unknown.append(name)
             continue
-        rule, layer = found
+        rule, layer, expert = found
+        ep_slot = experts.place(name, rule, expert)
         qspec = quant.spec_for(module, rule.layer_class in _LINEAR) if quant else None
+        if qspec is not None and rule.layer_class in ("ReplicatedLinear", "ParallelLMHead"):
+            # Quantized only if the checkpoint stores it so: DeepSeek-V3's FP8 checkpoint keeps the MTP
+            # layer's eh_proj and shared_head.head in bf16 though its config names no exception.
+            if not any(f"{module}.{r.suffix}" in ckpt.tensors for r in qspec.roles() if r.suffix not in ("weight", "bias")):
+                qspec = None
         if qspec is not None and param != "bias":
-            specs.extend(qlayers.specs(name, info, module, param, qspec, rule, layer))
+            specs.extend(qlayers.specs(name, info, module, param, qspec, rule, layer, ep_slot, expert))
             continue
-        cutting = cut_tensor(name, info, rule, param, topology, model, options)
-        group = group_of(rule, options) if cutting.kind != "replicated" else "replicated"
+        cutting = cut_tensor(name, info, rule, param, ctx)
+        group = group_of(rule, ctx) if cutting.kind != "replicated" else "replicated"
         for cut in cutting.cuts:
             shape = list(info.shape)
             if cutting.dim is not None:
                 shape[cutting.dim] = cut.length + cut.pad
-            key = (group, cut.group_rank, cutting.factor)
+            key = (group, cut.group_rank, cutting.factor, ep_slot)
             if key not in ranks_of:
                 ranks_of[key] = topology.ranks_of(*key)
             specs.append(
@@ -216,6 +350,8 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
                     group_rank=cut.group_rank,
                     group_size=cutting.group_size,
                     ranks=ranks_of[key],
+                    ep_slot=ep_slot,
+                    expert=expert,
                 )
             )
     if unknown:
@@ -224,6 +360,9 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
             f"no {model.architecture} rule covers {', '.join(unknown[:5])}{more}; tpshard never"
             " replicates a tensor it does not understand"
         )
+    experts.finish()
+    # After the rules: a tensor in the wrong place is named by them, more precisely than a missing one.
+    check_complete(model, ckpt.config, ckpt.tensors, lambda m: quant is not None and quant.spec_for(m, True) is not None)
     warnings.extend(qlayers.finish())
     pad_notes = sorted({f"{s['layer_class']} {s['name'].rsplit('.', 3)[-2]}" for s in specs if s["pad"] and s["kind"] != "vocab"})
     if pad_notes:
@@ -244,7 +383,10 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
     return plan
 
 
-_LINEAR = ("QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "ParallelLMHead")
+_LINEAR = (
+    "QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "ParallelLMHead",
+    "FusedMoE", "ReplicatedLinear",
+)  # fmt: skip
 
 
 class _QuantLayers:
@@ -254,30 +396,55 @@ class _QuantLayers:
     (tensor, rank, misalignment), and engine-kernel warnings.
     """
 
-    def __init__(self, topology: Topology, model: ModelInfo, options: Options):
-        self.topology, self.model, self.options = topology, model, options
+    def __init__(self, ctx: Layout):
+        self.ctx = ctx
+        self.topology, self.model, self.options = ctx.topology, ctx.model, ctx.options
         self.layers: dict[str, tuple] = {}  # module -> (logical cutting, n, k, misaligned suffixes)
         self.suffixes: dict[str, tuple[QuantSpec, set[str]]] = {}
-        self.errors: list[str] = []
+        self.cuttings: dict[tuple, tuple] = {}  # (layer kind, n, k, format) -> _logical_cut(...)
+        self.errors: list[tuple[str, str]] = []  # (tensor, message)
         self.engine = qshards.group_findings()
 
-    def _layer(self, module: str, info: TensorInfo, qspec: QuantSpec, rule: Rule, layer: str):
+    def _layer(self, module: str, info: TensorInfo, qspec: QuantSpec, rule: Rule, layer: str, ep_slot: int | None):
         if module in self.layers:
             return self.layers[module]
         shape = expected_shape(rule, self.model)
         if shape is None:
             raise PlanError(f"{module}: quantized ({qspec.format}), but {rule.layer_class} has no quantized load rule")
         n, k = shape
+        # Every expert (and every layer) of one kind cuts the same way: work it out once.
+        key = (rule.layer_class, rule.role, rule.piece, n, k, qspec)
+        if key not in self.cuttings:
+            self.cuttings[key] = self._logical_cut(module, info, qspec, rule, n, k)
+        cutting, cuts, group, bad, pad_hint = self.cuttings[key]
+        if cutting.dim is not None:
+            full = (n, k)[cutting.dim]
+            by_role: dict[str, tuple] = {}
+            for role, c, step, atom in bad:
+                ranks = self.topology.ranks_of(group, c.group_rank, cutting.factor, ep_slot)
+                by_role.setdefault(role.suffix, (role, step, atom, []))[3].append((c, ranks))
+            for role, step, atom, cut_ranks in by_role.values():
+                self.errors.append((f"{module}.{role.suffix}", qshards.misalignment_message(
+                    module, qspec, role, cut_ranks, step, atom, cutting.dim, full, group, cutting.group_size, pad_hint,
+                )))  # fmt: skip
+            self._engine_check(module, qspec, rule, group, cutting, n, k)
+            if bad:
+                cuts = []  # refused in finish(); no spec is made from a misaligned cut
+        self.layers[module] = (cutting, cuts, n, k, group)
+        return self.layers[module]
+
+    def _logical_cut(self, module: str, info: TensorInfo, qspec: QuantSpec, rule: Rule, n: int, k: int):
+        """(cutting, logical cuts, group, misalignments, --pad-blocks hint) of a layer [n, k]."""
         logical = msgspec.structs.replace(info, shape=(n, k))
-        cutting = cut_tensor(f"{module}.weight", logical, rule, "weight", self.topology, self.model, self.options)
+        cutting = cut_tensor(f"{module}.weight", logical, rule, "weight", self.ctx)
         cuts = [qshards.LogicalCut(*c) for c in cutting.cuts]
-        group = group_of(rule, self.options)
+        group = group_of(rule, self.ctx) if cutting.dim is not None else "replicated"
+        bad, pad_hint = [], ""
         if cutting.dim is not None:
             full = (n, k)[cutting.dim]
             roles = qspec.roles()
             bad = qshards.misalignments(qspec, roles, cutting.dim, full, cuts)
-            pad_hint = ""
-            if bad and qspec.format in qshards.PAD_BLOCK_FORMATS and rule.role == "mlp":
+            if bad and qspec.format in qshards.PAD_BLOCK_FORMATS and rule.role in PADDED_ROLES:
                 atom = alignment(qspec, n, k)[cutting.dim]
                 per = qshards.pad_blocks_per(qspec, full, cutting.group_size, atom)
                 if self.options.pad_blocks:
@@ -286,19 +453,12 @@ class _QuantLayers:
                     bad = qshards.misalignments(qspec, roles, cutting.dim, full, cuts)
                 else:
                     pad_hint = f" Pass --pad-blocks to zero-pad each rank to {per} ({per // atom} blocks)."
-            by_role: dict[str, tuple] = {}
-            for role, c, step, atom in bad:
-                ranks = self.topology.ranks_of(group, c.group_rank, cutting.factor)
-                by_role.setdefault(role.suffix, (role, step, atom, []))[3].append((c, ranks))
-            for role, step, atom, cut_ranks in by_role.values():
-                self.errors.append(qshards.misalignment_message(
-                    module, qspec, role, cut_ranks, step, atom, cutting.dim, full, group, cutting.group_size, pad_hint,
-                ))  # fmt: skip
-            self._engine_check(module, qspec, rule, group, cutting, n, k)
-            if bad:
-                cuts = []  # refused in finish(); no spec is made from a misaligned cut
-        self.layers[module] = (cutting, cuts, n, k, group)
-        return self.layers[module]
+            elif bad and rule.layer_class == "FusedMoE":
+                pad_hint = (
+                    f" SGLang's FusedMoE refuses it too: choose --ep so that moe_tp = tp / ep leaves whole"
+                    f" {bad[0][3]}-blocks of the expert intermediate size {full} per rank."
+                )
+        return cutting, cuts, group, bad, pad_hint
 
     def _engine_check(self, module, qspec, rule, group, cutting, n, k) -> None:
         if qspec.format not in qshards.ENGINE_MULTIPLES or cutting.dim is None:
@@ -311,7 +471,10 @@ class _QuantLayers:
             if size % mult:
                 self.engine[(qspec.format, kernel, nk, size, mult, rule.layer_class, group, g)].append(module)
 
-    def specs(self, name: str, info: TensorInfo, module: str, suffix: str, qspec: QuantSpec, rule: Rule, layer: str) -> list[dict]:
+    def specs(
+        self, name: str, info: TensorInfo, module: str, suffix: str, qspec: QuantSpec, rule: Rule, layer: str,
+        ep_slot: int | None = None, expert: int | None = None,
+    ) -> list[dict]:  # fmt: skip
         try:
             role = qspec.role(suffix)
         except KeyError:
@@ -320,11 +483,11 @@ class _QuantLayers:
                 f"{name}: config.json quantizes {module} as {qspec.format} ({qspec.bits}-bit), whose tensors are"
                 f" {', '.join(have)}; '{suffix}' is not one of them (is the module left unquantized? see docs/quantization.md)"
             ) from None
-        cutting, cuts, n, k, group = self._layer(module, info, qspec, rule, layer)
+        cutting, cuts, n, k, group = self._layer(module, info, qspec, rule, layer, ep_slot)
         self.suffixes.setdefault(module, (qspec, set()))[1].add(suffix)
         if role.dtype is not None and info.dtype != role.dtype:
             raise PlanError(f"{name}: dtype {info.dtype} on disk; {qspec.format} stores {suffix} as {role.dtype}")
-        want = qshards.expected_physical_shape(qspec, role, info.shape, n, k)
+        want = _expected_physical_shape(qspec, role, info.shape, n, k)
         if want != info.shape:
             raise PlanError(
                 f"{name}: shape {list(info.shape)} on disk, but a {qspec.format} {qspec.bits}-bit layer"
@@ -333,11 +496,12 @@ class _QuantLayers:
         base = dict(
             name=name, source=name, layer=layer, layer_class=rule.layer_class, piece=rule.piece, dtype=info.dtype,
             source_shape=info.shape, quant=qspec.format, logical_dim=cutting.dim, logical_size=(n, k)[cutting.dim or 0],
+            ep_slot=ep_slot, expert=expert,
         )  # fmt: skip
         whole = dict(
             base, kind="replicated", shape=info.shape, dim=None, start=0, length=info.shape[0] if info.shape else 1,
             pad=0, group=group, factor=self.topology.group_size(group), group_rank=0, group_size=1,
-            ranks=self.topology.ranks_of(group, 0, self.topology.group_size(group)),
+            ranks=self.topology.ranks_of(group, 0, self.topology.group_size(group), ep_slot),
         )  # fmt: skip
         if cutting.dim is None:
             return [whole]
@@ -347,7 +511,7 @@ class _QuantLayers:
         for c in cuts:
             per_rank = dict(
                 base, kind=cutting.kind, group=group, factor=cutting.factor, group_rank=c.group_rank,
-                group_size=cutting.group_size, ranks=self.topology.ranks_of(group, c.group_rank, cutting.factor),
+                group_size=cutting.group_size, ranks=self.topology.ranks_of(group, c.group_rank, cutting.factor, ep_slot),
                 logical_start=c.start, logical_length=c.length, logical_pad=c.pad,
             )  # fmt: skip
             if role.rewrite_shape:  # CT weight_shape: the rank's own [N_r, K] / [N, K_r]
@@ -355,7 +519,7 @@ class _QuantLayers:
                 value[cutting.dim] = c.length + c.pad
                 out.append(dict(per_rank, shape=info.shape, dim=None, start=0, length=info.shape[0], pad=0, value=tuple(value)))
                 continue
-            phys = qshards.physical_cut(qspec, role, cutting.dim, (n, k)[cutting.dim], c)
+            phys = _physical_cut(qspec, role, cutting.dim, (n, k)[cutting.dim], c)
             if phys is None:
                 return [dict(whole, logical_dim=None)]
             dim, start, length, pad, ratio, atom, step = phys
@@ -378,12 +542,23 @@ class _QuantLayers:
         if missing:
             raise PlanError(f"quantized tensors missing from the checkpoint: {', '.join(missing[:6])}" + (f" and {len(missing) - 6} more" if len(missing) > 6 else ""))
         if self.errors:
-            shown = "\n  ".join(self.errors[:8])
-            more = f"\n  ... and {len(self.errors) - 8} more" if len(self.errors) > 8 else ""
+            # One line per kind of tensor (layer and expert numbers masked): a MoE model repeats each
+            # misalignment for every expert of every layer.
+            kinds: dict[str, list[str]] = {}
+            for name, message in self.errors:
+                kinds.setdefault(_LAYER_OR_EXPERT.sub(".N.", name), []).append(message)
+            lines = [m[0] + (f" (and {len(m) - 1} more like it in other layers/experts)" if len(m) > 1 else "") for m in kinds.values()]
+            shown = "\n  ".join(lines[:12])
+            more = f"\n  ... and {len(lines) - 12} more kinds" if len(lines) > 12 else ""
             raise PlanError(
                 f"{len(self.errors)} quantized tensor cut(s) do not align at {self.topology.describe()}; nothing was written:\n  {shown}{more}"
             )
         return qshards.engine_warnings(self.engine)
+
+
+# The same quantized cut recurs for every expert and layer; Fraction arithmetic is worth caching.
+_expected_physical_shape = functools.lru_cache(maxsize=4096)(qshards.expected_physical_shape)
+_physical_cut = functools.lru_cache(maxsize=16384)(qshards.physical_cut)
 
 
 def file_header(tensors: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, list[int]]:
@@ -399,6 +574,9 @@ def spec_layout(specs: list[ShardSpec]) -> tuple[bytes, list[int]]:
 def _file_label(spec: dict, topology: Topology) -> str:
     if len(spec["ranks"]) == topology.world_size:
         return "common"
+    if spec.get("ep_slot") is not None:
+        label = f"ep-{spec['ep_slot']:03d}-of-{topology.ep:03d}"
+        return label + (f"-moe_tp-{spec['group_rank']:03d}-of-{spec['group_size']:03d}" if spec["group_size"] > 1 else "")
     # Without attention DP attn_tp is the tp group itself: name it so.
     group = "tp" if topology.span(spec["group"]) == topology.tp else spec["group"]
     label = group if spec["factor"] == 1 else f"{group}-x{spec['factor']}"

@@ -15,6 +15,8 @@ REDUCTION = {
     "MergedColumnParallelLinear": "none (output stays sharded)",
     "ColumnParallelLinear": "none (output stays sharded)",
     "RowParallelLinear": "all-reduce partial sums over {g}; bias added by group rank 0 only",
+    "FusedMoE": "each rank runs the tokens routed to its EP slot's experts on its I_e slice; all-reduce over tp",
+    "ReplicatedLinear": "none (computed whole on every rank)",
     "Replicated": "none",
 }
 
@@ -41,11 +43,16 @@ def layer_index(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def generic_name(name: str) -> str:
+    """model.layers.3.mlp.experts.17.up_proj.weight -> model.layers.N.mlp.experts.E.up_proj.weight"""
+    return re.sub(r"\.experts\.\d+\.", ".experts.E.", re.sub(r"\.layers\.\d+\.", ".layers.N.", name))
+
+
 def kind_rows(plan: Plan) -> list[dict]:
     """One row per (layer class, kind, role of the tensor), with the layer-0 example."""
     groups: dict[tuple, list[ShardSpec]] = defaultdict(list)
     for s in plan.shards:
-        generic = re.sub(r"\.layers\.\d+\.", ".layers.N.", s.name)
+        generic = generic_name(s.name)
         groups[(generic, s.layer_class, s.kind)].append(s)
     rows = []
     for (generic, cls, kind), specs in groups.items():
@@ -66,49 +73,87 @@ def kind_rows(plan: Plan) -> list[dict]:
 
 
 def rank_rows(plan: Plan) -> list[dict]:
+    """Per rank: its coordinates, tensors and bytes; for MoE models its EP slot, MoE-TP rank, the
+    routed experts it holds and their bytes."""
     topo = plan.topology
+    moe = plan.model.num_experts > 0
     rows = []
     for r in range(topo.world_size):
         specs = plan.rank_shards(r)
-        rows.append(
-            dict(
-                rank=r,
-                attn_dp=topo.attn_dp_rank(r),
-                attn_cp=topo.attn_cp_rank(r),
-                attn_tp=topo.attn_tp_rank(r),
-                tensors=len(specs),
-                bytes=sum(nbytes_of(s.dtype, s.shape) for s in specs),
-                files=len(plan.rank_files(r)),
+        row = dict(rank=r, attn_dp=topo.attn_dp_rank(r), attn_cp=topo.attn_cp_rank(r), attn_tp=topo.attn_tp_rank(r))
+        if moe:
+            experts = sorted({s.expert for s in specs if s.expert is not None})
+            row |= dict(
+                ep_slot=topo.ep_rank(r),
+                moe_tp=topo.moe_tp_rank(r),
+                experts=_ranges(experts),
+                expert_bytes=sum(nbytes_of(s.dtype, s.shape) for s in specs if s.expert is not None),
             )
-        )
+        row |= dict(tensors=len(specs), bytes=sum(nbytes_of(s.dtype, s.shape) for s in specs), files=len(plan.rank_files(r)))
+        rows.append(row)
     return rows
 
 
-# Forward order for the walk-through; names not listed keep their place at the end.
-FORWARD = ("embed_tokens", "input_layernorm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "o_proj",
-           "post_attention_layernorm", "gate_proj", "up_proj", "down_proj", "model.norm", "lm_head")  # fmt: skip
+def _ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'"""
+    out: list[str] = []
+    for i in ids:
+        if out and int(out[-1].rpartition("-")[2]) == i - 1:
+            out[-1] = f"{out[-1].partition('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
+
+
+# Forward order for the walk-through: (part of the name, position), the first part found decides;
+# names not listed keep their place at the end. ".gate." is the router, ".experts." the routed
+# experts (not shared_experts), MLA's q_a/kv_a before q_b/kv_b, the MTP module's pieces in place.
+FORWARD = (
+    ("embed_tokens", 0), ("enorm", 1), ("hnorm", 1), ("eh_proj", 2), ("input_layernorm", 3),
+    ("q_a_proj", 4), ("q_a_layernorm", 5), ("q_b_proj", 6), ("q_proj", 6), ("kv_a_proj_with_mqa", 7),
+    ("kv_a_layernorm", 8), ("kv_b_proj", 9), ("k_proj", 7), ("v_proj", 8), ("q_norm", 10), ("k_norm", 10),
+    ("o_proj", 11), ("post_attention_layernorm", 12), (".gate.", 13), (".experts.", 14),
+    ("shared_expert_gate", 16), ("shared_expert", 15), ("gate_proj", 17), ("up_proj", 18), ("down_proj", 19),
+    ("shared_head.norm", 20), ("model.norm", 21), ("shared_head.head", 22), ("lm_head", 22),
+)  # fmt: skip
 
 
 def _forward_position(name: str) -> int:
-    return next((i for i, part in enumerate(FORWARD) if part in name), len(FORWARD))
+    return next((pos for part, pos in FORWARD if part in name), 99)
 
 
 def explain_rows(plan: Plan, layer: int) -> list[dict]:
-    """The seed's walk-through for one decoder layer (plus embedding and lm_head at layer 0)."""
+    """The seed's walk-through for one decoder layer (plus embedding and lm_head at layer 0).
+
+    Routed experts are folded: one row per projection, EP slot and MoE-TP rank, naming the block of
+    experts (model.layers.3.mlp.experts.[32-63].gate_proj.weight)."""
     rows = []
-    for s in sorted(plan.shards, key=lambda s: (_forward_position(s.name), s.name, s.group_rank)):
+    experts: dict[tuple, list[ShardSpec]] = {}
+    for s in sorted(plan.shards, key=lambda s: (_forward_position(s.name), s.expert or 0, s.name, s.group_rank)):
         idx = layer_index(s.name)
         if idx != layer and not (idx is None and layer == 0 and s.layer_class != "Replicated"):
             continue
+        if s.expert is not None:
+            key = (generic_name(s.name), s.ep_slot, s.group_rank)
+            if key in experts:
+                experts[key].append(s)
+                continue
+            experts[key] = [s]
         rows.append(
             dict(
                 tensor=s.name,
                 layer=f"{s.layer_class} {s.layer}",
-                group=f"{s.group} rank {s.group_rank}/{s.group_size}",
+                group=f"{s.group} rank {s.group_rank}/{s.group_size}" + (f", EP slot {s.ep_slot}/{plan.topology.ep}" if s.ep_slot is not None else ""),
                 ranks=list(s.ranks),
                 shape=list(s.shape),
                 loads=slice_text(s),
                 reduction=REDUCTION[s.layer_class].format(g=s.group),
             )
         )
+    for row in rows:  # name the whole block of experts in the row of its first one
+        spec = re.search(r"\.experts\.(\d+)\.", row["tensor"])
+        if spec:
+            first = next(v for v in experts.values() if v[0].name == row["tensor"] and list(v[0].ranks) == row["ranks"])
+            ids = _ranges(sorted(x.expert for x in first))
+            row["tensor"] = row["tensor"].replace(f".experts.{spec.group(1)}.", f".experts.[{ids}].")
     return rows

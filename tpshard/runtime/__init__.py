@@ -9,6 +9,9 @@ Typical use on each rank:
     g = LogicalGroup.of(topology, "attn_tp", info.rank)
     qkv = QKVParallelLinear(hidden, head_dim, n_heads, n_kv_heads, group=g, dtype=torch.bfloat16)
     qkv.load_shard("q", q_tensor); qkv.load_shard("k", k_tensor); qkv.load_shard("v", v_tensor)
+
+MoE and MLA (moe.py, mla.py): FusedMoE holds a rank's EP slot of experts cut over MoE-TP and
+reduces over tp; MoEBlock adds the router and shared experts; MLAAttention cuts heads over attn_tp.
 """
 
 from tpshard.runtime.groups import LogicalGroup, bind_groups, clear_groups, collective_members, partitions
@@ -33,18 +36,25 @@ from tpshard.runtime.layers import (
     ShardInfo,
     VocabParallelEmbedding,
 )
+from tpshard.runtime.mla import MLAAttention, MLAConfig
+from tpshard.runtime.moe import FusedMoE, MoEBlock, RouterConfig, route, router_config
 from tpshard.runtime.quant_method import QuantMethod, UnquantizedLinearMethod, new_param
 
 __all__ = [
     "ColumnParallelLinear",
     "DistInfo",
+    "FusedMoE",
     "LogicalGroup",
+    "MLAAttention",
+    "MLAConfig",
     "MergedColumnParallelLinear",
+    "MoEBlock",
     "ParallelLMHead",
     "QKVParallelLinear",
     "QuantMethod",
     "RankFailed",
     "RankResult",
+    "RouterConfig",
     "RowParallelLinear",
     "ShardInfo",
     "UnquantizedLinearMethod",
@@ -59,6 +69,8 @@ __all__ = [
     "new_param",
     "partitions",
     "rank_device",
+    "route",
+    "router_config",
     "run_local",
     "shutdown_distributed",
 ]

@@ -262,6 +262,11 @@ class MergedColumnParallelLinear(_LinearBase):
         """Per-piece views of a forward output: [..., sum] -> ([..., size_0], [..., size_1], ...)."""
         return tuple(out.split([p.size for p in self._pieces], dim=-1))
 
+    @property
+    def piece_names(self) -> tuple[str, ...]:
+        """The pieces in output order (the order `split` returns them)."""
+        return tuple(str(p.shard_id) for p in self._pieces)
+
 
 class QKVParallelLinear(_LinearBase):
     """Fused q/k/v projection split by heads, per rank [q_r | k_r | v_r] (LOAD_CONTRACT section 2).

@@ -69,6 +69,11 @@ class LayerSpecs:
 
     @property
     def group(self) -> str:
+        """The group the layer's outputs are reduced or gathered over, which decides its inputs."""
+        from tpshard.verify.moe_layers import reduction_group
+
+        if reduction_group(self.layer_class):
+            return reduction_group(self.layer_class)
         # The weights decide the group; a bias recorded over another group is an alignment problem.
         w = self.main(self.pieces()[0]) if self.pieces() else None
         return (w or self.specs[0]).group
@@ -81,7 +86,7 @@ class LayerSpecs:
         for s in self.specs:
             if self._is_weight(s):
                 seen.setdefault(s.piece)
-        order = {"q": 0, "k": 1, "v": 2, "gate": 0, "up": 1}
+        order = {"q": 0, "k": 1, "v": 2, "gate": 0, "up": 1, "q_a": 0, "kv_a": 1}  # the engines' fused order
         return sorted(seen, key=lambda p: (order.get(p, 9), p))
 
     def first(self, piece: str = "", param: str = "weight") -> ShardSpec | None:
@@ -109,9 +114,12 @@ class LayerSpecs:
             raise ValueError(f"{self.layer}: the manifest has no weight for piece {piece!r}")
         if not w.quant:
             return w.source_shape[0], w.source_shape[-1]
+        fp8 = self.first(piece)  # FP8 weights hold one value per byte: their shape is the logical [N, K]
+        if fp8 is not None and fp8.quant and fp8.dtype.startswith("F8"):
+            return fp8.source_shape[0], fp8.source_shape[-1]
         if w.logical_dim is None:
             raise ValueError(f"{w.name}: a quantized tensor with no logical cut; verify cannot size {self.layer}")
-        nk = [self.hidden, self.hidden]
+        nk = [self.hidden, self.hidden]  # packed formats: q/k/v/gate/up read, o/down write the residual stream
         nk[w.logical_dim] = w.logical_size
         return nk[0], nk[1]
 
@@ -139,14 +147,15 @@ def sharded_layers(plan: Plan) -> list[LayerSpecs]:
     return sorted(layers, key=_forward_order)
 
 
-_CLASS_ORDER = {"VocabParallelEmbedding": 0, "QKVParallelLinear": 1, "RowParallelLinear": 4, "ParallelLMHead": 9}
+_CLASS_ORDER = {"VocabParallelEmbedding": 0, "QKVParallelLinear": 1, "ReplicatedLinear": 1, "RowParallelLinear": 4, "ParallelLMHead": 9}
 
 
 def _forward_order(lay: LayerSpecs) -> tuple:
     """Embedding, then each decoder layer (qkv, o_proj, gate_up, down), then lm_head."""
     m = re.search(r"\.layers\.(\d+)\.", lay.layer + ".")
     index = int(m.group(1)) if m else (-1 if _CLASS_ORDER.get(lay.layer_class) == 0 else 1 << 30)
-    return (index, "mlp" in lay.layer, _CLASS_ORDER.get(lay.layer_class, 2), lay.layer)
+    mlp = "mlp" in lay.layer or "block_sparse_moe" in lay.layer
+    return (index, mlp, _CLASS_ORDER.get(lay.layer_class, 2), lay.layer)
 
 
 @dataclass
@@ -164,6 +173,10 @@ def build_layer(
     lay: LayerSpecs, plan: Plan, rank: int, tensors, *, dtype: torch.dtype, device: torch.device
 ) -> Built:
     """Construct `lay` for world rank `rank` from its specs and load this rank's tensors into it."""
+    from tpshard.verify import moe_layers
+
+    if lay.layer_class in moe_layers.MOE_CLASSES:  # routed experts, replicated linears (MoE / MLA plans)
+        return moe_layers.build(lay, plan, rank, tensors, dtype=dtype, device=device)
     topo: Topology = plan.topology
     model = plan.model
     group = LogicalGroup.of(topo, lay.group, rank)  # type: ignore[arg-type]

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from tpshard.manifest import Plan
 from tpshard.quant.formats import dequantize
 from tpshard.runtime.quant_methods import INPUT_SCALES, quant_spec_of, quantize_input
+from tpshard.verify import moe_layers
 from tpshard.verify.build import Built, LayerSpecs, run_row
 from tpshard.verify.report import LayerResult
 
@@ -57,7 +58,8 @@ def layer_input(lay: LayerSpecs, batch: int, *, seed: int, tokens: int, dtype: t
         ids = ((torch.arange(n, dtype=torch.float64) + u) * vocab / n).long().clamp(0, vocab - 1)
         ids[0], ids[-1] = 0, vocab - 1
         return ids
-    return torch.randn(tokens, lay.logical_shape(lay.pieces()[0])[1], generator=g).to(dtype)
+    k = moe_layers.input_size(lay) if lay.layer_class == "ReplicatedLinear" else lay.logical_shape(lay.pieces()[0])[1]
+    return torch.randn(tokens, k, generator=g).to(dtype)
 
 
 def batch_of(plan: Plan, group: str, rank: int) -> int:
@@ -65,9 +67,11 @@ def batch_of(plan: Plan, group: str, rank: int) -> int:
     return rank // plan.topology.span(group)  # type: ignore[arg-type]
 
 
-def rank_outputs(built: Built, x: torch.Tensor) -> dict[str, tuple[int, torch.Tensor]]:
+def rank_outputs(built: Built, x: torch.Tensor, plan: Plan | None = None, *, seed: int = 0, tokens: int = 16) -> dict[str, tuple[int, torch.Tensor]]:
     """This rank's outputs of one layer: piece -> (group rank of the piece, tensor on the CPU)."""
     module, cls = built.module, built.spec.layer_class
+    if cls in moe_layers.MOE_CLASSES:
+        return moe_layers.rank_outputs(built, x, built.spec, plan, seed=seed, tokens=tokens)
     with torch.no_grad():
         if cls in COLUMN:
             out = module(x)
@@ -146,6 +150,8 @@ def compare_layer(
 
     probe: the outputs are of a zero input, so they must equal the source bias rounded to the
     compute dtype, exactly (tolerance 0): a bias a few ULPs off is invisible next to x @ W.T."""
+    if lay.layer_class in moe_layers.MOE_CLASSES:
+        return moe_layers.compare(lay, plan, sent, src, seed=seed, tokens=tokens, dtype=dtype, tolerance=tolerance)
     topo = plan.topology
     nbatch = topo.world_size // topo.span(lay.group)  # type: ignore[arg-type]
     result = LayerResult(

@@ -50,10 +50,16 @@ INPUT_NORM, POST_NORM = "input_layernorm.weight", "post_attention_layernorm.weig
 Q_NORM, K_NORM = "self_attn.q_norm.weight", "self_attn.k_norm.weight"
 
 
-def unsupported_reason(plan: Plan, config: dict) -> str | None:
+def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> str | None:
     """Why --model cannot run on this output, or None."""
+    from tpshard.verify import moe_model
+
+    if moe_model.is_moe(plan):  # MoE and MLA architectures: their own decoder (verify/moe_model.py)
+        return moe_model.unsupported_reason(plan, config, tokens)
     if plan.model.architecture not in SUPPORTED:
-        return f"model-level verify supports {', '.join(SUPPORTED)}, not {plan.model.architecture}"
+        from tpshard.verify.moe_model import SUPPORTED as MOE
+
+        return f"model-level verify supports {', '.join(SUPPORTED + MOE)}, not {plan.model.architecture}"
     if plan.quant_layers:
         formats = sorted({str(q.get("format")) for q in plan.quant_layers.values()})
         return (

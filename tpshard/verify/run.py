@@ -90,7 +90,7 @@ def source_problems(job: Job, plan) -> list[str]:
     if job.model:
         from tpshard.verify.model import unsupported_reason
 
-        reason = unsupported_reason(plan, ckpt.config)
+        reason = unsupported_reason(plan, ckpt.config, job.tokens)
         if reason:
             return [f"--model: {reason}"]
     return []
@@ -167,10 +167,10 @@ def _verify_job(info: DistInfo, job: Job) -> VerifyReport:
         else:
             sent["problems"] += built.problems
             x = layer_input(lay, sent["batch"], seed=job.seed, tokens=job.tokens, dtype=dtype).to(device)
-            sent["outputs"] = rank_outputs(built, x)
+            sent["outputs"] = rank_outputs(built, x, plan, seed=job.seed, tokens=job.tokens)
             if lay.has_bias():
                 # A zero input isolates the bias: its output must be the source bias exactly.
-                sent["probe"] = rank_outputs(built, torch.zeros_like(x))
+                sent["probe"] = rank_outputs(built, torch.zeros_like(x), plan, seed=job.seed, tokens=job.tokens)
             if job.model and dtype == torch.float32:
                 keep[lay.layer] = built
         gathered = _gather(sent, info)
@@ -198,7 +198,10 @@ def _gather(obj, info: DistInfo) -> list | None:
 
 
 def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
+    from tpshard.arch import arch_for
     from tpshard.verify.model import TPDecoder, compare_logits, hf_logits, model_tokens, rope_config
+    from tpshard.verify.moe_layers import hf_config
+    from tpshard.verify.moe_model import MoEDecoder, is_moe
 
     rank, device, topo = info.rank, info.device, plan.topology
     # Load problems are reported per layer already; here only the logits are judged.
@@ -211,10 +214,16 @@ def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
         for s in plan.rank_shards(rank)
         if s.layer_class == "Replicated"
     }
-    # Only rank 0 reads the source: the RoPE parameters travel from there.
-    rope = broadcast_from_root(rope_config(src.ckpt.config) if rank == 0 else None)
-    decoder = TPDecoder(plan, rank, layers, norms, device, rope=rope)
-    batch = rank // topo.span("attn_tp")  # attention-DP replica
+    if is_moe(plan):
+        decoder = MoEDecoder(plan, rank, layers, norms, device, tensors.folder, hf_config(tensors))
+    else:
+        # Only rank 0 reads the source: the RoPE parameters travel from there.
+        rope = broadcast_from_root(rope_config(src.ckpt.config) if rank == 0 else None)
+        decoder = TPDecoder(plan, rank, layers, norms, device, rope=rope)
+    # Attention-DP replicas run different tokens; a replica is the architecture's attention group
+    # (Llama, Mistral and Qwen2 keep attention over the whole tp group under --attn-dp: one replica).
+    span = topo.span(arch_for(plan.model).attn_group)
+    batch = rank // span
     ids = model_tokens(plan, batch, seed=job.seed, tokens=job.tokens)
     with torch.no_grad():
         logits = decoder.forward(ids)
@@ -222,7 +231,7 @@ def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
     gathered = _gather({"batch": batch, "logits": logits.cpu(), "disagree": decoder.disagree}, info)
     if rank != 0:
         return None
-    nbatch = topo.world_size // topo.span("attn_tp")
+    nbatch = topo.world_size // span
     ref = hf_logits(job.source, [model_tokens(plan, b, seed=job.seed, tokens=job.tokens) for b in range(nbatch)])
     return compare_logits(plan, gathered, ref, tokens=job.tokens)
 

@@ -1,0 +1,178 @@
+"""The vocabulary of the architecture tables: rules, the shapes config.json implies, and the
+fragments several families share.
+
+A rule matches a module path (the tensor name without its last part) and names the engine layer
+class, the role that picks its group, and the engine layer it belongs to (q/k/v fuse into one
+QKVParallelLinear, gate/up into one MergedColumnParallelLinear, every routed expert of a layer
+into one FusedMoE). How each parameter of that layer is cut follows from the layer class and the
+role alone (tpshard.plan). Each family's module (llama, qwen, deepseek, mixtral) declares its
+tables from these fragments, and which group its attention and embedding use.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from tpshard.manifest import ModelInfo
+from tpshard.topology import GroupName
+
+# attn -> the architecture's attention group; embed -> its embedding group under attention DP;
+# lm_head -> tp (attn_tp with --dp-lm-head); mlp, shared_expert -> tp; dense_mlp -> tp, or whole
+# with --moe-dense-tp 1; expert -> moe_tp within the expert's EP slot; replicated -> whole.
+Role = Literal["attn", "mlp", "dense_mlp", "shared_expert", "expert", "embed", "lm_head", "replicated"]
+LayerClass = Literal[
+    "VocabParallelEmbedding",
+    "ParallelLMHead",
+    "QKVParallelLinear",
+    "MergedColumnParallelLinear",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "FusedMoE",
+    "ReplicatedLinear",
+    "Replicated",
+]
+
+
+class Rule(NamedTuple):
+    module: str  # regex, matched in full against the module path; an expert's id is the group `expert`
+    layer_class: LayerClass
+    role: Role
+    layer: str  # engine layer name, a template over the regex groups
+    piece: str = ""  # q / k / v of a QKV layer; gate / up of a merged layer; w1 / w3 / w2 of a FusedMoE
+    shape: str = ""  # key of SHAPES: the weight's [out, in] by config.json ("" = not checked)
+    heads: bool = False  # cut by whole attention heads: the head count must divide the group
+    moe: bool | None = None  # True: only in layers with experts; False: only in dense layers
+
+
+# [out, in] of a weight according to config.json.
+SHAPES: dict[str, Callable[[ModelInfo], tuple[int, int]]] = {
+    "vocab": lambda m: (m.vocab_size, m.hidden_size),
+    "q": lambda m: (m.num_heads * m.head_dim, m.hidden_size),
+    "kv": lambda m: (m.num_kv_heads * m.head_dim, m.hidden_size),
+    "o": lambda m: (m.hidden_size, m.num_heads * m.head_dim),
+    "mlp_up": lambda m: (m.intermediate_size, m.hidden_size),
+    "mlp_down": lambda m: (m.hidden_size, m.intermediate_size),
+    "expert_up": lambda m: (m.moe_intermediate_size, m.hidden_size),
+    "expert_down": lambda m: (m.hidden_size, m.moe_intermediate_size),
+    "shared_up": lambda m: (m.shared_expert_intermediate_size, m.hidden_size),
+    "shared_down": lambda m: (m.hidden_size, m.shared_expert_intermediate_size),
+    "router": lambda m: (m.num_experts, m.hidden_size),
+    "shared_gate": lambda m: (1, m.hidden_size),
+    "mla_q_a": lambda m: (m.q_lora_rank or 0, m.hidden_size),
+    "mla_kv_a": lambda m: (m.kv_lora_rank + m.qk_rope_head_dim, m.hidden_size),
+    "mla_q_b": lambda m: (m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), m.q_lora_rank or 0),
+    "mla_q": lambda m: (m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), m.hidden_size),
+    "mla_kv_b": lambda m: (m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+    "mla_o": lambda m: (m.hidden_size, m.num_heads * m.v_head_dim),
+    "eh_proj": lambda m: (m.hidden_size, 2 * m.hidden_size),
+}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One model class of the engine: its rule table and the groups its layers are built over."""
+
+    name: str  # the HF `architectures` entry
+    rules: tuple[Rule, ...]
+    engine: str  # the SGLang model file it follows, for messages
+    attn_group: GroupName  # attention under attention DP ("tp": the engine ignores attention DP)
+    embed_group: GroupName  # embedding under attention DP
+    dp_lm_head: bool = True  # the engine's lm_head follows --enable-dp-lm-head
+    attn_dp: bool = True  # the engine has an attention-DP layout at all (Mixtral: no)
+    sparse: Callable[[ModelInfo, int], bool] | None = None  # MoE: which layer indices have experts
+    experts_limit: GroupName | None = None  # the engine refuses more ranks in this group than experts
+    check: Callable[[dict, ModelInfo], None] | None = None  # config refusals beyond the rules
+    variant: Callable[[ModelInfo], tuple[Rule, ...]] | None = None  # rules that depend on config.json
+
+    def table(self, model: ModelInfo) -> tuple[Rule, ...]:
+        return self.rules + (self.variant(model) if self.variant else ())
+
+
+# Buffers some older checkpoints carry that engines recompute; dropped with a warning.
+DROPPED = re.compile(r".*\.rotary_emb\.inv_freq")
+
+
+_DIGITS = re.compile(r"\d+")
+_GROUP_REF = re.compile(r"\\(\d)")
+
+
+class Matcher:
+    """Compiled rule table: module path -> (rule, engine layer name, global expert id or None).
+
+    DeepSeek-V3 has ~90,000 tensors that differ mostly in layer and expert numbers: the rule found
+    for a module with its numbers masked is tried first, and layer templates are pre-split."""
+
+    def __init__(self, rules: tuple[Rule, ...]):
+        self._rules = [(re.compile(r.module), r, _GROUP_REF.split(r.layer)) for r in rules]
+        self._seen: dict[str, int] = {}
+
+    def match(self, module: str) -> tuple[Rule, str, int | None] | None:
+        shape = _DIGITS.sub("#", module)
+        hint = self._seen.get(shape)
+        order = ([hint] if hint is not None else []) + list(range(len(self._rules)))
+        for i in order:
+            pattern, rule, template = self._rules[i]
+            m = pattern.fullmatch(module)
+            if m:
+                self._seen[shape] = i
+                # template: literal, group number, literal, ... (from splitting at \N)
+                layer = "".join(part if j % 2 == 0 else m.group(int(part)) for j, part in enumerate(template))
+                expert = m.groupdict().get("expert")
+                return rule, layer, None if expert is None else int(expert)
+        return None
+
+
+# ---- fragments --------------------------------------------------------------------------------
+
+L = r"(model\.layers\.\d+)"
+
+VOCAB: tuple[Rule, ...] = (
+    Rule(r"model\.embed_tokens", "VocabParallelEmbedding", "embed", "model.embed_tokens", shape="vocab"),
+    Rule(r"lm_head", "ParallelLMHead", "lm_head", "lm_head", shape="vocab"),
+)
+
+NORMS: tuple[Rule, ...] = (
+    Rule(r"model\.norm", "Replicated", "replicated", "model.norm"),
+    Rule(L + r"\.(input_layernorm|post_attention_layernorm)", "Replicated", "replicated", r"\1.\2"),
+)
+
+QKV_ATTENTION: tuple[Rule, ...] = (
+    Rule(L + r"\.self_attn\.q_proj", "QKVParallelLinear", "attn", r"\1.self_attn.qkv_proj", "q", "q"),
+    Rule(L + r"\.self_attn\.k_proj", "QKVParallelLinear", "attn", r"\1.self_attn.qkv_proj", "k", "kv"),
+    Rule(L + r"\.self_attn\.v_proj", "QKVParallelLinear", "attn", r"\1.self_attn.qkv_proj", "v", "kv"),
+    Rule(L + r"\.self_attn\.o_proj", "RowParallelLinear", "attn", r"\1.self_attn.o_proj", shape="o"),
+)
+
+# Qwen3 normalises q and k per head before RoPE: [head_dim] weights, the same on every rank.
+QK_NORM = (Rule(L + r"\.self_attn\.(q_norm|k_norm)", "Replicated", "replicated", r"\1.self_attn.\2"),)
+
+
+def gated_mlp(block: str, role: Role, up: str, down: str, moe: bool | None = None) -> tuple[Rule, ...]:
+    """gate/up/down of a SiLU MLP at `L.<block>`: one MergedColumnParallelLinear and one RowParallelLinear."""
+    at, name = L + r"\." + re.escape(block), r"\1." + block
+    return (
+        Rule(at + r"\.gate_proj", "MergedColumnParallelLinear", role, name + ".gate_up_proj", "gate", up, moe=moe),
+        Rule(at + r"\.up_proj", "MergedColumnParallelLinear", role, name + ".gate_up_proj", "up", up, moe=moe),
+        Rule(at + r"\.down_proj", "RowParallelLinear", role, name + ".down_proj", shape=down, moe=moe),
+    )
+
+
+DENSE_MLP = gated_mlp("mlp", "mlp", "mlp_up", "mlp_down")
+
+
+def routed_experts(block: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
+    """`L.<block>.experts.<e>.<gate|up|down>`: SGLang FusedMoE shards w1 (gate), w3 (up), w2 (down)."""
+    at, name = L + r"\." + re.escape(block) + r"\.experts\.(?P<expert>\d+)\.", r"\1." + block + ".experts"
+    return (
+        Rule(at + re.escape(gate), "FusedMoE", "expert", name, "w1", "expert_up", moe=True),
+        Rule(at + re.escape(up), "FusedMoE", "expert", name, "w3", "expert_up", moe=True),
+        Rule(at + re.escape(down), "FusedMoE", "expert", name, "w2", "expert_down", moe=True),
+    )
+
+
+def router(block: str) -> tuple[Rule, ...]:
+    """The router `L.<block>.gate` [E, H] (DeepSeek's e_score_correction_bias is a parameter of it)."""
+    return (Rule(L + r"\." + re.escape(block) + r"\.gate", "ReplicatedLinear", "replicated", r"\1." + block + ".gate", shape="router", moe=True),)
