@@ -294,7 +294,86 @@ def test_output_fuzz_never_false_ok_long(good_output, damage):
 
 
 # ---- manifests ---------------------------------------------------------------------------------
-# Manifest fuzzing (issue 10 item 6) goes here once manifest v2 lands (tpshard/manifest.py decoded
-# against its schema, names and numbers bounded): mutate fields of a real manifest, and require
-# every command (check, open_rank, load_rank, merge) to refuse cleanly, read nothing outside the
-# output folder, and finish in bounded time and memory.
+
+
+def _paths(node, prefix=()):
+    """Every (path, value) inside a decoded JSON document, containers included."""
+    yield prefix, node
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        yield from _paths(v, prefix + (k,))
+
+
+@st.composite
+def manifest_edits(draw):
+    """1-3 edits of a real manifest: a value replaced (by any JSON value, or a huge or negative
+    number, or a name that leaves the folder), a key dropped, or a list entry duplicated."""
+    edits = []
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["value", "number", "name", "drop", "dup"]))
+        edits.append((kind, draw(st.integers(0, 10**6)), draw(json_values), draw(st.sampled_from([-1, 2**31, 2**63, 10**20]))))
+    return edits
+
+
+def _apply(data: dict, edits) -> dict:
+    for kind, at, value, number in edits:
+        places = [(path, node) for path, node in _paths(data) if path]
+        path, node = places[at % len(places)]
+        parent = data
+        for k in path[:-1]:
+            parent = parent[k]
+        key = path[-1]
+        if kind == "value":
+            parent[key] = value
+        elif kind == "number":
+            parent[key] = number
+        elif kind == "name":
+            parent[key] = "../../etc/passwd.safetensors"
+        elif kind == "drop" and isinstance(parent, dict):
+            del parent[key]
+        elif kind == "dup" and isinstance(parent, list):
+            parent.append(parent[key])
+    return data
+
+
+def manifest_property(good_output: Path, source: Path, edits) -> None:
+    """A crafted manifest is refused in one line, or accepted only where nothing changes: a rank
+    loaded through it holds exactly the tensors of the untouched output, and `check --source`
+    passes only if the output still is what the rules make of the source. Never another exception."""
+    import torch
+
+    from tpshard.manifest import MANIFEST_NAME
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out"
+        shutil.copytree(good_output, out)
+        data = _apply(json.loads((out / MANIFEST_NAME).read_text()), edits)
+        (out / MANIFEST_NAME).write_text(json.dumps(data))
+        for rank in (0, 1):
+            try:
+                loaded = tpshard.load_rank(out, rank)
+            except TpshardError as e:
+                assert "\n" not in str(e), str(e)
+                continue
+            good = tpshard.load_rank(good_output, rank)
+            assert loaded.keys() == good.keys() and all(torch.equal(loaded[k], good[k]) for k in good), edits
+        try:
+            report = tpshard.check(out, source)
+        except TpshardError as e:
+            assert "\n" not in str(e), str(e)
+            return
+        if report.ok:
+            assert tpshard.read_manifest(out).plan.tensors == tpshard.read_manifest(good_output).plan.tensors, edits
+
+
+@fuzz(SHORT)
+@given(edits=manifest_edits())
+def test_manifest_fuzz_refused_cleanly(good_output, llama, edits):
+    manifest_property(good_output, llama, edits)
+
+
+@pytest.mark.slow
+@fuzz(LONG)
+@given(edits=manifest_edits())
+def test_manifest_fuzz_refused_cleanly_long(good_output, llama, edits):
+    manifest_property(good_output, llama, edits)
