@@ -62,7 +62,7 @@ def test_cli_qwen3_tp8_attn_dp2_passes_with_report_and_junit(qwen3, qwen3_tp8, t
     assert suite.get("tests") == "11" and suite.get("failures") == "0"  # + every byte (tensors)
     t = data["tensors"]
     assert t["problems"] == [] and t["files"] >= 8 and t["padded"] > 0
-    assert t["whole"] == 8 * 5  # per rank: 2 x (input, post-attention norm), the final norm
+    assert t["whole"] == 8 * 9  # per rank: 2 x (input, post-attention norm, q_norm, k_norm), the final norm
     assert "verify: 8 ranks, backend gloo on CPU: auto" in p.stderr  # the backend is announced
     assert data["seconds"] < 120  # ~7 s on an idle 2-core box; generous for a loaded CI machine
 

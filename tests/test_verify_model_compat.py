@@ -63,3 +63,5 @@ def test_rope_types_and_transformers_floor_checked_up_front(monkeypatch, llama):
     monkeypatch.setattr(model_module, "transformers_version", lambda: "4.45.2")
     assert "needs transformers>=4.51, this is 4.45.2" in transformers_problem()
     assert "needs transformers>=4.51" in unsupported_reason(plan, {})
+    monkeypatch.setattr(model_module, "transformers_version", lambda: "4.57.1")
+    assert "needs transformers>=5.0, this is 4.57.1" in transformers_problem((5, 0))  # the MoE/MLA decoder's floor

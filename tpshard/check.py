@@ -355,13 +355,18 @@ def hash_range(fd: int, offset: int, n: int, algorithm: str = "sha256") -> bytes
     return h.digest()
 
 
-def _check_rules(ckpt: Checkpoint, manifest: Manifest, report: CheckReport) -> bool:
-    """The manifest is what the rules give for this source (check 1, against the source)."""
-    sizes = {f.name: f.size for f in manifest.source_files}
+def check_source_sizes(ckpt: Checkpoint, recorded, report: CheckReport, done: str) -> None:
+    """Each weight file of `ckpt` has the size the manifest recorded when it was read."""
+    sizes = {f.name: f.size for f in recorded}
     for name in ckpt.weight_files:
         actual = (ckpt.path / name).stat().st_size
         if sizes.get(name) != actual:
-            report.add("rules", f"source {name}: {actual} bytes, the split read {sizes.get(name)}: not the checkpoint that was split")
+            report.add("rules", f"source {name}: {actual} bytes, the split read {sizes.get(name)}: not the checkpoint that was {done}")
+
+
+def _check_rules(ckpt: Checkpoint, manifest: Manifest, report: CheckReport) -> bool:
+    """The manifest is what the rules give for this source (check 1, against the source)."""
+    check_source_sizes(ckpt, manifest.source.files, report, "split")
     try:
         expected = make_plan(ckpt, manifest.plan.topology, manifest.plan.options)
     except TpshardError as e:

@@ -19,7 +19,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tpshard.check import CheckReport, hash_range, reassemble
+from tpshard.check import CheckReport, check_source_sizes, hash_range, reassemble
 from tpshard.checkpoint import open_checkpoint
 from tpshard.digest import file_digest, sha256_file
 from tpshard.errors import TpshardError
@@ -117,11 +117,7 @@ def _check_files(folder: Path, m: ExportManifest, report: CheckReport, workers: 
 
 def _check_against_source(folder: Path, m: ExportManifest, source: Path, report: CheckReport, workers: int) -> None:
     ckpt = open_checkpoint(source)
-    sizes = {f.name: f.size for f in m.source.files}
-    for name in ckpt.weight_files:
-        actual = (ckpt.path / name).stat().st_size
-        if sizes.get(name) != actual:
-            report.add("rules", f"source {name}: {actual} bytes, the split read {sizes.get(name)}: not the checkpoint that was exported")
+    check_source_sizes(ckpt, m.source.files, report, "exported")
     try:
         plan = make_plan(ckpt, m.from_.topology, m.from_.options)
         expected = export_layout(plan, m.engine, config_tied(ckpt.config), m.max_part_bytes)

@@ -215,6 +215,8 @@ def compare_layer(
     else:
         spec = lay.main("")
         for rank, msg in enumerate(sent):
+            if "" not in msg["outputs"]:
+                continue  # the layer was not built on every rank: its problems say why
             _, out = msg["outputs"][""]
             ref = refs[""][msg["batch"]]
             if out.shape != ref.shape:

@@ -54,12 +54,6 @@ def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> s
     """Why --model cannot run on this output, or None."""
     from tpshard.verify import moe_model
 
-    if moe_model.is_moe(plan):  # MoE and MLA architectures: their own decoder (verify/moe_model.py)
-        return moe_model.unsupported_reason(plan, config, tokens)
-    if plan.model.architecture not in SUPPORTED:
-        from tpshard.verify.moe_model import SUPPORTED as MOE
-
-        return f"model-level verify supports {', '.join(SUPPORTED + MOE)}, not {plan.model.architecture}"
     if plan.quant_layers:
         formats = sorted({str(q.get("format")) for q in plan.quant_layers.values()})
         return (
@@ -68,19 +62,23 @@ def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> s
         )
     if plan.topology.attn_cp > 1:
         return "model-level verify does not model context-parallel attention (attn_cp > 1); use layer-level verify"
+    if moe_model.is_moe(plan):  # MoE and MLA architectures: their own decoder (verify/moe_model.py)
+        return moe_model.unsupported_reason(plan, config, tokens) or transformers_problem(moe_model.MIN_TRANSFORMERS)
+    if plan.model.architecture not in SUPPORTED:
+        return f"model-level verify supports {', '.join(SUPPORTED + moe_model.SUPPORTED)}, not {plan.model.architecture}"
     kind = rope_config(config).get("rope_type", "default")
     if kind not in ROPE_TYPES:
         return f"model-level verify implements RoPE types {', '.join(ROPE_TYPES)}, not rope_type {kind!r}"
     return transformers_problem()
 
 
-def transformers_problem() -> str | None:
+def transformers_problem(floor: tuple[int, int] = MIN_TRANSFORMERS) -> str | None:
     """Why the installed transformers cannot be the reference, or None."""
     have = transformers_version()
     if have is None:
         return "model-level verify needs transformers (pip install 'tpshard[verify]')"
-    if _version(have) < MIN_TRANSFORMERS:
-        need = ".".join(map(str, MIN_TRANSFORMERS))
+    if _version(have) < floor:
+        need = ".".join(map(str, floor))
         return f"model-level verify needs transformers>={need}, this is {have} (pip install 'tpshard[verify]')"
     return None
 

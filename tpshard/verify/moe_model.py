@@ -32,21 +32,16 @@ from tpshard.runtime.moe import MoEBlock, router_config
 from tpshard.verify.build import Built
 from tpshard.verify.model import INPUT_NORM, POST_NORM, TPDecoder, rms_norm
 
+# The RoPE tables come from the config's `rope_parameters`, which transformers 5 introduced.
+MIN_TRANSFORMERS = (5, 0)
 SUPPORTED = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
 MLA_LAYERS = ("fused_qkv_a_proj_with_mqa", "kv_a_proj_with_mqa", "q_proj", "q_b_proj", "kv_b_proj", "o_proj")
 MLA_NORMS = ("q_a_layernorm", "kv_a_layernorm")
 
 
 def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> str | None:
-    """Why --model cannot run this MoE / MLA output, or None."""
-    if plan.quant_layers:
-        formats = sorted({str(q.get("format")) for q in plan.quant_layers.values()})
-        return (
-            f"model-level verify compares with transformers' dense forward, not {', '.join(formats)} checkpoints;"
-            " layer-level verify covers quantized layers"
-        )
-    if plan.topology.attn_cp > 1:
-        return "model-level verify does not model context-parallel attention (attn_cp > 1); use layer-level verify"
+    """Why --model cannot run this MoE / MLA output, or None (quantized and context-parallel outputs
+    are refused by tpshard.verify.model.unsupported_reason, for every family)."""
     window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
     if window and tokens is not None and window < tokens:
         return f"model-level verify has no sliding-window attention; the model's window {window} is shorter than --tokens {tokens}"
