@@ -84,12 +84,41 @@ def plant_faults(good: Path, root: Path) -> dict[str, Path]:
     return faults
 
 
+def moe_steps(out: Path, verify, *, small: bool) -> None:
+    """The MoE and MLA layers and decoders (tpshard.runtime.moe, .mla) on the device: a Qwen3-MoE and
+    a DeepSeek-V3 with its MTP layer at tp 4 / ep 2 / attn-dp 2 (every rank its own EP slot share and
+    attention-DP replica), at tp 1 under torchrun with NCCL, and DeepSeek-V3's FP8 block release."""
+    from moe_configs import add_mtp_layer, make_fp8_deepseek, make_moe_checkpoint
+
+    models = {
+        "qwen3-moe": out / "qwen3-moe" if (out / "qwen3-moe" / "config.json").is_file() else make_moe_checkpoint(out / "qwen3-moe", "qwen3_moe"),
+        "deepseek-v3": out / "deepseek-v3" if (out / "deepseek-v3" / "config.json").is_file() else add_mtp_layer(make_moe_checkpoint(out / "deepseek-v3", "deepseek_v3")),
+    }  # fmt: skip
+    for name, src in models.items():
+        for topo, label in ((Topology(tp=1), "tp 1"), (Topology(tp=2, ep=2), "tp 2 ep 2") if small else (Topology(tp=4, ep=2, attn_dp=2), "tp 4 ep 2 attn-dp 2")):
+            dst = out / f"{name}-{label.replace(' ', '')}"
+            if not (dst / "tpshard-manifest.json").is_file():
+                tpshard.split(src, dst, topo)
+            verify(f"{name} {label}, layers + model, auto backend", dst, src, 0, "--model")
+            if topo.tp == 1:
+                verify(f"{name} {label}, torchrun + NCCL", dst, src, 0, "--backend", "nccl", "--torchrun", "--standalone --nproc-per-node 1", "--model", needs_gpus=1)
+    fp8 = out / "deepseek-v3-fp8"
+    if not (fp8 / "config.json").is_file():
+        make_fp8_deepseek(fp8)
+    dst = out / "deepseek-v3-fp8-tp2"
+    if not (dst / "tpshard-manifest.json").is_file():
+        tpshard.split(fp8, dst, Topology(tp=2))
+    verify("deepseek-v3 fp8 block tp 2, layers, auto backend", dst, fp8, 0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", nargs="?", default="gpu-check")
     ap.add_argument("--cpu", action="store_true", help="no GPU: run every step on CPU ranks, skip the GPU-only steps")
     ap.add_argument("--small", action="store_true", help="a tiny model and tp 2 only (the CPU test)")
     ap.add_argument("--timeout", type=int, default=300, help="per verify command")
+    ap.add_argument("--moe", action="store_true", help="also the MoE / MLA steps (tiny Qwen3-MoE, DeepSeek-V3 with MTP, its FP8 release)")
+    ap.add_argument("--no-dense", action="store_true", help="skip the dense Llama steps (a second run after they passed)")
     args = ap.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -136,7 +165,7 @@ def main() -> int:
     build_s = round(time.monotonic() - t, 1)
     splits: dict[tuple[int, int, str], Path] = {}
     t = time.monotonic()
-    for tp, dp in tps:
+    for tp, dp in [] if args.no_dense else tps:
         for kind, src in (("dense", dense), ("fp8", fp8)):
             if kind == "fp8" and tp == 1:
                 continue
@@ -161,8 +190,10 @@ def main() -> int:
             "--torchrun", f"--standalone --nproc-per-node {tp}", *(["--model"] if kind == "dense" else []),
             needs_gpus=tp,
         )  # fmt: skip
-    faulty = splits[max((k for k in splits if k[2] == "dense"), key=lambda k: (k[0], k[1]))]
-    for what, bad in plant_faults(faulty, out).items():
+    if args.moe:
+        moe_steps(out, verify, small=args.small)
+    faulty = None if args.no_dense else splits[max((k for k in splits if k[2] == "dense"), key=lambda k: (k[0], k[1]))]
+    for what, bad in plant_faults(faulty, out).items() if faulty else ():
         verify(f"fault: {what}", bad, dense, 1, "--model")
         verify(f"fault: {what}, torchrun + NCCL", bad, dense, 1, "--backend", "nccl", "--torchrun",
                f"--standalone --nproc-per-node {read_manifest(bad).plan.topology.world_size}",
