@@ -102,6 +102,7 @@ def check_plan(plan: Plan, report: CheckReport) -> None:
     topo = plan.topology
     stages_of = check_stages(plan, report)  # tensor name -> its pipeline stages; empty at pp 1
     ranks_of: dict[tuple, tuple[int, ...]] = {}
+    owners_of: dict[tuple, set[int]] = {}  # (EP slot, stages) -> the ranks that must hold one piece
     by_name: dict[str, list[ShardSpec]] = defaultdict(list)
     layer_groups: dict[str, set[str]] = defaultdict(set)
     for s in plan.shards:
@@ -158,7 +159,10 @@ def check_plan(plan: Plan, report: CheckReport) -> None:
         for s in specs:
             for r in s.ranks:
                 holders[r] += 1
-        owners = topo.ranks_of("moe_tp", 0, topo.moe_tp, first.ep_slot, stages_of.get(source))
+        key = (first.ep_slot, stages_of.get(source))
+        if key not in owners_of:
+            owners_of[key] = set(topo.ranks_of("moe_tp", 0, topo.moe_tp, *key))
+        owners = owners_of[key]
         wrong = [r for r in range(topo.world_size) if holders[r] != (r in owners)]
         if wrong:
             report.add("replicas", f"{source}: ranks {wrong} hold {[holders[r] for r in wrong]} pieces instead of {[int(r in owners) for r in wrong]}")
