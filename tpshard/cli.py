@@ -193,7 +193,7 @@ def split(
     if format is not None:
         if ranks is not None:
             raise TpshardError("--ranks and --format: an engine export needs every rank; split --ranks, merge, then tpshard export")
-        if (pp or 1) > 1 or pp_layers is not None:
+        if pp not in (None, 1) or pp_layers is not None:
             raise TpshardError("--pp and --format: export of pipeline stages is not built yet; split without --format")
         return _split_then_export(model, out, tp, attn_dp, attn_cp, _options(pad, dp_lm_head, pad_blocks), checksum, workers, force, format, max_part_size, json)
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
