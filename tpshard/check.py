@@ -27,7 +27,9 @@ from tpshard.digest import file_digest, new_hash, sha256_file
 from tpshard.errors import TpshardError
 from tpshard.manifest import MANIFEST_NAME, Manifest, Plan, ShardSpec, rank_dir, read_manifest
 from tpshard.pieces import VALUE_DTYPES, cut_pieces, read_into, value_bytes
+from tpshard.arch import arch_for
 from tpshard.plan import make_plan
+from tpshard.stages import layer_of, partition_value, resolve_partition, stage_ranges, tensor_stages
 from tpshard.safetensors_format import DTYPE_SIZE, nbytes_of
 from tpshard.writer import check_workers, rank_index_bytes
 
@@ -35,7 +37,7 @@ MAX_PROBLEMS = 50
 
 
 class Problem(msgspec.Struct, frozen=True):
-    check: str  # group | experts | sizes | logical | replicas | reduction | files | stray | checksum | extras | rules | reassembly
+    check: str  # group | stages | experts | sizes | logical | replicas | reduction | files | stray | checksum | extras | rules | reassembly
     message: str
 
 
@@ -59,10 +61,15 @@ class CheckReport(msgspec.Struct, kw_only=True):
             self.omitted += 1
 
 
-def check(out_dir: str | Path, source: str | Path | None = None, *, workers: int | None = None) -> CheckReport:
+def check(
+    out_dir: str | Path, source: str | Path | None = None, *, workers: int | None = None, pp: int | None = None,
+    pp_layers: str | None = None,
+) -> CheckReport:  # fmt: skip
     """Check the output at `out_dir` (and against the checkpoint at `source`); never raises on a mismatch.
 
-    An engine export (a folder with tpshard-export.json) gets tpshard.export.check's checks."""
+    `pp` / `pp_layers` (text such as "26,27,27"): the pipeline stages the server will run; the
+    output must have been split for them. An engine export (a folder with tpshard-export.json)
+    gets tpshard.export.check's checks."""
     out = Path(out_dir)
     workers = check_workers(workers)
     from tpshard.export.manifest import EXPORT_MANIFEST_NAME
@@ -73,6 +80,8 @@ def check(out_dir: str | Path, source: str | Path | None = None, *, workers: int
         return check_export(out, source, workers=workers)
     manifest = read_manifest(out)
     report = CheckReport(out_dir=str(out), source=str(source) if source else None)
+    if pp is not None or pp_layers is not None:
+        check_pipeline_request(manifest.plan, pp, pp_layers, report)
     check_plan(manifest.plan, report)
     check_layout(out, manifest, report)
     _check_files(out, manifest, report, workers)
@@ -91,17 +100,20 @@ def _rel(spec: ShardSpec) -> str:
 def check_plan(plan: Plan, report: CheckReport) -> None:
     """The seed's alignment checks that need no bytes: 1 group, 2 global vs per-rank, 3 logical vs physical, 4, 5."""
     topo = plan.topology
+    stages_of = check_stages(plan, report)  # tensor name -> its pipeline stages; empty at pp 1
     ranks_of: dict[tuple, tuple[int, ...]] = {}
-    by_source: dict[str, list[ShardSpec]] = defaultdict(list)
+    owners_of: dict[tuple, set[int]] = {}  # (EP slot, stages) -> the ranks that must hold one piece
+    by_name: dict[str, list[ShardSpec]] = defaultdict(list)
     layer_groups: dict[str, set[str]] = defaultdict(set)
     for s in plan.shards:
-        by_source[s.source].append(s)
+        by_name[s.name].append(s)
         if s.kind not in ("replicated",):
             layer_groups[s.layer].add(s.group)
-        # 1. group: the ranks holding the shard's file are the ones the topology gives its group rank.
+        # 1. group: the ranks holding the shard's file are the ones the topology gives its group rank
+        # (in the pipeline stages that hold the tensor).
         try:
             size = topo.group_size(s.group, s.factor)
-            key = (s.group, s.group_rank, s.factor, s.ep_slot)
+            key = (s.group, s.group_rank, s.factor, s.ep_slot, stages_of.get(s.name))
             ranks = ranks_of.get(key)
             if ranks is None:
                 ranks = ranks_of[key] = topo.ranks_of(*key)
@@ -130,7 +142,7 @@ def check_plan(plan: Plan, report: CheckReport) -> None:
         if len(groups) > 1:
             report.add("group", f"{layer}: its tensors are sharded over different groups {sorted(groups)}; one layer reduces over one group")
 
-    for source, specs in by_source.items():
+    for source, specs in by_name.items():
         first = specs[0]
         # 2. global vs per-rank: the pieces tile the source dim exactly, in group-rank order.
         if first.dim is not None:
@@ -142,12 +154,15 @@ def check_plan(plan: Plan, report: CheckReport) -> None:
             if covered != first.source_shape[first.dim] or len({s.shape for s in specs}) != 1:
                 report.add("sizes", f"{source}: per-rank pieces cover {covered} of {first.source_shape[first.dim]} along dim {first.dim} with shapes {sorted({s.shape for s in specs})}")
         # 4. replicas: every rank holds exactly one piece of every tensor (of a routed expert: every
-        # rank of its EP slot, and no other).
+        # rank of its EP slot, and no other; at pp > 1, of the stages holding the tensor).
         holders: dict[int, int] = defaultdict(int)
         for s in specs:
             for r in s.ranks:
                 holders[r] += 1
-        owners = range(topo.world_size) if first.ep_slot is None else topo.ranks_of("moe_tp", 0, topo.moe_tp, first.ep_slot)
+        key = (first.ep_slot, stages_of.get(source))
+        if key not in owners_of:
+            owners_of[key] = set(topo.ranks_of("moe_tp", 0, topo.moe_tp, *key))
+        owners = owners_of[key]
         wrong = [r for r in range(topo.world_size) if holders[r] != (r in owners)]
         if wrong:
             report.add("replicas", f"{source}: ranks {wrong} hold {[holders[r] for r in wrong]} pieces instead of {[int(r in owners) for r in wrong]}")
@@ -164,6 +179,86 @@ def check_plan(plan: Plan, report: CheckReport) -> None:
                 report.add("reduction", f"{_rel(s)}: bias recorded for group {s.group}, but {s.layer} reduces over {sorted(weight_groups)}")
 
 
+def check_stages(plan: Plan, report: CheckReport) -> dict[str, tuple[int, ...]]:
+    """At pp > 1: each stage's ranks hold exactly that stage's layers (global indices), and the
+    embedding, final norm and lm_head where the engine places them (tpshard.stages.tensor_stages).
+    Returns each tensor's stages, for the group and replica checks; {} at pp 1."""
+    topo, model = plan.topology, plan.model
+    if topo.pp == 1:
+        return {}
+    try:
+        arch = arch_for(model)
+    except TpshardError as e:
+        report.add("stages", f"pipeline stages: {e}")
+        return {}
+    if arch.pp_head is None:
+        report.add("stages", f"pipeline stages: no pipeline layout of {model.architecture} is on record, yet the output has {topo.pp} stages")
+        return {}
+    if model.tie_word_embeddings and not arch.pp_tied_head:
+        report.add("stages", f"pipeline stages: SGLang cannot serve a tied {model.architecture} at pp > 1 (no lm_head weight on the last stage)")
+    counts, last = topo.pp_layers, topo.pp - 1
+    ranges = stage_ranges(counts)
+    mtp = any((i := layer_of(t.name)) is not None and i >= model.num_layers for t in plan.tensors)
+
+    def where(stages) -> str:
+        return ", ".join(f"stage {st} (ranks {topo.stage_ranks(st)[0]}-{topo.stage_ranks(st)[-1]})" for st in stages)
+
+    want: dict[str, tuple[int, ...]] = {}
+    layers_held: list[set[int]] = [set() for _ in counts]
+    modules_held: list[set[str]] = [set() for _ in counts]
+    for t in plan.tensors:
+        held = sorted({r // topo.tp for c in t.cuts for r in plan.files[c.file].ranks})
+        layer = layer_of(t.name)
+        for st in held:
+            if layer is not None:
+                layers_held[st].add(layer)
+            else:
+                modules_held[st].add(t.name.rpartition(".")[0])
+        stages = tensor_stages(t.name, counts, head=arch.pp_head, mtp=mtp)
+        if stages is None:
+            report.add("stages", f"{t.name}: held by {where(held)}, but no pipeline stage holds such a tensor")
+            continue
+        want[t.name] = stages
+        if held != list(stages):
+            if layer is not None and layer < model.num_layers:
+                first, end = ranges[stages[0]]
+                why = f"layer {layer} is one of layers {first}-{end - 1}"
+            elif layer is not None:
+                why = "the MTP layer runs on the last stage"
+            else:
+                why = "this is where the engine builds it"
+            report.add("stages", f"{t.name}: held by {where(held) or 'no rank'}, but belongs to {where(stages)}: {why}")
+    for st, (first, end) in enumerate(ranges):
+        missing = sorted(set(range(first, end)) - layers_held[st])
+        if missing:
+            report.add("stages", f"{where([st])} holds no tensor of layers {_span_text(missing)}; its layers are {first}-{end - 1}")
+        needed = {"model.embed_tokens"} if st == 0 or (st == last and mtp) else set()
+        if st == last:
+            needed.add("model.norm")
+        if st == last or arch.pp_head == "every":
+            needed.add("lm_head")
+        for module in sorted(needed - modules_held[st]):
+            report.add("stages", f"{where([st])} lacks {module}, which SGLang builds on that stage")
+    return want
+
+
+def _span_text(ids: list[int]) -> str:
+    return ", ".join(map(str, ids[:8])) + (f" and {len(ids) - 8} more" if len(ids) > 8 else "")
+
+
+def check_pipeline_request(plan: Plan, pp: int | None, pp_layers: str | None, report: CheckReport) -> None:
+    """`check --pp N [--pp-layers ...]`: the output was split for the stages the server will run."""
+    have = plan.topology.pp_layers if plan.topology.pp > 1 else (plan.model.num_layers,)
+    split_for = f"pp {len(have)}" + (f" (layers {partition_value(have)})" if len(have) > 1 else "")
+    if pp_layers is None:
+        if pp != len(have):
+            report.add("stages", f"the output was split for {split_for}, not --pp {pp}")
+        return
+    want = resolve_partition(plan.model.num_layers, pp, pp_layers)
+    if want != tuple(have):
+        report.add("stages", f"the output was split for {split_for}, not --pp-layers {partition_value(want)}")
+
+
 def _check_logical(plan: Plan, report: CheckReport) -> None:
     """3. logical vs physical: each quantized cut converts back to its layer's logical range exactly.
 
@@ -175,7 +270,7 @@ def _check_logical(plan: Plan, report: CheckReport) -> None:
     for s in plan.shards:
         if not s.quant or s.logical_dim is None:
             continue
-        tiles[s.source].append(s)
+        tiles[s.name].append(s)
         lo, n, per = s.logical_start, s.logical_length, s.logical_length + s.logical_pad
         if s.value is not None:
             if len(s.value) <= s.logical_dim or s.value[s.logical_dim] != per:

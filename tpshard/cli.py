@@ -41,6 +41,8 @@ MoeDenseTp = Annotated[Optional[int], typer.Option("--moe-dense-tp", help="DeepS
 Pad = Annotated[bool, typer.Option("--pad/--no-pad", help="Zero-pad MLP dims the group does not divide (or refuse).")]
 DpLmHead = Annotated[bool, typer.Option("--dp-lm-head", help="Shard lm_head over attn_tp instead of tp.")]
 Json = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
+Pp = Annotated[Optional[int], typer.Option("--pp", help="Pipeline stages (world = pp x tp, rank = pp_rank x tp + tp_rank); layers split as SGLang does unless --pp-layers.")]
+PpLayers = Annotated[Optional[str], typer.Option("--pp-layers", help="Decoder layers per pipeline stage, e.g. 26,27,27 (give the server the same SGLANG_PP_LAYER_PARTITION).")]
 PadBlocks = Annotated[bool, typer.Option("--pad-blocks", help="FP8 block formats: zero-pad each rank's MLP shard to whole 128-blocks instead of refusing.")]
 Workers = Annotated[Optional[int], typer.Option("--workers", help="I/O threads (default: from the CPU count).")]
 EngineFormat = Annotated[Optional[str], typer.Option("--format", help="Engine sharded_state export: vllm or sglang (docs/deploy.md).")]
@@ -51,15 +53,44 @@ def _options(pad: bool, dp_lm_head: bool, pad_blocks: bool = False) -> Options:
     return Options(pad=pad, dp_lm_head=dp_lm_head, pad_blocks=pad_blocks)
 
 
-def _topology(tp: int, attn_dp: int, attn_cp: int, ep: int, moe_dense_tp: int | None) -> Topology:
-    return Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp, ep=ep, moe_dense_tp=moe_dense_tp)
+def _topology(
+    tp: int, attn_dp: int, attn_cp: int, ep: int, moe_dense_tp: int | None, pp: int | None = None,
+    pp_layers: str | None = None, ckpt=None,
+) -> Topology:  # fmt: skip
+    """The topology asked for; with --pp / --pp-layers, the partition of the checkpoint's layers."""
+    partition = msgspec.UNSET
+    if pp is not None or pp_layers is not None:
+        from tpshard.checkpoint import model_info
+        from tpshard.stages import resolve_partition
+
+        partition = resolve_partition(model_info(ckpt).num_layers, pp, pp_layers)
+    return Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp, ep=ep, moe_dense_tp=moe_dense_tp, pp_layers=partition)
 
 
-def _plan(model: Path, topology: Topology, options: Options):
+def _plan(model: Path, topology_args: tuple, options: Options):
+    """The plan for `model`; topology_args are _topology's (the partition needs the checkpoint)."""
     from tpshard.checkpoint import open_checkpoint
     from tpshard.plan import make_plan
 
-    return make_plan(open_checkpoint(model), topology, options)
+    ckpt = open_checkpoint(model)
+    return make_plan(ckpt, _topology(*topology_args, ckpt=ckpt), options)
+
+
+def _stage_lines(p) -> None:
+    """plan: each pipeline stage's layers, and the partition the engine must be started with."""
+    from tpshard.report import human_bytes, stage_rows
+    from tpshard.stages import PARTITION_ENV, partition_value
+
+    rows = stage_rows(p)
+    if not rows:
+        return
+    for row in rows:
+        row["bytes_per_rank"] = human_bytes(row["bytes_per_rank"])
+    err.print(_table("Pipeline stages (SGLang placement)", rows))
+    err.print(
+        f"start SGLang with --pp-size {p.topology.pp} and {PARTITION_ENV['sglang']}={partition_value(p.topology.pp_layers)}",
+        markup=False, soft_wrap=True,
+    )  # fmt: skip
 
 
 def _emit_json(obj) -> None:
@@ -78,19 +109,26 @@ def _table(title: str, rows: list[dict]) -> Table:
 @app.command()
 def plan(
     model: Model, tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = 1, moe_dense_tp: MoeDenseTp = None,
+    pp: Pp = None, pp_layers: PpLayers = None,
     pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False, json: Json = False,
 ) -> None:  # fmt: skip
     """Show what every rank will hold, before a byte is written."""
-    from tpshard.report import human_bytes, kind_rows, rank_rows
+    from tpshard.report import human_bytes, kind_rows, rank_rows, stage_rows
 
     from tpshard.quant.shards import alignment_rows
 
-    p = _plan(model, _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp), _options(pad, dp_lm_head, pad_blocks))
+    p = _plan(model, (tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers), _options(pad, dp_lm_head, pad_blocks))
     alignment = alignment_rows(p)  # quantized tensors: the pre-flight (misaligned cuts were refused above)
     if json:
-        _emit_json({"plan": p, "by_kind": kind_rows(p), "by_rank": rank_rows(p), "alignment": alignment})
+        out = {"plan": p, "by_kind": kind_rows(p), "by_rank": rank_rows(p), "alignment": alignment}
+        if p.topology.pp > 1:
+            from tpshard.stages import PARTITION_ENV, partition_value
+
+            out |= {"stages": stage_rows(p), "partition_env": {PARTITION_ENV["sglang"]: partition_value(p.topology.pp_layers)}}
+        _emit_json(out)
         return
     err.print(f"[bold]{model}[/] {p.model.architecture}, {p.topology.describe()}")
+    _stage_lines(p)
     err.print(_table("Per weight kind", kind_rows(p)))
     ranks = rank_rows(p)
     for row in ranks:
@@ -109,6 +147,7 @@ def plan(
 @app.command()
 def explain(
     model: Model, tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = 1, moe_dense_tp: MoeDenseTp = None,
+    pp: Pp = None, pp_layers: PpLayers = None,
     pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False,
     layer: Annotated[int, typer.Option("--layer", help="Decoder layer to walk through.")] = 0,
     json: Json = False,
@@ -116,7 +155,7 @@ def explain(
     """Walk through one layer: segment, layer class and group, per-rank shape, disk slice, reduction."""
     from tpshard.report import explain_rows
 
-    p = _plan(model, _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp), _options(pad, dp_lm_head, pad_blocks))
+    p = _plan(model, (tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers), _options(pad, dp_lm_head, pad_blocks))
     rows = explain_rows(p, layer)
     if not rows:
         mtp = f" + {p.model.num_nextn_predict_layers} MTP" if p.model.num_nextn_predict_layers else ""
@@ -124,7 +163,14 @@ def explain(
     if json:
         _emit_json(rows)
         return
-    err.print(_table(f"Layer {layer} at {p.topology.describe()}", rows))
+    where = ""
+    if p.topology.pp > 1:
+        from tpshard.stages import stage_of_layer
+
+        stage = p.topology.pp - 1 if layer >= p.model.num_layers else stage_of_layer(p.topology.pp_layers, layer)
+        ranks = p.topology.stage_ranks(stage)
+        where = f", pipeline stage {stage} (ranks {ranks[0]}-{ranks[-1]})"
+    err.print(_table(f"Layer {layer} at {p.topology.describe()}{where}", rows))
 
 
 @app.command()
@@ -132,6 +178,7 @@ def split(
     model: Model,
     out: Annotated[Path, typer.Option("-o", "--out", help="Output folder (must not exist unless --force).")],
     tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = 1, moe_dense_tp: MoeDenseTp = None,
+    pp: Pp = None, pp_layers: PpLayers = None,
     pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False, workers: Workers = None,
     checksum: Annotated[str, typer.Option("--checksum", help="Tensor digests in the manifest: crc32 (fast) or sha256.")] = "crc32",
     ranks: Annotated[Optional[str], typer.Option("--ranks", help="Write only these ranks, e.g. 0-3 or 0,2,4.")] = None,
@@ -146,6 +193,8 @@ def split(
     if format is not None:
         if ranks is not None:
             raise TpshardError("--ranks and --format: an engine export needs every rank; split --ranks, merge, then tpshard export")
+        if pp not in (None, 1) or pp_layers is not None:
+            raise TpshardError("--pp and --format: export of pipeline stages is not built yet; split without --format")
         return _split_then_export(model, out, tp, attn_dp, attn_cp, _options(pad, dp_lm_head, pad_blocks), checksum, workers, force, format, max_part_size, json)
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
@@ -153,8 +202,8 @@ def split(
     from tpshard.report import human_bytes
     from tpshard.writer import split as do_split
 
-    topology = _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp)
     ckpt = open_checkpoint(model)
+    topology = _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, ckpt)
     total = sum(t.nbytes for t in ckpt.tensors.values())
     start = time.perf_counter()
     with Progress(
@@ -182,6 +231,13 @@ def split(
     )
     for w in manifest.plan.warnings:
         err.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
+    if manifest.plan.topology.pp > 1:
+        from tpshard.stages import PARTITION_ENV, partition_value
+
+        err.print(
+            f"start SGLang with --pp-size {topology.pp} and {PARTITION_ENV['sglang']}={partition_value(topology.pp_layers)}",
+            markup=False, soft_wrap=True,
+        )  # fmt: skip
 
 
 @app.command()
@@ -189,6 +245,8 @@ def check(
     out: Annotated[Path, typer.Argument(help="A tpshard output folder, or an engine export (tpshard export).")],
     source: Annotated[Optional[Path], typer.Option("--source", help="The checkpoint it was split from: enables bit-exact reassembly.")] = None,
     workers: Workers = None,
+    pp: Annotated[Optional[int], typer.Option("--pp", help="The pipeline stages the server will run: the output must be split for them.")] = None,
+    pp_layers: Annotated[Optional[str], typer.Option("--pp-layers", help="The layer partition the server will run (its SGLANG_PP_LAYER_PARTITION).")] = None,
     json: Json = False,
 ) -> None:  # fmt: skip
     """Checksums, alignment checks and (with --source) bit-exact reassembly. Exit 1 on any mismatch."""
@@ -196,7 +254,7 @@ def check(
     from tpshard.report import human_bytes
 
     start = time.perf_counter()
-    report = do_check(out, source, workers=workers)
+    report = do_check(out, source, workers=workers, pp=pp, pp_layers=pp_layers)
     seconds = time.perf_counter() - start
     if json:
         _emit_json({"ok": report.ok, "seconds": round(seconds, 3), **msgspec.to_builtins(report)})

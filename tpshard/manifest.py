@@ -161,6 +161,7 @@ class TensorPlan(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
     """What every cut of one source tensor shares; ShardSpec documents each field."""
 
     name: str  # HF name, in the source and in the rank files
+    source: str = ""  # the source tensor cut, when not `name` (a tied model's lm_head copy at pp > 1)
     layer: str
     layer_class: str
     piece: str = ""
@@ -216,21 +217,23 @@ def pack_tensors(specs: Iterable[Mapping[str, Any] | ShardSpec], files: Iterable
     The inverse of the ShardSpec view; `make_plan` assembles its plan with it, and tests use it to
     write a deliberately wrong manifest. Shards of one tensor must agree on every shared field."""
     index = {f.name: i for i, f in enumerate(files)}
-    shared_of, cut_of, logical_of = itemgetter("source_shape", *_SHARED), itemgetter(*_PER_CUT), itemgetter(*_LOGICAL)
+    shared_of, cut_of, logical_of = itemgetter("source", "source_shape", *_SHARED), itemgetter(*_PER_CUT), itemgetter(*_LOGICAL)
     shared: dict[str, tuple] = {}
     cuts: dict[str, list[Cut]] = {}
     for s in specs:
         d = {**_DEFAULTS, **s} if isinstance(s, Mapping) else msgspec.structs.asdict(s)
         name = d["name"]
+        d.setdefault("source", name)
         key = shared_of(d)
         if name not in shared:
             shared[name], cuts[name] = key, []
         elif shared[name] != key:
-            raise ValueError(f"{name}: its shards disagree on {[f for f, a, b in zip(('source_shape', *_SHARED), key, shared[name]) if a != b]}")
+            raise ValueError(f"{name}: its shards disagree on {[f for f, a, b in zip(('source', 'source_shape', *_SHARED), key, shared[name]) if a != b]}")
         cuts[name].append(Cut(*cut_of(d), index[d["file"]], *logical_of(d)))
     out = []
     for name, key in shared.items():
-        out.append(TensorPlan(name=name, shape=tuple(key[0]), cuts=tuple(cuts[name]), **dict(zip(_SHARED, key[1:]))))
+        source = "" if key[0] == name else key[0]  # recorded only where it differs from the name
+        out.append(TensorPlan(name=name, source=source, shape=tuple(key[1]), cuts=tuple(cuts[name]), **dict(zip(_SHARED, key[2:]))))
     return tuple(out)
 
 
@@ -251,7 +254,7 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
     def _view(self, t: TensorPlan, c: Cut) -> ShardSpec:
         f = self.files[c.file]
         return ShardSpec(
-            name=t.name, source=t.name, layer=t.layer, layer_class=t.layer_class, piece=t.piece, kind=t.kind,
+            name=t.name, source=t.source or t.name, layer=t.layer, layer_class=t.layer_class, piece=t.piece, kind=t.kind,
             dtype=t.dtype, source_shape=t.shape, shape=shard_shape(t, c), dim=t.dim, start=c.start,
             length=c.length, pad=c.pad, group=t.group, factor=t.factor, group_rank=c.group_rank,
             group_size=t.group_size, ranks=f.ranks, file=f.name, quant=t.quant, step=t.step,
@@ -448,6 +451,8 @@ def validate(m: Manifest) -> str | None:
     world = m.topology.world_size
     if world > MAX_WORLD:
         return f"topology: world size {world} exceeds {MAX_WORLD}"
+    if m.topology.pp > 1 and sum(m.topology.pp_layers) != m.model.num_layers:
+        return f"topology.pp_layers: {list(m.topology.pp_layers)} adds up to {sum(m.topology.pp_layers)} layers; the model has {m.model.num_layers}"
     for i, r in enumerate(m.written_ranks):
         if r >= world:
             return f"written_ranks[{i}]: rank {r} outside the world of {world}"
@@ -476,6 +481,8 @@ def validate(m: Manifest) -> str | None:
             size *= max(d, 1)
             if size > MAX_BYTES:
                 return f"tensors[{i}] ({t.name}).shape: {list(t.shape)} is more than {MAX_BYTES} bytes"
+        if t.source == t.name:
+            return f"tensors[{i}] ({t.name}).source: equal to the name (recorded only where they differ)"
         if t.dim is not None and t.dim >= len(t.shape):
             return f"tensors[{i}] ({t.name}).dim: {t.dim} but the shape {list(t.shape)} has {len(t.shape)} dims"
         if t.ep_slot is not None and t.ep_slot >= m.topology.ep:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import msgspec
@@ -24,6 +25,7 @@ from tpshard.quant.config import read_quant_config
 from tpshard.quant.formats import QuantSpec, alignment
 from tpshard.quant import shards as qshards
 from tpshard.safetensors_format import TensorInfo, build_header, nbytes_of
+from tpshard.stages import layer_of, tensor_stages
 from tpshard.topology import GroupName, Topology
 
 # MLP roles whose intermediate dim may be zero-padded (--pad, --pad-blocks): plain linears over
@@ -280,6 +282,79 @@ class _Experts:
                 )
 
 
+def refuse_pipeline(ctx: Layout, tensors: Mapping[str, TensorInfo]) -> Callable[[str], tuple[int, ...]] | None:
+    """At pp > 1: the stages holding each tensor (by name), or a one-line refusal of a layout the
+    engine cannot serve or tpshard does not know. None at pp 1."""
+    t, m, a = ctx.topology, ctx.model, ctx.arch
+    if t.pp == 1:
+        return None
+    if a.pp_head is None:
+        raise PlanError(
+            f"--pp {t.pp}: no pipeline layout of {m.architecture} is on record (which stages hold its lm_head;"
+            " reference/PIPELINE.md covers Llama, Mistral, Qwen2, Qwen3 and DeepSeek); split it with --pp 1"
+        )
+    if m.tie_word_embeddings and not a.pp_tied_head:
+        raise PlanError(
+            f"--pp {t.pp}: SGLang {a.engine} cannot serve a tied {m.architecture} with pipeline stages: its lm_head is"
+            " model.embed_tokens, which only the first stage builds, so the last stage has no head weight"
+            " (reference/PIPELINE.md §3); split it with --pp 1"
+        )
+    if sum(t.pp_layers) != m.num_layers:
+        raise PlanError(f"--pp-layers {','.join(map(str, t.pp_layers))} adds up to {sum(t.pp_layers)} layers; the model has {m.num_layers}")
+    mtp = any((i := layer_of(name)) is not None and i >= m.num_layers for name in tensors)
+    head, counts = a.pp_head, t.pp_layers
+
+    def stages_of(name: str) -> tuple[int, ...]:
+        stages = tensor_stages(name, counts, head=head, mtp=mtp)
+        if stages is None:
+            raise PlanError(f"{name}: no pipeline stage is known to hold it (not in a decoder layer, the embedding, the final norm or lm_head)")
+        return stages
+
+    return stages_of
+
+
+def _dense_specs(
+    name: str, source: str, info: TensorInfo, rule: Rule, layer: str, param: str, ep_slot: int | None,
+    expert: int | None, stages: tuple[int, ...] | None, ctx: Layout, ranks_of: dict[tuple, tuple[int, ...]],
+) -> list[dict]:  # fmt: skip
+    """The per-rank specs of an unquantized tensor `name`, cut from source tensor `source`."""
+    cutting = cut_tensor(name, info, rule, param, ctx)
+    group = group_of(rule, ctx) if cutting.kind != "replicated" else "replicated"
+    out = []
+    for cut in cutting.cuts:
+        shape = list(info.shape)
+        if cutting.dim is not None:
+            shape[cutting.dim] = cut.length + cut.pad
+        key = (group, cut.group_rank, cutting.factor, ep_slot, stages)
+        if key not in ranks_of:
+            ranks_of[key] = ctx.topology.ranks_of(*key)
+        out.append(
+            dict(
+                name=name,
+                source=source,
+                layer=layer,
+                layer_class=rule.layer_class,
+                piece=rule.piece,
+                kind=cutting.kind,
+                dtype=info.dtype,
+                source_shape=info.shape,
+                shape=tuple(shape),
+                dim=cutting.dim,
+                start=cut.start,
+                length=cut.length,
+                pad=cut.pad,
+                group=group,
+                factor=cutting.factor,
+                group_rank=cut.group_rank,
+                group_size=cutting.group_size,
+                ranks=ranks_of[key],
+                ep_slot=ep_slot,
+                expert=expert,
+            )
+        )
+    return out
+
+
 def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = None) -> Plan:
     """Every distinct per-rank tensor of the split, and the files that will hold them."""
     options = options or Options()
@@ -287,16 +362,22 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
     arch = arch_for(model)
     ctx = Layout(topology, model, options, arch)
     warnings = refuse_topology(ctx, ckpt.config)
+    stages_of = refuse_pipeline(ctx, ckpt.tensors)  # None: one stage
     matcher = Matcher(arch.table(model))
-    if model.tie_word_embeddings:
+    if model.tie_word_embeddings and stages_of is None:
         warnings.append(
             "lm_head is tied to model.embed_tokens (no lm_head.weight on disk): engines reuse the"
             f" embedding shard, over the {group_of(VOCAB[0], ctx)} group"
         )
+    elif model.tie_word_embeddings:
+        warnings.append(
+            f"lm_head is tied to model.embed_tokens: the last stage holds its own lm_head.weight, a copy of the"
+            f" embedding cut over the {group_of(VOCAB[1], ctx)} group (SGLang {arch.engine} fills it from the embedding)"
+        )
 
     specs: list[dict] = []
     unknown: list[str] = []
-    ranks_of: dict[tuple, tuple[int, ...]] = {}  # (group, group rank, factor, ep slot) -> world ranks, computed once
+    ranks_of: dict[tuple, tuple[int, ...]] = {}  # (group, group rank, factor, ep slot, stages) -> world ranks, computed once
     quant = read_quant_config(ckpt.path, ckpt.config)
     qlayers = _QuantLayers(ctx)
     experts = _Experts(ctx)
@@ -312,6 +393,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
             continue
         rule, layer, expert = found
         ep_slot = experts.place(name, rule, expert)
+        stages = stages_of(name) if stages_of else None
         qspec = quant.spec_for(module, rule.layer_class in _LINEAR) if quant else None
         if qspec is not None and rule.layer_class in ("ReplicatedLinear", "ParallelLMHead"):
             # Quantized only if the checkpoint stores it so: DeepSeek-V3's FP8 checkpoint keeps the MTP
@@ -319,41 +401,16 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
             if not any(f"{module}.{r.suffix}" in ckpt.tensors for r in qspec.roles() if r.suffix not in ("weight", "bias")):
                 qspec = None
         if qspec is not None and param != "bias":
-            specs.extend(qlayers.specs(name, info, module, param, qspec, rule, layer, ep_slot, expert))
+            if stages_of and name == "model.embed_tokens.weight" and model.tie_word_embeddings:
+                raise PlanError(f"{name}: quantized ({qspec.format}) and tied to lm_head; a pipeline's lm_head copy of it is not built")
+            specs.extend(qlayers.specs(name, info, module, param, qspec, rule, layer, ep_slot, expert, stages))
             continue
-        cutting = cut_tensor(name, info, rule, param, ctx)
-        group = group_of(rule, ctx) if cutting.kind != "replicated" else "replicated"
-        for cut in cutting.cuts:
-            shape = list(info.shape)
-            if cutting.dim is not None:
-                shape[cutting.dim] = cut.length + cut.pad
-            key = (group, cut.group_rank, cutting.factor, ep_slot)
-            if key not in ranks_of:
-                ranks_of[key] = topology.ranks_of(*key)
-            specs.append(
-                dict(
-                    name=name,
-                    source=name,
-                    layer=layer,
-                    layer_class=rule.layer_class,
-                    piece=rule.piece,
-                    kind=cutting.kind,
-                    dtype=info.dtype,
-                    source_shape=info.shape,
-                    shape=tuple(shape),
-                    dim=cutting.dim,
-                    start=cut.start,
-                    length=cut.length,
-                    pad=cut.pad,
-                    group=group,
-                    factor=cutting.factor,
-                    group_rank=cut.group_rank,
-                    group_size=cutting.group_size,
-                    ranks=ranks_of[key],
-                    ep_slot=ep_slot,
-                    expert=expert,
-                )
-            )
+        targets = [(name, rule, layer, stages)]
+        if stages_of and name == "model.embed_tokens.weight" and model.tie_word_embeddings:
+            # Tied at pp > 1: the last stage's own lm_head, filled from the embedding (PIPELINE.md §3).
+            targets.append(("lm_head.weight", VOCAB[1], VOCAB[1].layer, stages_of("lm_head.weight")))
+        for target, rule, layer, stages in targets:
+            specs.extend(_dense_specs(target, name, info, rule, layer, param, ep_slot, expert, stages, ctx, ranks_of))
     if unknown:
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         raise PlanError(
@@ -473,7 +530,7 @@ class _QuantLayers:
 
     def specs(
         self, name: str, info: TensorInfo, module: str, suffix: str, qspec: QuantSpec, rule: Rule, layer: str,
-        ep_slot: int | None = None, expert: int | None = None,
+        ep_slot: int | None = None, expert: int | None = None, stages: tuple[int, ...] | None = None,
     ) -> list[dict]:  # fmt: skip
         try:
             role = qspec.role(suffix)
@@ -501,7 +558,7 @@ class _QuantLayers:
         whole = dict(
             base, kind="replicated", shape=info.shape, dim=None, start=0, length=info.shape[0] if info.shape else 1,
             pad=0, group=group, factor=self.topology.group_size(group), group_rank=0, group_size=1,
-            ranks=self.topology.ranks_of(group, 0, self.topology.group_size(group), ep_slot),
+            ranks=self.topology.ranks_of(group, 0, self.topology.group_size(group), ep_slot, stages),
         )  # fmt: skip
         if cutting.dim is None:
             return [whole]
@@ -511,7 +568,7 @@ class _QuantLayers:
         for c in cuts:
             per_rank = dict(
                 base, kind=cutting.kind, group=group, factor=cutting.factor, group_rank=c.group_rank,
-                group_size=cutting.group_size, ranks=self.topology.ranks_of(group, c.group_rank, cutting.factor, ep_slot),
+                group_size=cutting.group_size, ranks=self.topology.ranks_of(group, c.group_rank, cutting.factor, ep_slot, stages),
                 logical_start=c.start, logical_length=c.length, logical_pad=c.pad,
             )  # fmt: skip
             if role.rewrite_shape:  # CT weight_shape: the rank's own [N_r, K] / [N, K_r]
@@ -572,7 +629,16 @@ def spec_layout(specs: list[ShardSpec]) -> tuple[bytes, list[int]]:
 
 
 def _file_label(spec: dict, topology: Topology) -> str:
-    if len(spec["ranks"]) == topology.world_size:
+    """The file name part of a set of ranks: its group and group rank, after its pipeline stages
+    when they are not all of them (pp-000-of-003-..., pp-000+002-of-003-...)."""
+    stages = sorted({r // topology.tp for r in spec["ranks"]})
+    if len(stages) == topology.pp:
+        return _stage_label(spec, topology, len(stages))
+    return f"pp-{'+'.join(f'{s:03d}' for s in stages)}-of-{topology.pp:03d}-" + _stage_label(spec, topology, len(stages))
+
+
+def _stage_label(spec: dict, topology: Topology, stages: int) -> str:
+    if len(spec["ranks"]) == topology.tp * stages:
         return "common"
     if spec.get("ep_slot") is not None:
         label = f"ep-{spec['ep_slot']:03d}-of-{topology.ep:03d}"

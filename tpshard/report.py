@@ -7,6 +7,7 @@ from collections import defaultdict
 
 from tpshard.manifest import Plan, ShardSpec
 from tpshard.safetensors_format import nbytes_of
+from tpshard.stages import layer_of, stage_ranges
 
 REDUCTION = {
     "VocabParallelEmbedding": "mask ids outside the rank's rows, all-reduce over {g}",
@@ -80,7 +81,8 @@ def rank_rows(plan: Plan) -> list[dict]:
     rows = []
     for r in range(topo.world_size):
         specs = plan.rank_shards(r)
-        row = dict(rank=r, attn_dp=topo.attn_dp_rank(r), attn_cp=topo.attn_cp_rank(r), attn_tp=topo.attn_tp_rank(r))
+        row = dict(rank=r) | (dict(pp=topo.pp_rank(r), tp=topo.tp_rank(r)) if topo.pp > 1 else {})
+        row |= dict(attn_dp=topo.attn_dp_rank(r), attn_cp=topo.attn_cp_rank(r), attn_tp=topo.attn_tp_rank(r))
         if moe:
             experts = sorted({s.expert for s in specs if s.expert is not None})
             row |= dict(
@@ -91,6 +93,33 @@ def rank_rows(plan: Plan) -> list[dict]:
             )
         row |= dict(tensors=len(specs), bytes=sum(nbytes_of(s.dtype, s.shape) for s in specs), files=len(plan.rank_files(r)))
         rows.append(row)
+    return rows
+
+
+def stage_rows(plan: Plan) -> list[dict]:
+    """Per pipeline stage: its ranks, its decoder layers (global indices), what else it holds (the
+    embedding, final norm, lm_head, the MTP layer) and the largest rank's bytes; [] at pp 1."""
+    topo, model = plan.topology, plan.model
+    if topo.pp == 1:
+        return []
+    others: list[set[str]] = [set() for _ in range(topo.pp)]
+    for t in plan.tensors:
+        layer = layer_of(t.name)
+        if layer is not None and layer < model.num_layers:
+            continue
+        what = f"MTP layer {layer}" if layer is not None else t.name.rpartition(".")[0]
+        for st in {r // topo.tp for c in t.cuts for r in plan.files[c.file].ranks}:
+            others[st].add(what)
+    rows = []
+    for st, (first, end) in enumerate(stage_ranges(topo.pp_layers)):
+        ranks = topo.stage_ranks(st)
+        rank_bytes = max(sum(nbytes_of(s.dtype, s.shape) for s in plan.rank_shards(r)) for r in ranks)
+        rows.append(
+            dict(
+                stage=st, ranks=_ranges(list(ranks)), layers=_ranges(list(range(first, end))), layer_count=end - first,
+                also=", ".join(sorted(others[st], key=_forward_position)) or "-", bytes_per_rank=rank_bytes,
+            )
+        )  # fmt: skip
     return rows
 
 

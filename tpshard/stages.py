@@ -7,16 +7,23 @@ layers to the last stages, vLLM to the stages before the last, never the last. S
 for pipeline stages records its partition explicitly, and the server must be given the same one
 (SGLANG_PP_LAYER_PARTITION / VLLM_PP_LAYER_PARTITION).
 
-Pure functions on plain numbers; nothing here reads a checkpoint.
+Which stages hold the pieces outside the decoder layers follows SGLang 0.5.23 (PIPELINE.md §3, §4):
+the embedding on the first stage, the final norm on the last, lm_head on the last stage, or on
+every stage for the Llama family (`Arch.pp_head`); DeepSeek's MTP layer (stored as layer
+num_layers) and, with it, a second copy of the embedding on the last stage.
+
+Pure functions on plain numbers and names; nothing here reads a checkpoint.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from tpshard.errors import TopologyError
 
 Engine = Literal["sglang", "vllm"]
+Head = Literal["last", "every"]  # the stages an lm_head is built on (tpshard.arch.base.Arch.pp_head)
 
 PARTITION_ENV = {"sglang": "SGLANG_PP_LAYER_PARTITION", "vllm": "VLLM_PP_LAYER_PARTITION"}
 
@@ -75,3 +82,41 @@ def stage_of_layer(counts: tuple[int, ...], layer: int) -> int:
 def partition_value(counts: tuple[int, ...]) -> str:
     """What to set the engine's partition variable to, for a server that must match this output."""
     return ",".join(map(str, counts))
+
+
+def resolve_partition(num_layers: int, pp: int | None, text: str | None) -> tuple[int, ...]:
+    """Layers per stage for `--pp` and `--pp-layers`: the explicit partition when given (its
+    length is pp when --pp is not), else SGLang's default for pp stages."""
+    if text is not None:
+        count = len(text.split(","))
+        return parse_partition(text, num_layers, count if pp is None else pp)
+    return default_partition(num_layers, 1 if pp is None else pp, "sglang")
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def layer_of(name: str) -> int | None:
+    """The global decoder layer index in a tensor name (None: not in a decoder layer)."""
+    found = _LAYER.match(name)
+    return int(found.group(1)) if found else None
+
+
+def tensor_stages(name: str, counts: tuple[int, ...], *, head: Head, mtp: bool) -> tuple[int, ...] | None:
+    """The stages whose ranks hold tensor `name` (None: no stage is known to hold it).
+
+    counts: layers per stage; their sum is the model's num_layers, and a layer index at or past it
+    is DeepSeek's MTP layer, which runs on the last stage. mtp: the output holds the MTP layer, so
+    the last stage also holds an embedding for it."""
+    last = len(counts) - 1
+    layer = layer_of(name)
+    if layer is not None:
+        return (last,) if layer >= sum(counts) else (stage_of_layer(counts, layer),)
+    module = name.rpartition(".")[0]
+    if module == "model.embed_tokens":
+        return (0, last) if mtp and last > 0 else (0,)
+    if module == "model.norm":
+        return (last,)
+    if module == "lm_head":
+        return tuple(range(last + 1)) if head == "every" else (last,)
+    return None

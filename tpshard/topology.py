@@ -10,6 +10,13 @@ process group.
 Expert parallelism (SGLang runtime_context.derive_spawn_ranks): `moe_tp = tp // ep`, MoE-TP is
 the fastest index, so ranks [k*moe_tp, (k+1)*moe_tp) form EP slot k; a routed expert is held only
 by the ranks of its slot (`ranks_of(..., ep_slot=k)`), independent of the attention layout.
+
+Pipeline parallelism (reference/PIPELINE.md §1): `pp` stages of `tp` ranks each, world rank =
+pp_rank * tp + tp_rank. Attention DP/CP and EP live inside each stage's TP group, so every group
+above is the tp-sized layout of one stage, offset by pp_rank * tp; `ranks_of(..., stages=...)`
+keeps the ranks of the stages holding a tensor. The partition (decoder layers per stage) is
+`pp_layers`; pp is its length. It is UNSET (left out of the JSON) for one stage, so that an
+output made without pipeline stages is byte for byte what it was before they existed.
 """
 
 from __future__ import annotations
@@ -18,11 +25,13 @@ import functools
 from typing import Literal
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from tpshard.errors import TopologyError
 
 GroupName = Literal["tp", "attn_tp", "moe_tp", "replicated"]
 MAX_WORLD = 1 << 16  # ranks; beyond any deployment, and keeps a plan's size bounded
+MAX_LAYERS = 1 << 16  # decoder layers of one pipeline stage
 
 
 class Topology(msgspec.Struct, frozen=True, kw_only=True):
@@ -31,6 +40,8 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
     attn_cp: int = 1
     ep: int = 1  # expert parallel size (SGLang --ep-size); moe_tp = tp // ep
     moe_dense_tp: int | None = None  # SGLang --moe-dense-tp-size: None = tp, or 1 (dense MLPs whole)
+    # Decoder layers of each pipeline stage, e.g. (26, 27, 27) (tpshard.stages); UNSET = one stage.
+    pp_layers: tuple[int, ...] | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         fields = (("tp", self.tp), ("attn_dp", self.attn_dp), ("attn_cp", self.attn_cp), ("ep", self.ep))
@@ -54,10 +65,41 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
                 f"--moe-dense-tp {self.moe_dense_tp}: SGLang accepts only 1 (dense MLPs whole on every rank)"
                 f" or the tp size {self.tp}"
             )
+        if self.pp_layers is not UNSET:
+            counts = self.pp_layers
+            if isinstance(counts, list):
+                counts = tuple(counts)
+                msgspec.structs.force_setattr(self, "pp_layers", counts)
+            if not isinstance(counts, tuple) or not 1 <= len(counts) <= MAX_WORLD or any(
+                not isinstance(c, int) or isinstance(c, bool) or not 1 <= c <= MAX_LAYERS for c in counts
+            ):
+                raise TopologyError(
+                    f"--pp-layers {counts!r}: give 1 to {MAX_WORLD} stages of 1 to {MAX_LAYERS} decoder layers each"
+                )
+            if len(counts) == 1:  # one stage is no pipeline: recorded as none, so pp 1 outputs stay as they were
+                msgspec.structs.force_setattr(self, "pp_layers", UNSET)
+        if self.world_size > MAX_WORLD:
+            raise TopologyError(f"--pp {self.pp} x --tp {self.tp} = {self.world_size} ranks; at most {MAX_WORLD}")
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages (1 without a pipeline)."""
+        return 1 if self.pp_layers is UNSET else len(self.pp_layers)
 
     @property
     def world_size(self) -> int:
-        return self.tp
+        return self.pp * self.tp
+
+    def pp_rank(self, rank: int) -> int:
+        """The pipeline stage of a world rank (TP fastest: world rank = pp_rank * tp + tp_rank)."""
+        return rank // self.tp
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    def stage_ranks(self, stage: int) -> range:
+        """The world ranks of one pipeline stage: its TP group."""
+        return range(stage * self.tp, (stage + 1) * self.tp)
 
     @property
     def attn_tp(self) -> int:
@@ -70,7 +112,7 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
         return (rank // self.attn_tp) % self.attn_cp
 
     def attn_dp_rank(self, rank: int) -> int:
-        return rank // (self.attn_tp * self.attn_cp)
+        return self.tp_rank(rank) // (self.attn_tp * self.attn_cp)
 
     @property
     def moe_tp(self) -> int:
@@ -82,8 +124,8 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
         return self.moe_dense_tp or self.tp
 
     def ep_rank(self, rank: int) -> int:
-        """EP slot of a world rank: the block of experts it holds."""
-        return rank // self.moe_tp
+        """EP slot of a world rank: the block of experts it holds (in its stage's TP group)."""
+        return self.tp_rank(rank) // self.moe_tp
 
     def moe_tp_rank(self, rank: int) -> int:
         return rank % self.moe_tp
@@ -103,11 +145,15 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
         self.group_size(group, factor)
         return (rank % self.span(group)) // factor
 
-    def ranks_of(self, group: GroupName, group_rank: int, factor: int = 1, ep_slot: int | None = None) -> tuple[int, ...]:
+    def ranks_of(
+        self, group: GroupName, group_rank: int, factor: int = 1, ep_slot: int | None = None,
+        stages: tuple[int, ...] | None = None,
+    ) -> tuple[int, ...]:  # fmt: skip
         """All world ranks whose rank in (group, factor) is `group_rank`: they hold identical bytes.
 
-        `ep_slot` (routed experts) keeps only the ranks of that EP slot."""
-        return _ranks_of(self, group, group_rank, factor, ep_slot)
+        `ep_slot` (routed experts) keeps only the ranks of that EP slot; `stages` only the ranks
+        of those pipeline stages (None: every stage)."""
+        return _ranks_of(self, group, group_rank, factor, ep_slot, stages)
 
     def describe(self) -> str:
         text = f"tp={self.tp} attn_dp={self.attn_dp} attn_cp={self.attn_cp} (attn_tp={self.attn_tp})"
@@ -115,17 +161,24 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
             text += f" ep={self.ep} (moe_tp={self.moe_tp})"
         if self.moe_dense_tp is not None:
             text += f" moe_dense_tp={self.moe_dense_tp}"
+        if self.pp > 1:
+            text += f" pp={self.pp} (layers {','.join(map(str, self.pp_layers))})"
         return text
 
 
 @functools.lru_cache(maxsize=65536)
-def _ranks_of(topology: Topology, group: GroupName, group_rank: int, factor: int, ep_slot: int | None) -> tuple[int, ...]:
+def _ranks_of(
+    topology: Topology, group: GroupName, group_rank: int, factor: int, ep_slot: int | None, stages: tuple[int, ...] | None
+) -> tuple[int, ...]:  # fmt: skip
     size = topology.group_size(group, factor)
     if not 0 <= group_rank < size:
         return ()
     span = topology.span(group)
     first = group_rank * factor  # offsets inside each group instance holding this group rank
-    ranks = (base + first + j for base in range(0, topology.world_size, span) for j in range(factor))
-    if ep_slot is None:
-        return tuple(ranks)
-    return tuple(r for r in ranks if r // topology.moe_tp == ep_slot)
+    # tp ranks of one stage; every stage repeats them, offset by pp_rank * tp
+    ranks = [base + first + j for base in range(0, topology.tp, span) for j in range(factor)]
+    if ep_slot is not None:
+        ranks = [r for r in ranks if r // topology.moe_tp == ep_slot]
+    if stages is None:
+        stages = tuple(range(topology.pp))
+    return tuple(s * topology.tp + r for s in stages if 0 <= s < topology.pp for r in ranks)

@@ -8,6 +8,8 @@
 - The MTP module is decoder layer num_hidden_layers: a MoE layer plus enorm, hnorm, eh_proj,
   shared_head.norm (whole), and its own embed_tokens / shared_head.head, cut like the model's
   (SGLang never reads them: the draft shares the target's; cut anyway so every tensor is checked).
+- Pipeline stages: lm_head and norm on the last stage, which also runs the MTP layer and, with it,
+  holds a second copy of model.embed_tokens (reference/PIPELINE.md §3, §4).
 """
 
 from tpshard.arch.base import NORMS, VOCAB, Arch, L, Rule, gated_mlp, router, routed_experts
@@ -57,7 +59,7 @@ def kv_a(model: ModelInfo) -> tuple[Rule, ...]:
 ARCHS = tuple(
     Arch(
         name, BASE, "deepseek_v2.py", attn_group="attn_tp", embed_group="attn_tp", sparse=sparse,
-        experts_limit="tp", variant=kv_a,
+        experts_limit="tp", variant=kv_a, pp_head="last", pp_tied_head=True,
     )
     for name in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 )  # fmt: skip

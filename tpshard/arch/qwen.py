@@ -6,6 +6,9 @@
 - Qwen3Attention is built with parallel_group="attn_tp"; Qwen3Model is a Qwen2Model.
 - The MoE models cut attention over attn_tp and build every decoder layer sparse
   (stage_facts: is_layer_sparse = True), so a checkpoint with dense layers has no home.
+- Pipeline stages (Qwen2, Qwen3): lm_head on the last stage; tied, the last stage builds its own
+  lm_head filled from the embedding (reference/PIPELINE.md §3). The MoE models have no pipeline
+  layout on record, so tpshard refuses them at pp > 1.
 """
 
 from tpshard.arch.base import DENSE_MLP, NORMS, QK_NORM, QKV_ATTENTION, VOCAB, Arch, L, Rule, gated_mlp, router, routed_experts
@@ -39,8 +42,11 @@ def refuse_dense_layers(config: dict, model: ModelInfo) -> None:
 
 
 ARCHS = (
-    Arch("Qwen2ForCausalLM", QWEN2, "qwen2.py", attn_group="tp", embed_group="attn_tp", dp_lm_head=False),
-    Arch("Qwen3ForCausalLM", QWEN3, "qwen3.py", attn_group="attn_tp", embed_group="attn_tp"),
+    Arch(
+        "Qwen2ForCausalLM", QWEN2, "qwen2.py", attn_group="tp", embed_group="attn_tp", dp_lm_head=False,
+        pp_head="last", pp_tied_head=True,
+    ),
+    Arch("Qwen3ForCausalLM", QWEN3, "qwen3.py", attn_group="attn_tp", embed_group="attn_tp", pp_head="last", pp_tied_head=True),
     Arch(
         "Qwen3MoeForCausalLM", QWEN3_MOE, "qwen3_moe.py", attn_group="attn_tp", embed_group="attn_tp",
         sparse=every_layer_sparse, experts_limit="moe_tp", check=refuse_dense_layers,

@@ -55,6 +55,8 @@ def export(
     out = Path(out_dir)
     manifest = read_manifest(out)
     plan = manifest.plan
+    if plan.topology.pp > 1:
+        raise OutputError(f"{out}: split for {plan.topology.pp} pipeline stages; export of pipeline stages is not built yet")
     missing = sorted(set(range(plan.topology.world_size)) - set(manifest.written_ranks))
     if missing:
         raise OutputError(f"{out}: holds ranks {list(manifest.written_ranks)}; an export needs every rank (missing {missing}); merge the parts first")

@@ -139,7 +139,13 @@ def verify_many(
     sizes = set()
     for job in jobs:
         check_args(job)
-        sizes.add(read_manifest(job.out).plan.topology.world_size)
+        topology = read_manifest(job.out).plan.topology
+        if topology.pp > 1:
+            raise TpshardError(
+                f"{job.out}: split for {topology.pp} pipeline stages; verify of pipeline stages is not built yet"
+                " (tpshard check --source proves every byte)"
+            )
+        sizes.add(topology.world_size)
     if len(sizes) != 1:
         raise TpshardError(f"outputs verified in one launch must share the world size, got {sorted(sizes)}")
     world = sizes.pop()
