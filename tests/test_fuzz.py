@@ -377,3 +377,18 @@ def test_manifest_fuzz_refused_cleanly(good_output, llama, edits):
 @given(edits=manifest_edits())
 def test_manifest_fuzz_refused_cleanly_long(good_output, llama, edits):
     manifest_property(good_output, llama, edits)
+
+
+@fuzz(SHORT)
+@given(names=st.lists(st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=0x2FF), min_size=1, max_size=12), min_size=1, max_size=6, unique=True))
+def test_header_bytes_are_json_dumps_bytes(names):
+    """build_header's fast encoder writes exactly what json.dumps writes (escapes included)."""
+    from tpshard.safetensors_format import build_header
+
+    tensors = [(n, "BF16", (i + 1, 2)) for i, n in enumerate(names)]
+    head, _ = build_header(tensors, {"format": "pt"})
+    entries, offset = {"__metadata__": {"format": "pt"}}, 0
+    for n, dtype, shape in tensors:
+        entries[n] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + 2 * shape[0] * shape[1]]}
+        offset += 2 * shape[0] * shape[1]
+    assert head[8:].rstrip(b" ") == json.dumps(entries, separators=(",", ":")).encode()

@@ -680,7 +680,7 @@ def _layout_files(specs: list[dict], topology: Topology, options: Options, layou
                 OutputFile(
                     name=name,
                     ranks=ranks,
-                    size=len(header) + sum(nbytes_of(s["dtype"], s["shape"]) for s in part),
+                    size=offsets[-1] + nbytes_of(part[-1]["dtype"], part[-1]["shape"]),  # the data ends with the last tensor
                 )
             )
     return files

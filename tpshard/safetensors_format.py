@@ -10,6 +10,7 @@ file's header before any data exists.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -143,17 +144,16 @@ def build_header(
         entries[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         relative.append(offset)
         offset += nbytes
-    body = json.dumps(entries, separators=(",", ":")).encode()
+    # msgspec writes what json.dumps(separators=(",", ":")) writes for ASCII names, ~10x faster
+    # (DeepSeek-V3's files hold ~90k entries); other names stay as json.dumps escapes them.
+    body = msgspec.json.encode(entries) if all(n.isascii() and n.isprintable() for n in entries) else json.dumps(entries, separators=(",", ":")).encode()
     body += b" " * (-(len(body) + 8) % ALIGN)
     head = struct.pack("<Q", len(body)) + body
     return head, [len(head) + r for r in relative]
 
 
 def nbytes_of(dtype: str, shape: tuple[int, ...]) -> int:
-    n = DTYPE_SIZE[dtype]
-    for d in shape:
-        n *= d
-    return n
+    return DTYPE_SIZE[dtype] * math.prod(shape)
 
 
 def read_header_bytes(path: Path) -> bytes:
