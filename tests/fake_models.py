@@ -98,6 +98,16 @@ def deepseek_v3(*, layers: int | None = None, fp8: bool = True, mtp: bool = True
     return _checkpoint(config, shapes, files)
 
 
+def _gqa_layer(p: str, c: dict, h: int, hd: int) -> dict:
+    """A decoder layer's norms and q/k/v/o of a GQA attention (bf16)."""
+    heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
+    return {
+        f"{p}.input_layernorm.weight": ((h,), "BF16"), f"{p}.post_attention_layernorm.weight": ((h,), "BF16"),
+        f"{p}.self_attn.q_proj.weight": ((heads * hd, h), "BF16"), f"{p}.self_attn.k_proj.weight": ((kv * hd, h), "BF16"),
+        f"{p}.self_attn.v_proj.weight": ((kv * hd, h), "BF16"), f"{p}.self_attn.o_proj.weight": ((h, heads * hd), "BF16"),
+    }  # fmt: skip
+
+
 def qwen_moe(arch: str = "Qwen3MoeForCausalLM", *, layers: int = 48, **overrides) -> Checkpoint:
     """Qwen3-30B-A3B by default (bf16): H 2048, 32 heads of 128, 4 kv heads, 128 experts of 768."""
     c = dict(
@@ -110,15 +120,7 @@ def qwen_moe(arch: str = "Qwen3MoeForCausalLM", *, layers: int = 48, **overrides
     shapes: dict = {"model.embed_tokens.weight": ((c["vocab_size"], h), "BF16")}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}"
-        shapes |= {
-            f"{p}.input_layernorm.weight": ((h,), "BF16"),
-            f"{p}.self_attn.q_proj.weight": ((c["num_attention_heads"] * hd, h), "BF16"),
-            f"{p}.self_attn.k_proj.weight": ((c["num_key_value_heads"] * hd, h), "BF16"),
-            f"{p}.self_attn.v_proj.weight": ((c["num_key_value_heads"] * hd, h), "BF16"),
-            f"{p}.self_attn.o_proj.weight": ((h, c["num_attention_heads"] * hd), "BF16"),
-            f"{p}.post_attention_layernorm.weight": ((h,), "BF16"),
-            f"{p}.mlp.gate.weight": ((e, h), "BF16"),
-        }  # fmt: skip
+        shapes |= _gqa_layer(p, c, h, hd) | {f"{p}.mlp.gate.weight": ((e, h), "BF16")}
         if arch == "Qwen3MoeForCausalLM":
             shapes |= {f"{p}.self_attn.q_norm.weight": ((hd,), "BF16"), f"{p}.self_attn.k_norm.weight": ((hd,), "BF16")}
         for x in range(e):
@@ -149,15 +151,7 @@ def mixtral(*, layers: int = 32, **overrides) -> Checkpoint:
     shapes: dict = {"model.embed_tokens.weight": ((c["vocab_size"], h), "BF16")}
     for layer in range(c["num_hidden_layers"]):
         p = f"model.layers.{layer}"
-        shapes |= {
-            f"{p}.input_layernorm.weight": ((h,), "BF16"),
-            f"{p}.self_attn.q_proj.weight": ((c["num_attention_heads"] * hd, h), "BF16"),
-            f"{p}.self_attn.k_proj.weight": ((c["num_key_value_heads"] * hd, h), "BF16"),
-            f"{p}.self_attn.v_proj.weight": ((c["num_key_value_heads"] * hd, h), "BF16"),
-            f"{p}.self_attn.o_proj.weight": ((h, c["num_attention_heads"] * hd), "BF16"),
-            f"{p}.post_attention_layernorm.weight": ((h,), "BF16"),
-            f"{p}.block_sparse_moe.gate.weight": ((e, h), "BF16"),
-        }  # fmt: skip
+        shapes |= _gqa_layer(p, c, h, hd) | {f"{p}.block_sparse_moe.gate.weight": ((e, h), "BF16")}
         for x in range(e):
             shapes[f"{p}.block_sparse_moe.experts.{x}.w1.weight"] = ((i_, h), "BF16")
             shapes[f"{p}.block_sparse_moe.experts.{x}.w3.weight"] = ((i_, h), "BF16")

@@ -74,7 +74,7 @@ def safetensors_accepts(path: Path) -> bool:
             for k in f.keys():
                 f.get_slice(k)
         return True
-    except Exception:
+    except BaseException:  # the library's own errors (and panics) are its refusal
         return False
 
 
