@@ -315,44 +315,31 @@ def refuse_pipeline(ctx: Layout, tensors: Mapping[str, TensorInfo]) -> Callable[
 
 def _dense_specs(
     name: str, source: str, info: TensorInfo, rule: Rule, layer: str, param: str, ep_slot: int | None,
-    expert: int | None, stages: tuple[int, ...] | None, ctx: Layout, ranks_of: dict[tuple, tuple[int, ...]],
+    expert: int | None, stages: tuple[int, ...] | None, ctx: Layout, records: dict[tuple, list[dict]],
 ) -> list[dict]:  # fmt: skip
-    """The per-rank specs of an unquantized tensor `name`, cut from source tensor `source`."""
-    cutting = cut_tensor(name, info, rule, param, ctx)
-    group = group_of(rule, ctx) if cutting.kind != "replicated" else "replicated"
-    out = []
-    for cut in cutting.cuts:
-        shape = list(info.shape)
-        if cutting.dim is not None:
-            shape[cutting.dim] = cut.length + cut.pad
-        key = (group, cut.group_rank, cutting.factor, ep_slot, stages)
-        if key not in ranks_of:
-            ranks_of[key] = ctx.topology.ranks_of(*key)
-        out.append(
-            dict(
-                name=name,
-                source=source,
-                layer=layer,
-                layer_class=rule.layer_class,
-                piece=rule.piece,
-                kind=cutting.kind,
-                dtype=info.dtype,
-                source_shape=info.shape,
-                shape=tuple(shape),
-                dim=cutting.dim,
-                start=cut.start,
-                length=cut.length,
-                pad=cut.pad,
-                group=group,
-                factor=cutting.factor,
-                group_rank=cut.group_rank,
-                group_size=cutting.group_size,
-                ranks=ranks_of[key],
-                ep_slot=ep_slot,
-                expert=expert,
+    """The per-rank specs of an unquantized tensor `name`, cut from source tensor `source`.
+
+    The cut depends on the rule, the parameter and the shape, not on the name (which only names
+    refusals): records are worked out once per kind and stamped with each tensor's names."""
+    kind = (rule, param, info.dtype, info.shape, ep_slot, stages)
+    if kind not in records:
+        cutting = cut_tensor(name, info, rule, param, ctx)
+        group = group_of(rule, ctx) if cutting.kind != "replicated" else "replicated"
+        records[kind] = out = []
+        for cut in cutting.cuts:
+            shape = list(info.shape)
+            if cutting.dim is not None:
+                shape[cutting.dim] = cut.length + cut.pad
+            out.append(
+                dict(
+                    layer_class=rule.layer_class, piece=rule.piece, kind=cutting.kind, dtype=info.dtype,
+                    source_shape=info.shape, shape=tuple(shape), dim=cutting.dim, start=cut.start, length=cut.length,
+                    pad=cut.pad, group=group, factor=cutting.factor, group_rank=cut.group_rank,
+                    group_size=cutting.group_size, ep_slot=ep_slot,
+                    ranks=ctx.topology.ranks_of(group, cut.group_rank, cutting.factor, ep_slot, stages),
+                )  # fmt: skip
             )
-        )
-    return out
+    return [{**r, "name": name, "source": source, "layer": layer, "expert": expert} for r in records[kind]]
 
 
 def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = None) -> Plan:
@@ -377,7 +364,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
 
     specs: list[dict] = []
     unknown: list[str] = []
-    ranks_of: dict[tuple, tuple[int, ...]] = {}  # (group, group rank, factor, ep slot, stages) -> world ranks, computed once
+    records: dict[tuple, list[dict]] = {}  # kind of unquantized tensor -> its per-rank records (_dense_specs)
     quant = read_quant_config(ckpt.path, ckpt.config)
     qlayers = _QuantLayers(ctx)
     experts = _Experts(ctx)
@@ -410,7 +397,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
             # Tied at pp > 1: the last stage's own lm_head, filled from the embedding (PIPELINE.md §3).
             targets.append(("lm_head.weight", VOCAB[1], VOCAB[1].layer, stages_of("lm_head.weight")))
         for target, rule, layer, stages in targets:
-            specs.extend(_dense_specs(target, name, info, rule, layer, param, ep_slot, expert, stages, ctx, ranks_of))
+            specs.extend(_dense_specs(target, name, info, rule, layer, param, ep_slot, expert, stages, ctx, records))
     if unknown:
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         raise PlanError(
@@ -461,6 +448,7 @@ class _QuantLayers:
         self.cuttings: dict[tuple, tuple] = {}  # (layer kind, n, k, format) -> _logical_cut(...)
         self.errors: list[tuple[str, str]] = []  # (tensor, message)
         self.engine = qshards.group_findings()
+        self.records: dict[tuple, list[dict]] = {}  # kind of tensor -> its per-rank records, names left out
 
     def _layer(self, module: str, info: TensorInfo, qspec: QuantSpec, rule: Rule, layer: str, ep_slot: int | None):
         if module in self.layers:
@@ -550,18 +538,32 @@ class _QuantLayers:
                 f"{name}: shape {list(info.shape)} on disk, but a {qspec.format} {qspec.bits}-bit layer"
                 f" [N={n}, K={k}] (group {qspec.group_size}) stores {suffix} as {list(want)}"
             )
+        # Every expert and layer of one kind cuts alike: work the records out once per kind and
+        # stamp each tensor's names on them (DeepSeek-V3: ~92k tensors, a few dozen kinds).
+        kind = (rule.layer_class, rule.role, rule.piece, n, k, qspec, suffix, info.dtype, info.shape, ep_slot, stages, bool(cuts))
+        records = self.records.get(kind)
+        if records is None:
+            records = self.records[kind] = self._records(info, qspec, role, rule, cutting, cuts, n, k, group, ep_slot, stages)
+        return [{**r, "name": name, "source": name, "layer": layer, "expert": expert} for r in records]
+
+    def _records(self, info, qspec, role, rule, cutting, cuts, n, k, group, ep_slot, stages) -> list[dict]:
+        """The per-rank records of one kind of quantized tensor, without its names."""
         base = dict(
-            name=name, source=name, layer=layer, layer_class=rule.layer_class, piece=rule.piece, dtype=info.dtype,
+            layer_class=rule.layer_class, piece=rule.piece, dtype=info.dtype,
             source_shape=info.shape, quant=qspec.format, logical_dim=cutting.dim, logical_size=(n, k)[cutting.dim or 0],
-            ep_slot=ep_slot, expert=expert,
+            ep_slot=ep_slot,
         )  # fmt: skip
-        whole = dict(
-            base, kind="replicated", shape=info.shape, dim=None, start=0, length=info.shape[0] if info.shape else 1,
-            pad=0, group=group, factor=self.topology.group_size(group), group_rank=0, group_size=1,
-            ranks=self.topology.ranks_of(group, 0, self.topology.group_size(group), ep_slot, stages),
-        )  # fmt: skip
+
+        def whole() -> dict:
+            factor = self.topology.group_size(group)
+            return dict(
+                base, kind="replicated", shape=info.shape, dim=None, start=0, length=info.shape[0] if info.shape else 1,
+                pad=0, group=group, factor=factor, group_rank=0, group_size=1,
+                ranks=self.topology.ranks_of(group, 0, factor, ep_slot, stages),
+            )  # fmt: skip
+
         if cutting.dim is None:
-            return [whole]
+            return [whole()]
         if not cuts:
             return []
         out = []
@@ -578,7 +580,7 @@ class _QuantLayers:
                 continue
             phys = _physical_cut(qspec, role, cutting.dim, (n, k)[cutting.dim], c)
             if phys is None:
-                return [dict(whole, logical_dim=None)]
+                return [dict(whole(), logical_dim=None)]
             dim, start, length, pad, ratio, atom, step = phys
             shape = list(info.shape)
             shape[dim] = length + pad
