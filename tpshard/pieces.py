@@ -7,6 +7,8 @@ compares them with what the output holds. Neither knows how a tensor is cut.
 
 from __future__ import annotations
 
+import math
+
 import os
 import threading
 from collections.abc import Iterator
@@ -47,7 +49,7 @@ def cut_pieces(
     if len(dims) > 1:
         raise ValueError(f"{info}: specs cut along several dims {sorted(dims)}")
     dim = dims.pop() if dims else 0
-    outer = int(np.prod(shape[:dim], dtype=np.int64))
+    outer = math.prod(shape[:dim])
     rows = shape[dim]
     inner = info.nbytes // (outer * rows)  # bytes per index of the cut dim
     row_bytes = rows * inner

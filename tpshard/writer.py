@@ -94,6 +94,7 @@ def split(
 
 WRITE_BYTES = 128 << 10
 BATCH_BYTES, BATCH_TENSORS = 8 << 20, 256
+WRITEBACK_MIN = 1 << 20  # shards smaller than this are left to the final fsync
 
 
 def _batches(order: list[tuple[str, TensorInfo]]):
@@ -240,7 +241,9 @@ def _copy_tensor(src_fd: int, info: TensorInfo, targets: list[_Target]) -> bytes
     for i, at, data in cut_pieces(src_fd, info, [t.spec for t in targets], source_hash):
         targets[i].write(data, at)
     for t in targets:
-        start_writeback(t.fd, t.offset, nbytes_of(t.spec.dtype, t.spec.shape))
+        nbytes = nbytes_of(t.spec.dtype, t.spec.shape)
+        if nbytes >= WRITEBACK_MIN:  # a call per small shard costs more than it saves (92k shards of DeepSeek-V3)
+            start_writeback(t.fd, t.offset, nbytes)
     if source_hash is not None:
         return source_hash.digest()
     # The pieces are consecutive runs of the source, already crc32'd as they were written.
