@@ -24,9 +24,13 @@ from typing import NamedTuple
 
 
 class Piece(NamedTuple):
-    engine: str  # engine key, a template over the HF name's regex groups
-    position: int  # place along dim 0 of the engine tensor
+    engine: str  # engine key, a template over the HF name's regex groups; "" = not in the engine's state
+    position: int  # place along dim 0 of the engine tensor (of each expert's slice when `stacked`)
     count: int  # pieces in the engine tensor (1 = the HF tensor itself)
+    # Routed experts: the engine tensor is [E_local, rows, cols], the rank's experts in ascending id,
+    # each expert's `count` pieces along its rows; its bytes are the dim-0 concatenation of those 2-D
+    # pieces, expert by expert.
+    stacked: bool = False
 
 
 class Buffer(NamedTuple):
@@ -42,6 +46,8 @@ class EngineTable(NamedTuple):
     tied: str  # the key a tied embedding / lm_head table is kept under
     buffers: tuple[Buffer, ...] = ()  # per decoder layer
     attn_dp: bool = False  # the engine model shards attention and the embedding over attn_tp
+    buffers_at: str = r"(model\.layers\.\d+)\.self_attn\.o_proj\.weight"  # a kept tensor of each attention layer
+    ep: str = ""  # "" = no routed experts; "vllm": vLLM's expert placement (layout.refuse_unexportable)
 
 
 L = r"(model\.layers\.\d+)"
@@ -74,12 +80,68 @@ _SGLANG_DENSE = EngineTable(DENSE_PIECES, tied="lm_head.weight")
 # which tpshard's attn-dp plan does not match (ENGINE_FORMATS.md §2, measured).
 _SGLANG_DP = _SGLANG_DENSE._replace(attn_dp=True)
 
+# ---- MoE and MLA, vLLM 0.33.0 only (SGLang loads post-processed, backend-specific expert layouts) ----
+#
+# The keys are those of vLLM's `_filter_subtensors(model.state_dict())` (sharded_state_loader.py
+# L137-172), which keeps the lexicographically smallest of the names one storage has. vLLM's FusedMoE
+# (layers/fused_moe/layer.py L415-457) registers its parameters in a `routed_experts` child
+# (layers/fused_moe/routed_experts.py) and also holds the router `gate` and, where given, the shared
+# experts (`_shared_experts._layer`, layers/fused_moe/runner/shared_experts.py L56) and the shared
+# expert's gate, so those tensors have two names and the kept one is often `mlp.experts.…`. Every
+# key below was read from vLLM's own models built on CPU (tp 2, docs/deploy.md), not guessed from
+# the attribute names: Qwen3-MoE's router is kept as `mlp.experts.gate.weight` (passed to the
+# FusedMoE, models/qwen3_moe.py L170-205), Qwen2-MoE's as `mlp.gate.weight`.
+#
+# w13_weight [E_local, 2*I/moe_tp, H] is each local expert's gate rows then up rows, w2_weight
+# [E_local, H, I/moe_tp] its down columns (layers/fused_moe/unquantized_fused_moe_method.py L87-117).
+E = r"\.experts\.\d+\."
+
+
+def _experts(block: str, gate: str, up: str, down: str, at: str) -> tuple[tuple[str, Piece], ...]:
+    """Routed experts of `L.<block>` into the FusedMoE parameters at `L.<at>`."""
+    src = L + r"\." + re.escape(block) + E
+    return (
+        (src + re.escape(gate) + r"\.weight", Piece(r"\1." + at + ".w13_weight", 0, 2, stacked=True)),
+        (src + re.escape(up) + r"\.weight", Piece(r"\1." + at + ".w13_weight", 1, 2, stacked=True)),
+        (src + re.escape(down) + r"\.weight", Piece(r"\1." + at + ".w2_weight", 0, 1, stacked=True)),
+    )
+
+
+def _mlp(block: str, at: str) -> tuple[tuple[str, Piece], ...]:
+    """A gate/up/down MLP at `L.<block>` as vLLM's gate_up_proj / down_proj at `L.<at>`."""
+    src = L + r"\." + re.escape(block) + r"\."
+    return (
+        (src + r"gate_proj\.weight", Piece(r"\1." + at + ".gate_up_proj.weight", 0, 2)),
+        (src + r"up_proj\.weight", Piece(r"\1." + at + ".gate_up_proj.weight", 1, 2)),
+        (src + r"down_proj\.weight", Piece(r"\1." + at + ".down_proj.weight", 0, 1)),
+    )
+
+
+_NO_MLP = tuple(p for p in DENSE_PIECES if ".mlp." not in p[1].engine)
+QWEN3_MOE_PIECES = _NO_MLP + (
+    (L + r"\.mlp\.gate\.weight", Piece(r"\1.mlp.experts.gate.weight", 0, 1)),
+) + _experts("mlp", "gate_proj", "up_proj", "down_proj", "mlp.experts.routed_experts")
+QWEN2_MOE_PIECES = QWEN3_MOE_PIECES[:-4] + (
+    (L + r"\.mlp\.gate\.weight", Piece(r"\1.mlp.gate.weight", 0, 1)),
+    (L + r"\.mlp\.shared_expert_gate\.weight", Piece(r"\1.mlp.experts._shared_experts._layer.expert_gate.weight", 0, 1)),
+) + _experts("mlp", "gate_proj", "up_proj", "down_proj", "mlp.experts.routed_experts") + _mlp(
+    "mlp.shared_expert", "mlp.experts._shared_experts._layer"
+)
+# Mixtral keeps its checkpoint's block name (models/mixtral.py): router `block_sparse_moe.gate`.
+MIXTRAL_PIECES = _NO_MLP + (
+    (L + r"\.block_sparse_moe\.gate\.weight", Piece(r"\1.block_sparse_moe.gate.weight", 0, 1)),
+) + _experts("block_sparse_moe", "w1", "w3", "w2", "block_sparse_moe.experts.routed_experts")
+_VLLM_MOE = dict(tied="lm_head.weight", buffers=VLLM_ATTENTION_BUFFERS, ep="vllm")
+
 TABLES: dict[str, dict[str, EngineTable]] = {
     "vllm": {
         "LlamaForCausalLM": _VLLM_DENSE,
         "MistralForCausalLM": _VLLM_DENSE,
         "Qwen2ForCausalLM": _VLLM_DENSE,
         "Qwen3ForCausalLM": _VLLM_DENSE,
+        "Qwen3MoeForCausalLM": EngineTable(QWEN3_MOE_PIECES, **_VLLM_MOE),
+        "Qwen2MoeForCausalLM": EngineTable(QWEN2_MOE_PIECES, **_VLLM_MOE),
+        "MixtralForCausalLM": EngineTable(MIXTRAL_PIECES, **_VLLM_MOE),
     },
     "sglang": {
         "LlamaForCausalLM": _SGLANG_DENSE,
