@@ -1,0 +1,128 @@
+"""Engine exports of the MoE and MLA families (vLLM only): names, shapes and dtypes per rank against
+tables worked by hand from vLLM 0.33.0's model classes, the bytes of the stacked expert tensors
+against slices cut here with torch from the source (not from tpshard's plan), check on the export,
+and the refusals (SGLang, EP layouts vLLM does not build)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tpshard
+from tpshard.check import check
+from tpshard.export import ExportError, export
+from test_export import VLLM_BUFFERS, _messages, _source, headers, rewrite_export_checksums
+
+BF = "BF16"
+# Shared by all: hidden 64, vocab 250 -> 256 rows padded, 128 per rank at tp 2; 3 layers.
+GLOBAL = {"model.embed_tokens.weight": (BF, (128, 64)), "lm_head.weight": (BF, (128, 64)), "model.norm.weight": (BF, (64,))}
+NORMS = {"input_layernorm.weight": (BF, (64,)), "post_attention_layernorm.weight": (BF, (64,))}
+# 8 experts of intermediate 32 (Mixtral: 96): w13 holds each expert's 16 gate then 16 up rows at tp 2.
+LAYER_TP2 = {
+    "qwen3_moe": {  # head_dim 16: qkv = 4 q heads + 1 k + 1 v = 96 rows; router kept under the FusedMoE
+        **NORMS, **VLLM_BUFFERS,
+        "self_attn.qkv_proj.weight": (BF, (96, 64)), "self_attn.o_proj.weight": (BF, (64, 64)),
+        "self_attn.q_norm.weight": (BF, (16,)), "self_attn.k_norm.weight": (BF, (16,)),
+        "mlp.experts.gate.weight": (BF, (8, 64)),
+        "mlp.experts.routed_experts.w13_weight": (BF, (8, 32, 64)), "mlp.experts.routed_experts.w2_weight": (BF, (8, 64, 16)),
+    },
+    "qwen2_moe": {  # head_dim 8, q/k/v biases; shared expert of 48 (24 per rank) and its gate
+        **NORMS, **VLLM_BUFFERS,
+        "self_attn.qkv_proj.weight": (BF, (48, 64)), "self_attn.qkv_proj.bias": (BF, (48,)), "self_attn.o_proj.weight": (BF, (64, 32)),
+        "mlp.gate.weight": (BF, (8, 64)),
+        "mlp.experts._shared_experts._layer.expert_gate.weight": (BF, (1, 64)),
+        "mlp.experts._shared_experts._layer.gate_up_proj.weight": (BF, (48, 64)),
+        "mlp.experts._shared_experts._layer.down_proj.weight": (BF, (64, 24)),
+        "mlp.experts.routed_experts.w13_weight": (BF, (8, 32, 64)), "mlp.experts.routed_experts.w2_weight": (BF, (8, 64, 16)),
+    },
+    "mixtral": {  # experts of intermediate 96 (48 per rank)
+        **NORMS, **VLLM_BUFFERS,
+        "self_attn.qkv_proj.weight": (BF, (48, 64)), "self_attn.o_proj.weight": (BF, (64, 32)),
+        "block_sparse_moe.gate.weight": (BF, (8, 64)),
+        "block_sparse_moe.experts.routed_experts.w13_weight": (BF, (8, 96, 64)),
+        "block_sparse_moe.experts.routed_experts.w2_weight": (BF, (8, 64, 48)),
+    },
+}  # fmt: skip
+
+
+def worked(arch: str, layers: int = 3) -> dict:
+    table = dict(GLOBAL)
+    for i in range(layers):
+        table.update({f"model.layers.{i}.{k}": v for k, v in LAYER_TP2[arch].items()})
+    return table
+
+
+def _split_export(src, root, **topo):
+    tpshard.split(src, root / "out", tpshard.Topology(**topo))
+    export(root / "out", root / "vllm", "vllm")
+    return root / "vllm"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_moe_names_shapes_dtypes_and_expert_bytes_tp2(request, tmp_path, arch):
+    """Every key at tp 2 as worked above; w13 = per expert [gate rows of the rank; up rows], w2 = the
+    rank's down columns, cut here with torch from the source."""
+    src = request.getfixturevalue(arch)
+    dest = _split_export(src, tmp_path, tp=2)
+    assert headers(dest, 0) == headers(dest, 1) == worked(arch)
+    w = _source(src)
+    block, (g, u, d) = ("block_sparse_moe", ("w1", "w3", "w2")) if arch == "mixtral" else ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    i = 48 if arch == "mixtral" else 16
+    for r in (0, 1):
+        got = load_file(dest / f"model-rank-{r}-part-0.safetensors")
+        for layer in range(3):
+            at = f"model.layers.{layer}.{block}.experts."
+            w13 = torch.stack([torch.cat([w[f"{at}{e}.{g}.weight"][i * r : i * r + i], w[f"{at}{e}.{u}.weight"][i * r : i * r + i]]) for e in range(8)])
+            w2 = torch.stack([w[f"{at}{e}.{d}.weight"][:, i * r : i * r + i] for e in range(8)])
+            assert torch.equal(got[at + "routed_experts.w13_weight"], w13)
+            assert torch.equal(got[at + "routed_experts.w2_weight"], w2)
+    report = check(dest, src)
+    assert report.ok, report.problems
+
+
+def test_qwen3_moe_ep_equals_tp_is_vllm_expert_parallel(tmp_path, qwen3_moe):
+    """--ep 2 at tp 2 is vLLM's --enable-expert-parallel (EP size = tp, the experts' own tp 1) with its
+    default linear placement: rank r holds whole experts 4r..4r+3."""
+    dest = _split_export(qwen3_moe, tmp_path, tp=2, ep=2)
+    want = worked("qwen3_moe")
+    for layer in range(3):
+        at = f"model.layers.{layer}.mlp.experts.routed_experts."
+        want[at + "w13_weight"], want[at + "w2_weight"] = (BF, (4, 64, 64)), (BF, (4, 64, 32))
+    assert headers(dest, 0) == headers(dest, 1) == want
+    w = _source(qwen3_moe)
+    at = "model.layers.2.mlp.experts."
+    got = load_file(dest / "model-rank-1-part-0.safetensors")
+    assert torch.equal(got[at + "routed_experts.w13_weight"], torch.stack([torch.cat([w[f"{at}{e}.gate_proj.weight"], w[f"{at}{e}.up_proj.weight"]]) for e in range(4, 8)]))
+    assert torch.equal(got[at + "routed_experts.w2_weight"], torch.stack([w[f"{at}{e}.down_proj.weight"] for e in range(4, 8)]))
+    assert check(dest, qwen3_moe).ok
+
+
+def test_check_catches_a_flipped_byte_in_a_w13_part(tmp_path, copy_of, qwen3_moe):
+    dest = copy_of(_split_export(qwen3_moe, tmp_path, tp=2))
+    m = tpshard.export.read_export_manifest(dest)
+    f = next(f for f in m.files if f.rank == 1)
+    from tpshard.plan import file_header
+
+    _, offsets = file_header([(t.name, t.dtype, t.shape) for t in f.tensors])
+    k = next(i for i, t in enumerate(f.tensors) if t.name == "model.layers.1.mlp.experts.routed_experts.w13_weight")
+    path = dest / f.name
+    data = bytearray(path.read_bytes())
+    data[offsets[k] + 5 * 32 * 64 * 2 + 17 * 64 * 2 + 3] ^= 0x01  # expert 5, row 17 (its first up row), col 1
+    path.write_bytes(bytes(data))
+    assert "does not match its crc32" in _messages(check(dest))
+    rewrite_export_checksums(dest)
+    report = check(dest, qwen3_moe)
+    assert not report.ok and "model.layers.1.mlp.experts.5.up_proj.weight" in _messages(report), _messages(report)
+
+
+def test_moe_refusals_one_clear_line(tmp_path, qwen3_moe):
+    tpshard.split(qwen3_moe, tmp_path / "tp2", tpshard.Topology(tp=2))
+    with pytest.raises(ExportError, match=r"--format sglang: Qwen3MoeForCausalLM has routed experts; SGLang's sharded_state loads"):
+        export(tmp_path / "tp2", tmp_path / "x", "sglang")
+    tpshard.split(qwen3_moe, tmp_path / "ep2", tpshard.Topology(tp=4, ep=2))
+    with pytest.raises(ExportError, match=r"--ep 2 \(moe_tp 2\) at tp 4; vLLM builds either every expert cut over tp 4 \(--ep 1\) or.*2 whole experts per rank \(--ep 4\)"):
+        export(tmp_path / "ep2", tmp_path / "x", "vllm")
+    assert not (tmp_path / "x").exists()
