@@ -121,7 +121,7 @@ def refuse_unexportable(plan: Plan, engine: str, config_tied: bool) -> NameMap:
             f"--format {engine}: config.json says tie_word_embeddings={str(config_tied).lower()} but the checkpoint has {have};"
             f" {engine} builds the model from config.json, so it would expect other keys"
         )
-    return NameMap(table)
+    return NameMap(table, plan.model.q_lora_rank)
 
 
 def _order(name: str) -> tuple:
@@ -132,17 +132,24 @@ def _order(name: str) -> tuple:
     return (0 if name.startswith("model.embed_tokens") else 2 if name.startswith("model.norm") else 3, 0, name)
 
 
+def _layer_index(name: str) -> int:
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else -1
+
+
 def rank_tensors(plan: Plan, rank: int, names: NameMap) -> list[EngineTensor]:
     """The engine state dict of one rank: fused shards and constant buffers, in state-dict order."""
     fused: dict[str, dict[int | None, list]] = {}  # engine key -> expert id (None: not stacked) -> pieces
     layers: set[str] = set()
     anchor = re.compile(names.table.buffers_at)
     for spec in plan.rank_shards(rank):
+        if names.table.drop_mtp and _layer_index(spec.name) >= plan.model.num_layers:
+            continue  # DeepSeek's MTP layer: not in the target model (names.py), only in vLLM's draft model
         piece = names.piece(spec.name)
         if piece is None:
             raise ExportError(f"{spec.name}: no engine name for it in the {plan.model.architecture} table")
         if not piece.engine:
-            continue  # not in the engine model's state (DeepSeek's MTP layer in vLLM)
+            continue  # not in the engine model's state
         engine = piece.engine
         if engine == "model.embed_tokens.weight" and plan.model.tie_word_embeddings:
             engine = names.table.tied

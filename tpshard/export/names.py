@@ -48,6 +48,8 @@ class EngineTable(NamedTuple):
     attn_dp: bool = False  # the engine model shards attention and the embedding over attn_tp
     buffers_at: str = r"(model\.layers\.\d+)\.self_attn\.o_proj\.weight"  # a kept tensor of each attention layer
     ep: str = ""  # "" = no routed experts; "vllm": vLLM's expert placement (layout.refuse_unexportable)
+    q_lora: tuple = ()  # (pieces with q_lora_rank, pieces without): MLA's kv_a_proj_with_mqa
+    drop_mtp: bool = False  # decoder layers >= num_hidden_layers (DeepSeek's MTP) are not in the engine's state
 
 
 L = r"(model\.layers\.\d+)"
@@ -131,6 +133,32 @@ QWEN2_MOE_PIECES = QWEN3_MOE_PIECES[:-4] + (
 MIXTRAL_PIECES = _NO_MLP + (
     (L + r"\.block_sparse_moe\.gate\.weight", Piece(r"\1.block_sparse_moe.gate.weight", 0, 1)),
 ) + _experts("block_sparse_moe", "w1", "w3", "w2", "block_sparse_moe.experts.routed_experts")
+# DeepSeek V2/V3 (models/deepseek_v2.py). MLA: DeepseekV2MLAAttention (L1052-1106) hands q_b_proj /
+# q_proj, o_proj and q_a_layernorm to its `mla_attn` wrapper (L1196-1198), whose names sort first;
+# with q_lora_rank, fused_qkv_a_proj = [q_a_proj; kv_a_proj_with_mqa] (L1052), else
+# kv_a_proj_with_mqa stands alone. The MLA attention's four scale buffers sit at
+# self_attn.mla_attn.mla_attn. The router's e_score_correction_bias is a float32 parameter of the
+# gate, built only when config.json says topk_method "noaux_tc" (L327-332). The MTP layer
+# (num_hidden_layers) is not built (make_layers L1468) and its weights are skipped (L1653-1654).
+_MLA = L + r"\.self_attn\."
+DEEPSEEK_PIECES = (
+    tuple(p for p in DENSE_PIECES if ".self_attn." not in p[1].engine)  # embedding, norms, dense MLP of layers < first_k_dense_replace
+    + (
+        (_MLA + r"q_a_proj\.weight", Piece(r"\1.self_attn.fused_qkv_a_proj.weight", 0, 2)),
+        (_MLA + r"q_a_layernorm\.weight", Piece(r"\1.self_attn.mla_attn.q_a_layernorm.weight", 0, 1)),
+        (_MLA + r"q_b_proj\.weight", Piece(r"\1.self_attn.mla_attn.q_b_proj.weight", 0, 1)),
+        (_MLA + r"q_proj\.weight", Piece(r"\1.self_attn.mla_attn.q_proj.weight", 0, 1)),
+        (_MLA + r"kv_a_layernorm\.weight", Piece(r"\1.self_attn.kv_a_layernorm.weight", 0, 1)),
+        (_MLA + r"kv_b_proj\.weight", Piece(r"\1.self_attn.kv_b_proj.weight", 0, 1)),
+        (_MLA + r"o_proj\.weight", Piece(r"\1.self_attn.mla_attn.o_proj.weight", 0, 1)),
+        (L + r"\.mlp\.gate\.(weight|e_score_correction_bias)", Piece(r"\1.mlp.experts.gate.\2", 0, 1)),
+    )
+    + _experts("mlp", "gate_proj", "up_proj", "down_proj", "mlp.experts.routed_experts")
+    + _mlp("mlp.shared_experts", "mlp.experts._shared_experts._layer")
+)
+KV_A_FUSED = ((_MLA + r"kv_a_proj_with_mqa\.weight", Piece(r"\1.self_attn.fused_qkv_a_proj.weight", 1, 2)),)
+KV_A_ALONE = ((_MLA + r"kv_a_proj_with_mqa\.weight", Piece(r"\1.self_attn.kv_a_proj_with_mqa.weight", 0, 1)),)
+MLA_BUFFERS = tuple(b._replace(engine=b.engine.replace("self_attn.attn.", "self_attn.mla_attn.mla_attn.")) for b in VLLM_ATTENTION_BUFFERS)
 _VLLM_MOE = dict(tied="lm_head.weight", buffers=VLLM_ATTENTION_BUFFERS, ep="vllm")
 
 TABLES: dict[str, dict[str, EngineTable]] = {
@@ -142,6 +170,10 @@ TABLES: dict[str, dict[str, EngineTable]] = {
         "Qwen3MoeForCausalLM": EngineTable(QWEN3_MOE_PIECES, **_VLLM_MOE),
         "Qwen2MoeForCausalLM": EngineTable(QWEN2_MOE_PIECES, **_VLLM_MOE),
         "MixtralForCausalLM": EngineTable(MIXTRAL_PIECES, **_VLLM_MOE),
+        **{
+            arch: EngineTable(DEEPSEEK_PIECES, tied="lm_head.weight", buffers=MLA_BUFFERS, ep="vllm", drop_mtp=True, q_lora=(KV_A_FUSED, KV_A_ALONE))
+            for arch in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+        },
     },
     "sglang": {
         "LlamaForCausalLM": _SGLANG_DENSE,
@@ -157,9 +189,10 @@ ENGINES = tuple(TABLES)
 class NameMap:
     """Compiled table: HF tensor name -> its Piece with the engine name filled in."""
 
-    def __init__(self, table: EngineTable):
+    def __init__(self, table: EngineTable, q_lora_rank: int | None = None):
         self.table = table
-        self._rules = [(re.compile(pattern), piece) for pattern, piece in table.pieces]
+        pieces = table.pieces + (table.q_lora[0 if q_lora_rank else 1] if table.q_lora else ())
+        self._rules = [(re.compile(pattern), piece) for pattern, piece in pieces]
 
     def piece(self, hf_name: str) -> Piece | None:
         for pattern, piece in self._rules:
