@@ -126,3 +126,59 @@ def test_moe_refusals_one_clear_line(tmp_path, qwen3_moe):
     with pytest.raises(ExportError, match=r"--ep 2 \(moe_tp 2\) at tp 4; vLLM builds either every expert cut over tp 4 \(--ep 1\) or.*2 whole experts per rank \(--ep 4\)"):
         export(tmp_path / "ep2", tmp_path / "x", "vllm")
     assert not (tmp_path / "x").exists()
+
+
+MLA_BUFFERS = {f"self_attn.mla_attn.mla_attn.{b}": ("F32", ()) for b in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")}
+# DeepSeek-V3 at tp 2: 8 heads of nope 16 + rope 8 (q_b 4 x 24 = 96 rows), v 16 (kv_b 4 x 32 = 128
+# rows, o_proj 4 x 16 = 64 columns), q_lora 32, kv_lora 16 + rope 8 (fused_qkv_a 32 + 24 = 56 rows,
+# whole on every rank); layer 0 dense (intermediate 96), layers 1-2 MoE with one shared expert of 32.
+MLA = {
+    **NORMS, **MLA_BUFFERS,
+    "self_attn.fused_qkv_a_proj.weight": (BF, (56, 64)), "self_attn.mla_attn.q_a_layernorm.weight": (BF, (32,)),
+    "self_attn.mla_attn.q_b_proj.weight": (BF, (96, 32)), "self_attn.kv_a_layernorm.weight": (BF, (16,)),
+    "self_attn.kv_b_proj.weight": (BF, (128, 16)), "self_attn.mla_attn.o_proj.weight": (BF, (64, 64)),
+}
+DEEPSEEK_V3_TP2 = {
+    0: {**MLA, "mlp.gate_up_proj.weight": (BF, (96, 64)), "mlp.down_proj.weight": (BF, (64, 48))},
+    1: {
+        **MLA,
+        "mlp.experts.gate.weight": (BF, (8, 64)),
+        "mlp.experts.gate.e_score_correction_bias": (BF, (8,)),  # float32 in vLLM: cast on load (docs/deploy.md)
+        "mlp.experts._shared_experts._layer.gate_up_proj.weight": (BF, (32, 64)),
+        "mlp.experts._shared_experts._layer.down_proj.weight": (BF, (64, 16)),
+        "mlp.experts.routed_experts.w13_weight": (BF, (8, 32, 64)), "mlp.experts.routed_experts.w2_weight": (BF, (8, 64, 16)),
+    },
+}  # fmt: skip
+
+
+def test_deepseek_v3_mla_names_and_mtp_left_out(tmp_path, deepseek_v3):
+    """vLLM's DeepseekV3ForCausalLM has no layer 3 (the MTP layer): the export leaves it out, and
+    check --source still passes (the MTP tensors are the draft model's, not this export's)."""
+    dest = _split_export(deepseek_v3, tmp_path, tp=2)
+    want = dict(GLOBAL)
+    for i in range(3):
+        want.update({f"model.layers.{i}.{k}": v for k, v in DEEPSEEK_V3_TP2[min(i, 1)].items()})
+    assert headers(dest, 0) == headers(dest, 1) == want
+    w = _source(deepseek_v3)
+    assert any(k.startswith("model.layers.3.") for k in w)
+    got = load_file(dest / "model-rank-1-part-0.safetensors")
+    at = "model.layers.2.self_attn."
+    assert torch.equal(got[at + "fused_qkv_a_proj.weight"], torch.cat([w[at + "q_a_proj.weight"], w[at + "kv_a_proj_with_mqa.weight"]]))
+    assert torch.equal(got[at + "mla_attn.q_b_proj.weight"], w[at + "q_b_proj.weight"][96:])
+    assert torch.equal(got[at + "mla_attn.o_proj.weight"], w[at + "o_proj.weight"][:, 64:])
+    at = "model.layers.2.mlp.experts."
+    w13 = torch.stack([torch.cat([w[f"{at}{e}.gate_proj.weight"][16:], w[f"{at}{e}.up_proj.weight"][16:]]) for e in range(8)])
+    assert torch.equal(got[at + "routed_experts.w13_weight"], w13)
+    assert torch.equal(got[at + "gate.e_score_correction_bias"], w["model.layers.2.mlp.gate.e_score_correction_bias"])
+    report = check(dest, deepseek_v3)
+    assert report.ok, report.problems
+
+
+def test_deepseek_v2_without_q_lora_keeps_kv_a_alone(tmp_path, deepseek_v2):
+    dest = _split_export(deepseek_v2, tmp_path, tp=2)
+    h = headers(dest, 0)
+    assert h["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == (BF, (24, 64))
+    assert h["model.layers.0.self_attn.mla_attn.q_proj.weight"] == (BF, (96, 64))
+    assert not any("fused_qkv_a_proj" in k or "q_a_layernorm" in k for k in h)
+    assert h["model.layers.1.mlp.experts._shared_experts._layer.gate_up_proj.weight"] == (BF, (64, 64))  # 2 shared experts of 32
+    assert check(dest, deepseek_v2).ok

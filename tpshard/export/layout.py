@@ -66,7 +66,7 @@ def refuse_unexportable(plan: Plan, engine: str, config_tied: bool) -> NameMap:
     if table is None:
         raise ExportError(
             f"--format {engine}: no {engine} name table for {arch} yet (mapped: {', '.join(sorted(TABLES[engine]))});"
-            " MoE and MLA architectures are not mapped for export"
+            " tpshard writes no name it has not mapped exactly"
         )
     quant = sorted({s.quant for s in plan.shards if s.quant}) or sorted({q.get("format", "?") for q in plan.quant_layers.values()})
     if quant:
