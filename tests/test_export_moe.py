@@ -151,9 +151,21 @@ DEEPSEEK_V3_TP2 = {
 }  # fmt: skip
 
 
-def test_deepseek_v3_mla_names_and_mtp_left_out(tmp_path, deepseek_v3):
+def with_noaux_tc(path):
+    """DeepSeek-V3's own config.json says topk_method "noaux_tc"; transformers' config class does not write it."""
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "topk_method": "noaux_tc"}, indent=1))
+    return path
+
+
+def test_deepseek_v3_mla_names_and_mtp_left_out(tmp_path, copy_of, deepseek_v3):
     """vLLM's DeepseekV3ForCausalLM has no layer 3 (the MTP layer): the export leaves it out, and
     check --source still passes (the MTP tensors are the draft model's, not this export's)."""
+    with pytest.raises(ExportError, match=r"e_score_correction_bias but config.json says topk_method None; vllm builds"):
+        _split_export(deepseek_v3, tmp_path / "plain", tp=2)
+    deepseek_v3 = with_noaux_tc(copy_of(deepseek_v3))
     dest = _split_export(deepseek_v3, tmp_path, tp=2)
     want = dict(GLOBAL)
     for i in range(3):

@@ -132,6 +132,18 @@ def _order(name: str) -> tuple:
     return (0 if name.startswith("model.embed_tokens") else 2 if name.startswith("model.norm") else 3, 0, name)
 
 
+def refuse_router_bias(plan: Plan, engine: str, config: dict) -> None:
+    """vLLM's DeepSeek gate has e_score_correction_bias only for topk_method "noaux_tc"
+    (models/deepseek_v2.py L327-332): otherwise the key would be unknown to it (KeyError on load)."""
+    method = config.get("topk_method")
+    biased = any(s.name.endswith(".e_score_correction_bias") for s in plan.shards)
+    if biased and method != "noaux_tc":
+        raise ExportError(
+            f"--format {engine}: the checkpoint has mlp.gate.e_score_correction_bias but config.json says topk_method"
+            f" {method!r}; {engine} builds that parameter only for \"noaux_tc\", so its load would fail; fix config.json"
+        )
+
+
 def _layer_index(name: str) -> int:
     m = re.match(r"model\.layers\.(\d+)\.", name)
     return int(m.group(1)) if m else -1
@@ -205,9 +217,13 @@ def split_parts(rank: int, tensors: list[EngineTensor], max_part_bytes: int) -> 
     return [PartFile(part_name(rank, p), rank, tuple(ts)) for p, ts in enumerate(parts) if ts]
 
 
-def export_layout(plan: Plan, engine: str, config_tied: bool, max_part_bytes: int = DEFAULT_MAX_PART_BYTES) -> list[PartFile]:
-    """Every file of the export, rank by rank."""
+def export_layout(
+    plan: Plan, engine: str, config_tied: bool, max_part_bytes: int = DEFAULT_MAX_PART_BYTES, config: dict | None = None
+) -> list[PartFile]:
+    """Every file of the export, rank by rank (`config`: the source's config.json, for the refusals that need it)."""
     names = refuse_unexportable(plan, engine, config_tied)
+    if config is not None and names.table.drop_mtp:
+        refuse_router_bias(plan, engine, config)
     files: list[PartFile] = []
     for rank in range(plan.topology.world_size):
         files += split_parts(rank, rank_tensors(plan, rank, names), max_part_bytes)
