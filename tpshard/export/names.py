@@ -119,15 +119,17 @@ def _mlp(block: str, at: str) -> tuple[tuple[str, Piece], ...]:
     )
 
 
-_NO_MLP = tuple(p for p in DENSE_PIECES if ".mlp." not in p[1].engine)
-QWEN3_MOE_PIECES = _NO_MLP + (
-    (L + r"\.mlp\.gate\.weight", Piece(r"\1.mlp.experts.gate.weight", 0, 1)),
-) + _experts("mlp", "gate_proj", "up_proj", "down_proj", "mlp.experts.routed_experts")
-QWEN2_MOE_PIECES = QWEN3_MOE_PIECES[:-4] + (
-    (L + r"\.mlp\.gate\.weight", Piece(r"\1.mlp.gate.weight", 0, 1)),
-    (L + r"\.mlp\.shared_expert_gate\.weight", Piece(r"\1.mlp.experts._shared_experts._layer.expert_gate.weight", 0, 1)),
-) + _experts("mlp", "gate_proj", "up_proj", "down_proj", "mlp.experts.routed_experts") + _mlp(
-    "mlp.shared_expert", "mlp.experts._shared_experts._layer"
+_NO_MLP = tuple(p for p in DENSE_PIECES if ".mlp." not in p[1].engine)  # embedding, norms, attention, q/k norms
+_ROUTED = _experts("mlp", "gate_proj", "up_proj", "down_proj", "mlp.experts.routed_experts")
+QWEN3_MOE_PIECES = _NO_MLP + ((L + r"\.mlp\.gate\.weight", Piece(r"\1.mlp.experts.gate.weight", 0, 1)),) + _ROUTED
+QWEN2_MOE_PIECES = (
+    _NO_MLP
+    + (
+        (L + r"\.mlp\.gate\.weight", Piece(r"\1.mlp.gate.weight", 0, 1)),
+        (L + r"\.mlp\.shared_expert_gate\.weight", Piece(r"\1.mlp.experts._shared_experts._layer.expert_gate.weight", 0, 1)),
+    )
+    + _ROUTED
+    + _mlp("mlp.shared_expert", "mlp.experts._shared_experts._layer")
 )
 # Mixtral keeps its checkpoint's block name (models/mixtral.py): router `block_sparse_moe.gate`.
 MIXTRAL_PIECES = _NO_MLP + (
@@ -153,7 +155,7 @@ DEEPSEEK_PIECES = (
         (_MLA + r"o_proj\.weight", Piece(r"\1.self_attn.mla_attn.o_proj.weight", 0, 1)),
         (L + r"\.mlp\.gate\.(weight|e_score_correction_bias)", Piece(r"\1.mlp.experts.gate.\2", 0, 1)),
     )
-    + _experts("mlp", "gate_proj", "up_proj", "down_proj", "mlp.experts.routed_experts")
+    + _ROUTED
     + _mlp("mlp.shared_experts", "mlp.experts._shared_experts._layer")
 )
 KV_A_FUSED = ((_MLA + r"kv_a_proj_with_mqa\.weight", Piece(r"\1.self_attn.fused_qkv_a_proj.weight", 1, 2)),)
