@@ -128,6 +128,12 @@ def test_moe_refusals_one_clear_line(tmp_path, qwen3_moe):
     assert not (tmp_path / "x").exists()
 
 
+def test_deepseek_moe_dense_tp_refused_for_vllm(tmp_path, deepseek_v2):
+    tpshard.split(deepseek_v2, tmp_path / "out", tpshard.Topology(tp=2, moe_dense_tp=1))
+    with pytest.raises(ExportError, match=r"--moe-dense-tp 1; vLLM has no such option and cuts the dense layers' MLP over tp 2"):
+        export(tmp_path / "out", tmp_path / "x", "vllm")
+
+
 MLA_BUFFERS = {f"self_attn.mla_attn.mla_attn.{b}": ("F32", ()) for b in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")}
 # DeepSeek-V3 at tp 2: 8 heads of nope 16 + rope 8 (q_b 4 x 24 = 96 rows), v 16 (kv_b 4 x 32 = 128
 # rows, o_proj 4 x 16 = 64 columns), q_lora 32, kv_lora 16 + rope 8 (fused_qkv_a 32 + 24 = 56 rows,

@@ -91,6 +91,11 @@ def refuse_unexportable(plan: Plan, engine: str, config_tied: bool) -> NameMap:
             f" expert cut over tp {topo.tp} (--ep 1) or, with --enable-expert-parallel, {plan.model.num_experts // topo.tp}"
             f" whole experts per rank (--ep {topo.tp}); split again with --ep 1 or --ep {topo.tp}"
         )
+    if table.ep == "vllm" and topo.dense_tp != topo.tp:
+        raise ExportError(
+            f"--format vllm: split with --moe-dense-tp {topo.moe_dense_tp}; vLLM has no such option and cuts the"
+            f" dense layers' MLP over tp {topo.tp} (models/deepseek_v2.py L1339, DeepseekV2MLP); split again without it"
+        )
     if topo.attn_cp > 1:
         raise ExportError(f"--format {engine}: {topo.describe()}: neither engine has a sharded_state layout for attention context parallelism")
     if topo.attn_dp > 1 and not table.attn_dp:
