@@ -14,7 +14,9 @@ tables are facts about engine code, read from vLLM 0.33.0 and SGLang 0.5.23:
   fails with KeyError there.
 
 A table maps an HF tensor name to (engine name, position, count): the tensor is piece `position`
-of `count` concatenated along dim 0. Architectures that are not here are refused by the exporter.
+of `count` concatenated along dim 0; routed experts are stacked into [E_local, rows, cols]
+(`Piece.stacked`). The MoE and MLA tables (vLLM only) are below DENSE_PIECES, with the vLLM lines
+they come from. Architectures that are not here are refused by the exporter.
 """
 
 from __future__ import annotations
