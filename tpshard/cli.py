@@ -453,7 +453,7 @@ def _split_then_export(model, out, tp, attn_dp, attn_cp, options, checksum, work
     max_bytes = parse_size(max_part_size)
     ckpt = open_checkpoint(model)
     topology = Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp)
-    export_layout(make_plan(ckpt, topology, options), format, config_tied(ckpt.config), max_bytes)  # refuse before writing
+    export_layout(make_plan(ckpt, topology, options), format, config_tied(ckpt.config), max_bytes, ckpt.config)  # refuse before writing
     check_output_path(out, [ckpt.path])
     if os.path.lexists(out) and not force:
         raise TpshardError(f"{out} already exists; pass --force to replace it")

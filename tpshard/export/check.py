@@ -120,7 +120,7 @@ def _check_against_source(folder: Path, m: ExportManifest, source: Path, report:
     check_source_sizes(ckpt, m.source.files, report, "exported")
     try:
         plan = make_plan(ckpt, m.from_.topology, m.from_.options)
-        expected = export_layout(plan, m.engine, config_tied(ckpt.config), m.max_part_bytes)
+        expected = export_layout(plan, m.engine, config_tied(ckpt.config), m.max_part_bytes, ckpt.config)
     except TpshardError as e:
         report.add("rules", f"the rules refuse this source for --format {m.engine}: {e}")
         return

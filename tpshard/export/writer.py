@@ -65,7 +65,7 @@ def export(
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise OutputError(f"{folder}/config.json: unreadable ({e}); the engines build the model from it") from None
-    layout = export_layout(plan, engine, config_tied(config), max_part_bytes)
+    layout = export_layout(plan, engine, config_tied(config), max_part_bytes, config)
 
     with staged_output(dest, force=force, inputs=[out]) as staging:
         result = _write(out, manifest, layout, engine, max_part_bytes, staging, workers or default_workers())
