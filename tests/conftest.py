@@ -97,3 +97,14 @@ def deepseek_fp8(tmp_path_factory) -> Path:
     from checkpoints import make_fp8_deepseek
 
     return make_fp8_deepseek(tmp_path_factory.mktemp("deepseek_fp8") / "model")
+
+
+@pytest.fixture(scope="session")
+def llama_tp2(llama, tmp_path_factory) -> Path:
+    """The llama split at tp 2, shared read-only: tests that break it work on a copy."""
+    import tpshard
+    from tpshard.topology import Topology
+
+    out = tmp_path_factory.mktemp("llama-tp2") / "out"
+    tpshard.split(llama, out, Topology(tp=2))
+    return out

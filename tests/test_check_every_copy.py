@@ -21,10 +21,8 @@ from tpshard.topology import Topology
 
 
 @pytest.fixture(scope="module")
-def out_tp2(llama, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("every") / "out"
-    tpshard.split(llama, out, Topology(tp=2))
-    return out
+def out_tp2(llama_tp2) -> Path:
+    return llama_tp2
 
 
 @pytest.fixture

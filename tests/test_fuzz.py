@@ -206,10 +206,8 @@ def test_index_fuzz_long(scratch, edits, replace_map):
 
 
 @pytest.fixture(scope="module")
-def good_output(llama, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("fuzz-out") / "out"
-    tpshard.split(llama, out, Topology(tp=2))
-    return out
+def good_output(llama_tp2) -> Path:
+    return llama_tp2
 
 
 @st.composite
