@@ -1,11 +1,15 @@
-"""Attempt: load a tpshard `--format sglang` export with SGLang 0.5.23's own loader on a CPU, rank by
+"""Load a tpshard `--format sglang` export with SGLang 0.5.23's own loader on a CPU, rank by
 rank, and compare it bit for bit with SGLang's own `auto` load of the HF source (docs/deploy.md;
 shared ENGINE_FORMATS.md §9).
 
     python examples/engine_load_sglang.py MODEL EXPORT TP [RANKS]
 
-UNFINISHED (see docs/deploy.md, "SGLang 0.5.23"): the imports work on CPU with the stubs below; the
-group stand-ins and the load itself were not brought to a run within the time of this change.
+Not part of the tests: needs SGLang 0.5.23 importable next to a CPU torch (setup in docs/deploy.md).
+Per rank: publish(ServerArgs(tp_size=TP, ...), SpawnRanks(world_rank=r)), rank/size-only stand-ins
+stamped for every group handle of the ParallelContext, torchvision and vllm stubbed, then
+get_model_loader(LoadConfig(load_format=...), model_config).load_model(...) in full: "auto" from
+MODEL and "sharded_state" from EXPORT; every state_dict entry compared bit for bit. Exit 1 if any
+rank differs.
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ def install_stubs() -> None:
 class _Group:
     """Communication-free stand-in for a GroupCoordinator: rank and size only."""
 
+    is_first_rank = is_last_rank = True
+
     def __init__(self, rank: int, size: int) -> None:
         self.rank_in_group, self.world_size, self.rank = rank, size, rank
         self.ranks = list(range(size))
@@ -87,8 +93,13 @@ def main(model: str, export: str, tp: int, ranks: list[int]) -> int:
         reset_context()
         publish(ServerArgs(model_path=path, tp_size=tp, device="cpu", dtype="bfloat16", load_format=load_format), role="test", ranks=SpawnRanks(world_rank=r))
         par = get_parallel()
-        for name in ("tp_group", "attn_tp_group"):
-            object.__setattr__(par, name, _Group(r, tp))
+        # Every group handle the context declares: the TP-wide ones pose as rank r of tp (tp, attn_tp,
+        # moe_tp without attention DP or EP), the others as a group of one.
+        from sglang.srt.runtime_context import _derived_widths
+
+        for name in _derived_widths():
+            if name.endswith("_group"):
+                par._stamp[name] = _Group(r, tp) if name in ("tp_group", "attn_tp_group", "moe_tp_group") else _Group(0, 1)  # ParallelContext reads its permanent stamp before the published config
         mc = ModelConfig(model_path=path, dtype="bfloat16")
         loader = get_model_loader(LoadConfig(load_format=load_format), mc)
         m = loader.load_model(model_config=mc, device_config=DeviceConfig("cpu"))
