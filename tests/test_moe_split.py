@@ -42,22 +42,28 @@ def assert_contract(model: Path, out: Path, topo: Topology) -> None:
             assert t.dtype == want[name].dtype and torch.equal(t, want[name]), f"rank {rank}: {name} {list(t.shape)} vs {list(want[name].shape)}"
 
 
+SLOW = pytest.mark.slow
 CASES = [
     ("qwen3_moe", Topology(tp=4)),
-    ("qwen3_moe", Topology(tp=8, attn_dp=2, ep=8)),
+    pytest.param("qwen3_moe", Topology(tp=8, attn_dp=2, ep=8), marks=SLOW),
     ("qwen3_moe", Topology(tp=4, attn_dp=2, ep=2)),
     ("qwen2_moe", Topology(tp=8, attn_dp=2, ep=4)),
-    ("qwen2_moe", Topology(tp=2)),
-    ("mixtral", Topology(tp=8)),
+    pytest.param("qwen2_moe", Topology(tp=2), marks=SLOW),
+    pytest.param("mixtral", Topology(tp=8), marks=SLOW),
     ("mixtral", Topology(tp=8, ep=2)),
     ("deepseek_v3", Topology(tp=8, attn_dp=2, ep=8)),
     ("deepseek_v3", Topology(tp=4, ep=2, moe_dense_tp=1)),
-    ("deepseek_v3", Topology(tp=8)),
+    pytest.param("deepseek_v3", Topology(tp=8), marks=SLOW),
     ("deepseek_v2", Topology(tp=4, attn_dp=2, ep=4)),
 ]
 
 
-@pytest.mark.parametrize("fixture, topo", CASES, ids=[f"{f}-{t.describe().replace(' ', '_')}" for f, t in CASES])
+def _id(case) -> str:
+    fixture, topo = case.values if hasattr(case, "values") else case
+    return f"{fixture}-{topo.describe().replace(' ', '_')}"
+
+
+@pytest.mark.parametrize("fixture, topo", CASES, ids=[_id(c) for c in CASES])
 def test_every_rank_matches_the_contract(request, tmp_path, fixture, topo):
     model = request.getfixturevalue(fixture)
     out = tmp_path / "out"
