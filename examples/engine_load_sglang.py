@@ -20,6 +20,7 @@ import sys
 import types
 
 import torch
+from engine_compare import args, compare_ranks
 
 
 class _Meta(type):
@@ -105,25 +106,8 @@ def main(model: str, export: str, tp: int, ranks: list[int]) -> int:
         m = loader.load_model(model_config=mc, device_config=DeviceConfig("cpu"))
         return {k: v.detach().clone() for k, v in m.state_dict().items()}
 
-    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-    failed = 0
-    for r in ranks:
-        ref = load(r, model, "auto")
-        try:
-            got = load(r, export, "sharded_state")
-        except Exception as e:  # what the engine says about a broken export is the result here
-            print(f"tp {tp} rank {r}: SGLang refused the export: {type(e).__name__}: {str(e)[:200]}")
-            failed += 1
-            continue
-        diff = sorted(k for k in ref.keys() | got.keys() if k not in ref or k not in got or not same(ref[k], got[k]))
-        print(f"tp {tp} rank {r}: {len(ref)} state_dict entries, " + ("bit-equal" if not diff else f"DIFFER: {diff[:4]}"))
-        failed += bool(diff)
-    return 1 if failed else 0
+    return compare_ranks("SGLang", model, export, tp, ranks, load)
 
 
 if __name__ == "__main__":
-    model, export, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    ranks = [int(r) for r in sys.argv[4].split(",")] if len(sys.argv) > 4 else list(range(tp))
-    sys.exit(main(model, export, tp, ranks))
+    sys.exit(main(*args()))

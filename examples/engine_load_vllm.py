@@ -20,12 +20,15 @@ import sys
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import torch  # noqa: E402
+from engine_compare import args, compare_ranks  # noqa: E402
 
 
-def main(model: str, export: str, tp: int, ranks: list[int]) -> int:
+def vllm_loader(model: str, *, expert_parallel: bool = False, post_process: bool = True):
+    """Set vLLM up on a CPU in a one-process gloo world; return build(rank, size, path, load_format)
+    -> vLLM's model class for that TP rank, loaded in full by its own loader."""
     torch.accelerator.empty_cache = lambda: None  # raises without an accelerator; load_model calls it
 
-    from vllm.config import LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import LoadConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.model_executor.model_loader import get_model_loader
 
@@ -35,6 +38,10 @@ def main(model: str, export: str, tp: int, ranks: list[int]) -> int:
     with set_current_vllm_config(VllmConfig(model_config=ModelConfig(model=model, dtype="bfloat16", enforce_eager=True))):
         init_distributed_environment(world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
         ensure_model_parallel_initialized(1, 1)
+    if not post_process:  # vLLM's CPU MoE post-processing needs its C ops; the files hold the pre-processing layout
+        import vllm.model_executor.model_loader.base_loader as base_loader
+
+        base_loader.process_weights_after_loading = lambda *a, **k: None
 
     case = {"rank": 0, "size": 1}
 
@@ -47,34 +54,28 @@ def main(model: str, export: str, tp: int, ranks: list[int]) -> int:
                 if hasattr(mod, "get_tensor_model_parallel_world_size"):
                     mod.get_tensor_model_parallel_world_size = lambda *a, **k: case["size"]
 
-    def load(path: str, load_format: str) -> dict[str, torch.Tensor]:
+    def build(rank: int, size: int, path: str, load_format: str):
+        case.update(rank=rank, size=size)
         mc = ModelConfig(model=path, dtype="bfloat16", enforce_eager=True)
-        vc = VllmConfig(model_config=mc, load_config=LoadConfig(load_format=load_format))
+        vc = VllmConfig(
+            model_config=mc, load_config=LoadConfig(load_format=load_format),
+            parallel_config=ParallelConfig(enable_expert_parallel=expert_parallel),
+        )  # fmt: skip
         with set_current_vllm_config(vc):
             pose_as_rank()
-            m = get_model_loader(vc.load_config).load_model(vllm_config=vc, model_config=mc)
-        return {k: v.detach().clone() for k, v in m.state_dict().items()}
+            return get_model_loader(vc.load_config).load_model(vllm_config=vc, model_config=mc)
 
-    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return build
 
-    failed = 0
-    for r in ranks:
-        case.update(rank=r, size=tp)
-        ref = load(model, "auto")
-        try:
-            got = load(export, "sharded_state")
-        except Exception as e:  # what the engine says about a broken export is the result here
-            print(f"tp {tp} rank {r}: vLLM refused the export: {type(e).__name__}: {str(e)[:200]}")
-            failed += 1
-            continue
-        diff = sorted(k for k in ref.keys() | got.keys() if k not in ref or k not in got or not same(ref[k], got[k]))
-        print(f"tp {tp} rank {r}: {len(ref)} state_dict entries, " + ("bit-equal" if not diff else f"DIFFER: {diff[:4]}"))
-        failed += bool(diff)
-    return 1 if failed else 0
+
+def main(model: str, export: str, tp: int, ranks: list[int]) -> int:
+    build = vllm_loader(model)
+
+    def load(r: int, path: str, load_format: str) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in build(r, tp, path, load_format).state_dict().items()}
+
+    return compare_ranks("vLLM", model, export, tp, ranks, load)
 
 
 if __name__ == "__main__":
-    model, export, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    ranks = [int(r) for r in sys.argv[4].split(",")] if len(sys.argv) > 4 else list(range(tp))
-    sys.exit(main(model, export, tp, ranks))
+    sys.exit(main(*args()))
