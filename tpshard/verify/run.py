@@ -150,7 +150,7 @@ def _verify_job(info: DistInfo, job: Job) -> VerifyReport:
         dtype=job.dtype, seed=job.seed, tokens=job.tokens,
     )  # fmt: skip
     # Every byte: each rank checks its own files and sends digests of its whole copies.
-    facts = _gather(rank_facts(job.out, manifest, rank, tensors), info)
+    facts = gather_to_root(rank_facts(job.out, manifest, rank, tensors))
     if rank == 0:
         report.tensors = judge_facts(manifest, facts, src)
     keep = {}  # float32 layers the model-level forward reuses
@@ -174,7 +174,7 @@ def _verify_job(info: DistInfo, job: Job) -> VerifyReport:
                 sent["probe"] = rank_outputs(built, torch.zeros_like(x), plan, seed=job.seed, tokens=job.tokens)
             if job.model and dtype == torch.float32:
                 keep[lay.layer] = built
-        gathered = _gather(sent, info)
+        gathered = gather_to_root(sent)
         if rank == 0:
             kw = dict(seed=job.seed, tokens=job.tokens, dtype=dtype, tolerance=LAYER_TOLERANCE[job.dtype])
             result = compare_layer(lay, plan, gathered, src, **kw)
@@ -191,11 +191,6 @@ def _verify_job(info: DistInfo, job: Job) -> VerifyReport:
         )  # fmt: skip
     report.seconds = round(time.perf_counter() - start, 3)
     return broadcast_from_root(report)
-
-
-def _gather(obj, info: DistInfo) -> list | None:
-    """Every rank's `obj` on rank 0 (None elsewhere)."""
-    return gather_to_root(obj)
 
 
 def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
@@ -229,7 +224,7 @@ def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
     with torch.no_grad():
         logits = decoder.forward(ids)
     # Every rank sends its logits: each rank's own norms and layers must give the reference.
-    gathered = _gather({"batch": batch, "logits": logits.cpu(), "disagree": decoder.disagree}, info)
+    gathered = gather_to_root({"batch": batch, "logits": logits.cpu(), "disagree": decoder.disagree})
     if rank != 0:
         return None
     nbatch = topo.world_size // span
