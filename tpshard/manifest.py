@@ -373,8 +373,12 @@ _DEFAULT_TAIL = [0, 0, 0, None]
 def encode_manifest(manifest: Manifest) -> bytes:
     """Compact JSON, keys sorted, defaults left out (trailing ones of each cut array too)."""
     data = msgspec.to_builtins(manifest)
-    for t in data["tensors"]:
-        t["cuts"] = [_trim(c) for c in t["cuts"]]
+    trimmed: dict[int, list] = {}  # make_plan shares one cuts tuple between the tensors of a kind
+    for t, d in zip(manifest.tensors, data["tensors"]):
+        cuts = trimmed.get(id(t.cuts))
+        if cuts is None:
+            cuts = trimmed[id(t.cuts)] = [_trim(c) for c in d["cuts"]]
+        d["cuts"] = cuts
     return _encoder.encode(data) + b"\n"
 
 

@@ -159,7 +159,8 @@ def build_header(
     json.dumps(separators=(",", ":")) of {metadata, name: {dtype, shape, data_offsets}}.
     """
     names = [name for name, _, _ in tensors]
-    if _plain_json("".join(names)) and len(set(names)) == len(names) and not any(map(_needs_escape, metadata or {})):
+    unique = set(names) | ({"__metadata__"} if metadata else set())
+    if plain_json("".join(names)) and len(unique) == len(names) + bool(metadata):
         body, relative = _plain_body(tensors, metadata)
     else:
         body, relative = _escaped_body(tensors, metadata)
@@ -168,13 +169,9 @@ def build_header(
     return head, [len(head) + r for r in relative]
 
 
-def _plain_json(text: str) -> bool:
+def plain_json(text: str) -> bool:
     """Text that JSON writes as it is: printable ASCII without quote or backslash."""
     return text.isascii() and text.isprintable() and '"' not in text and "\\" not in text
-
-
-def _needs_escape(text: str) -> bool:
-    return not _plain_json(text)
 
 
 def _plain_body(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None) -> tuple[bytes, list[int]]:

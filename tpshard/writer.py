@@ -41,11 +41,12 @@ from tpshard.manifest import (
     SourceFile,
     encode_manifest,
     rank_dir,
+    shard_shape,
 )
 from tpshard.pieces import cut_pieces, value_bytes
 from tpshard.plan import make_plan
 from tpshard.publish import staged_output
-from tpshard.safetensors_format import TensorInfo, nbytes_of, read_header_bytes
+from tpshard.safetensors_format import TensorInfo, nbytes_of, plain_json, read_header_bytes
 from tpshard.topology import Topology
 
 MAX_WORKERS = 256
@@ -296,11 +297,19 @@ def link_or_copy(src: Path, dst: Path) -> None:
 
 
 def rank_index_bytes(plan: Plan, rank: int) -> bytes:
-    """The model.safetensors.index.json of rank `rank`, byte for byte (check compares it so)."""
-    specs = plan.rank_shards(rank)
-    weight_map = {s.name: s.file for s in sorted(specs, key=lambda s: s.name)}
-    total = sum(nbytes_of(s.dtype, s.shape) for s in specs)
-    return (json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n").encode()
+    """The model.safetensors.index.json of rank `rank`, byte for byte (check compares it so):
+    json.dumps(indent=2), which msgspec writes alike for names that need no escape, ~10x faster."""
+    weight_map, total = {}, 0
+    held = {i for i, f in enumerate(plan.files) if rank in f.ranks}
+    for t in plan.tensors:
+        for c in t.cuts:
+            if c.file in held:
+                weight_map[t.name] = plan.files[c.file].name
+                total += nbytes_of(t.dtype, shard_shape(t, c))
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    if plain_json("".join(weight_map)):
+        return msgspec.json.format(msgspec.json.encode(index), indent=2) + b"\n"
+    return (json.dumps(index, indent=2) + "\n").encode()
 
 
 def _source_files(ckpt: Checkpoint, digests: dict[str, bytes]) -> tuple[SourceFile, ...]:
