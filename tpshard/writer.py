@@ -138,19 +138,19 @@ class _Pending:
     pieces go out in one gathering write."""
 
     def __init__(self) -> None:
-        self.runs: dict[int, list[tuple[int, list[memoryview], list[int]]]] = {}  # fd -> (offset, pieces, [end])
+        self.runs: dict[int, list[list]] = {}  # fd -> [start, end, pieces] of each run of adjacent pieces
 
     def add(self, fd: int, offset: int, view: memoryview) -> None:
         runs = self.runs.setdefault(fd, [])
-        if runs and runs[-1][2][0] == offset:
-            runs[-1][1].append(view)
-            runs[-1][2][0] += len(view)
+        if runs and runs[-1][1] == offset:
+            runs[-1][1] += len(view)
+            runs[-1][2].append(view)
         else:
-            runs.append((offset, [view], [offset + len(view)]))
+            runs.append([offset, offset + len(view), [view]])
 
     def flush(self) -> None:
         for fd, runs in self.runs.items():
-            for offset, views, _ in runs:
+            for offset, _, views in runs:
                 group, size = [], 0
                 for view in views:
                     group.append(view)
@@ -240,13 +240,13 @@ def _write(
             # checksums cover the whole checkpoint.
             def job(task: tuple[bool, list[tuple[str, TensorInfo]]]) -> list[tuple[str, bytes]]:
                 run, tensors = task
-                pending = _Pending() if run else None
+                pending, data, begin = None, None, tensors[0][1].begin
                 if run:  # adjacent in one file: one read
-                    first = tensors[0][1]
-                    data = read_into(src_fds[first.file], scratch("run", tensors[-1][1].end - first.begin), first.begin, tensors[-1][1].end - first.begin)
+                    pending, n = _Pending(), tensors[-1][1].end - begin
+                    data = read_into(src_fds[tensors[0][1].file], scratch("run", n), begin, n)
                 digests = []
                 for name, info in tensors:
-                    tensor = data[info.begin - first.begin : info.end - first.begin] if run else None
+                    tensor = None if data is None else data[info.begin - begin : info.end - begin]
                     digests.append((name, _copy_tensor(src_fds[info.file], info, targets_by_source.get(name, []), tensor, pending)))
                     if on_tensor:
                         on_tensor(info.nbytes)
