@@ -10,6 +10,7 @@ anything but a plain file inside the folder is refused; a mutated output never c
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import struct
 import tempfile
@@ -379,3 +380,26 @@ def test_header_bytes_are_json_dumps_bytes(names):
         entries[n] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + 2 * shape[0] * shape[1]]}
         offset += 2 * shape[0] * shape[1]
     assert head[8:].rstrip(b" ") == json.dumps(entries, separators=(",", ":")).encode()
+
+
+@fuzz(SHORT)
+@given(
+    names=st.lists(st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1, max_size=12), min_size=0, max_size=8),
+    shapes=st.lists(st.lists(st.integers(0, 5), max_size=3), min_size=8, max_size=8),
+    metadata=st.booleans(),
+)
+def test_header_bytes_plain_names(names, shapes, metadata):
+    """The direct writer of printable-ASCII names (quotes, backslashes and repeated names fall back
+    to json.dumps) writes json.dumps's bytes, repeated shapes included."""
+    from tpshard.safetensors_format import build_header
+
+    tensors = [(n, "F32" if i % 2 else "BF16", tuple(shapes[i])) for i, n in enumerate(names)]
+    head, offsets = build_header(tensors, {"format": "pt"} if metadata else None)
+    entries, offset, starts = ({"__metadata__": {"format": "pt"}} if metadata else {}), 0, []
+    for n, dtype, shape in tensors:
+        nbytes = (4 if dtype == "F32" else 2) * math.prod(shape)
+        entries[n] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        starts.append(offset)
+        offset += nbytes
+    assert head[8:].rstrip(b" ") == json.dumps(entries, separators=(",", ":")).encode()
+    assert offsets == [len(head) + s for s in starts]

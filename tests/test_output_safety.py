@@ -282,16 +282,19 @@ def test_lock_is_released_and_taken_again(tmp_path):
 
 def test_disk_full_leaves_nothing_and_keeps_the_old_output(llama, tmp_path, monkeypatch):
     out = split(llama, tmp_path / "out", tp=2)
-    real = os.pwrite
     calls = [0]
 
-    def full(fd, data, offset):
-        calls[0] += 1
-        if calls[0] > 20:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, data, offset)
+    def full(real):  # the disk fills after 20 writes, single or gathering
+        def write(fd, data, offset):
+            calls[0] += 1
+            if calls[0] > 20:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(fd, data, offset)
 
-    monkeypatch.setattr(os, "pwrite", full)
+        return write
+
+    monkeypatch.setattr(os, "pwrite", full(os.pwrite))
+    monkeypatch.setattr(os, "pwritev", full(os.pwritev))
     with pytest.raises(OutputError, match="No space left on device.*nothing was written; free space"):
         split(llama, out, tp=4, force=True)
     with pytest.raises(OutputError, match="No space left on device"):

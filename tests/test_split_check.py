@@ -124,6 +124,26 @@ def test_output_is_identical_whatever_the_worker_count(llama, tmp_path):
         assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
 
 
+@pytest.mark.parametrize("small, run_tensors, short_writes", [(0, 4096, False), (1 << 30, 3, False), (1 << 30, 4096, True)])
+def test_output_is_identical_whatever_the_copy_jobs(llama, tmp_path, monkeypatch, small, run_tensors, short_writes):
+    """Small tensors are copied in runs (one read, one gathering write per output file); the bytes
+    are those of a copy tensor by tensor, whatever the run length, also when the kernel writes
+    only part of a gathering write."""
+    import tpshard.writer as writer
+
+    a = split(llama, tmp_path / "a", tp=8, attn_dp=2)
+    monkeypatch.setattr(writer, "SMALL_BYTES", small)
+    monkeypatch.setattr(writer, "RUN_TENSORS", run_tensors)
+    if short_writes:
+        real = os.pwritev
+        monkeypatch.setattr(os, "pwritev", lambda fd, views, offset: real(fd, views[:1], offset) if len(views) > 1 else real(fd, views, offset))
+    b = split(llama, tmp_path / "b", tp=8, attn_dp=2)
+    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert files_a == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    for rel in files_a:
+        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+
+
 def test_existing_output_needs_force(llama, tmp_path):
     out = split(llama, tmp_path / "out", tp=2)
     with pytest.raises(OutputError, match="already exists; pass --force"):

@@ -15,7 +15,7 @@ attention-DP replicas, GQA kv replicas) share one cut and one file.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from functools import cached_property
 from operator import itemgetter
 from pathlib import Path
@@ -198,7 +198,7 @@ class OutputFile(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
 
 
 # The fields of a ShardSpec stored once per tensor (TensorPlan) and once per cut (Cut).
-_SHARED = ("layer", "layer_class", "piece", "kind", "dtype", "group", "factor", "group_size", "dim",
+TENSOR_FIELDS = ("layer", "layer_class", "piece", "kind", "dtype", "group", "factor", "group_size", "dim",
            "quant", "step", "ratio", "atom", "logical_dim", "logical_size", "ep_slot", "expert")  # fmt: skip
 _PER_CUT = ("group_rank", "start", "length", "pad")
 _LOGICAL = ("logical_start", "logical_length", "logical_pad", "value")
@@ -211,33 +211,31 @@ def shard_shape(t: TensorPlan, c: Cut) -> tuple[int, ...]:
     return t.shape[: t.dim] + (c.length + c.pad,) + t.shape[t.dim + 1 :]
 
 
-def pack_tensors(specs: Iterable[Mapping[str, Any] | ShardSpec], files: Iterable[OutputFile]) -> tuple[TensorPlan, ...]:
-    """TensorPlans from per-shard records (dicts or ShardSpecs), in the order tensors first appear.
-
-    The inverse of the ShardSpec view; `make_plan` assembles its plan with it, and tests use it to
-    write a deliberately wrong manifest. Shards of one tensor must agree on every shared field."""
+def pack_tensors(specs: Iterable[ShardSpec], files: Iterable[OutputFile]) -> tuple[TensorPlan, ...]:
+    """TensorPlans from ShardSpecs, in the order tensors first appear: the inverse of the ShardSpec
+    view, with which tests write a deliberately wrong manifest. Shards of one tensor must agree on
+    every shared field."""
     index = {f.name: i for i, f in enumerate(files)}
-    shared_of, cut_of, logical_of = itemgetter("source", "source_shape", *_SHARED), itemgetter(*_PER_CUT), itemgetter(*_LOGICAL)
+    shared_of, cut_of, logical_of = itemgetter("source", "source_shape", *TENSOR_FIELDS), itemgetter(*_PER_CUT), itemgetter(*_LOGICAL)
     shared: dict[str, tuple] = {}
     cuts: dict[str, list[Cut]] = {}
     for s in specs:
-        d = {**_DEFAULTS, **s} if isinstance(s, Mapping) else msgspec.structs.asdict(s)
+        d = msgspec.structs.asdict(s)
         name = d["name"]
-        d.setdefault("source", name)
         key = shared_of(d)
         if name not in shared:
             shared[name], cuts[name] = key, []
         elif shared[name] != key:
-            raise ValueError(f"{name}: its shards disagree on {[f for f, a, b in zip(('source', 'source_shape', *_SHARED), key, shared[name]) if a != b]}")
+            raise ValueError(f"{name}: its shards disagree on {[f for f, a, b in zip(('source', 'source_shape', *TENSOR_FIELDS), key, shared[name]) if a != b]}")
         cuts[name].append(Cut(*cut_of(d), index[d["file"]], *logical_of(d)))
     out = []
     for name, key in shared.items():
         source = "" if key[0] == name else key[0]  # recorded only where it differs from the name
-        out.append(TensorPlan(name=name, source=source, shape=tuple(key[1]), cuts=tuple(cuts[name]), **dict(zip(_SHARED, key[2:]))))
+        out.append(TensorPlan(name=name, source=source, shape=tuple(key[1]), cuts=tuple(cuts[name]), **dict(zip(TENSOR_FIELDS, key[2:]))))
     return tuple(out)
 
 
-_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(ShardSpec) if f.default is not msgspec.NODEFAULT}
+SPEC_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(ShardSpec) if f.default is not msgspec.NODEFAULT}
 
 
 class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
@@ -375,8 +373,12 @@ _DEFAULT_TAIL = [0, 0, 0, None]
 def encode_manifest(manifest: Manifest) -> bytes:
     """Compact JSON, keys sorted, defaults left out (trailing ones of each cut array too)."""
     data = msgspec.to_builtins(manifest)
-    for t in data["tensors"]:
-        t["cuts"] = [_trim(c) for c in t["cuts"]]
+    trimmed: dict[int, list] = {}  # make_plan shares one cuts tuple between the tensors of a kind
+    for t, d in zip(manifest.tensors, data["tensors"]):
+        cuts = trimmed.get(id(t.cuts))
+        if cuts is None:
+            cuts = trimmed[id(t.cuts)] = [_trim(c) for c in d["cuts"]]
+        d["cuts"] = cuts
     return _encoder.encode(data) + b"\n"
 
 

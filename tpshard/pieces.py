@@ -35,12 +35,13 @@ def scratch(name: str, n: int) -> np.ndarray:
 
 
 def cut_pieces(
-    src_fd: int, info: TensorInfo, specs: list[ShardSpec], source_hash=None
+    src_fd: int, info: TensorInfo, specs: list[ShardSpec], source_hash=None, data: np.ndarray | None = None
 ) -> Iterator[tuple[int, int, np.ndarray]]:
     """Yield (spec index, byte offset in that spec's tensor, bytes) until every spec is complete.
 
     Each spec's pieces come in increasing offset order; `source_hash.update` sees the whole
-    source tensor in order.
+    source tensor in order. `data`: the tensor's bytes, already read (then src_fd is not used, and
+    every piece stays valid after the next one: views of `data` or memory of its own).
     """
     if info.nbytes == 0:
         return
@@ -53,13 +54,22 @@ def cut_pieces(
     rows = shape[dim]
     inner = info.nbytes // (outer * rows)  # bytes per index of the cut dim
     row_bytes = rows * inner
-    buf = scratch("read", min(info.nbytes, max(CHUNK_BYTES, row_bytes if outer > 1 else inner)))
+    if data is None:
+        buf = scratch("read", min(info.nbytes, max(CHUNK_BYTES, row_bytes if outer > 1 else inner)))
+
+        def read(offset: int, n: int) -> np.ndarray:
+            return read_into(src_fd, buf, info.begin + offset, n)
+    else:
+        buf = data
+
+        def read(offset: int, n: int) -> np.ndarray:
+            return data[offset : offset + n]
 
     if outer == 1:  # cut along the leading dim: each piece is a contiguous run of the chunk
         step = max(1, len(buf) // inner)
         for a in range(0, rows, step):
             b = min(rows, a + step)
-            chunk = read_into(src_fd, buf, info.begin + a * inner, (b - a) * inner)
+            chunk = read(a * inner, (b - a) * inner)
             if source_hash is not None:
                 source_hash.update(chunk)
             for i, s in enumerate(specs):
@@ -74,12 +84,14 @@ def cut_pieces(
     step = max(1, len(buf) // row_bytes)
     for a in range(0, outer, step):
         b = min(outer, a + step)
-        chunk = read_into(src_fd, buf, info.begin + a * row_bytes, (b - a) * row_bytes)
+        chunk = read(a * row_bytes, (b - a) * row_bytes)
         if source_hash is not None:
             source_hash.update(chunk)
         view = chunk.reshape(b - a, rows, inner)  # [outer rows, cut dim, bytes per index]
         for i, s in enumerate(specs):
-            piece = scratch("piece", (b - a) * (s.length + s.pad) * inner).reshape(b - a, s.length + s.pad, inner)
+            n = (b - a) * (s.length + s.pad) * inner
+            # Given `data`, the caller may keep the pieces until the whole run is written: new memory.
+            piece = (scratch("piece", n) if data is None else np.empty(n, np.uint8)).reshape(b - a, s.length + s.pad, inner)
             piece[:, : s.length] = view[:, s.start : s.start + s.length]
             piece[:, s.length :] = 0
             yield i, a * (s.length + s.pad) * inner, piece.reshape(-1)

@@ -20,7 +20,7 @@ from tpshard.arch.base import DROPPED, VOCAB
 from tpshard.checkpoint import Checkpoint, model_info
 from tpshard.completeness import check_complete
 from tpshard.errors import PlanError
-from tpshard.manifest import Kind, ModelInfo, Options, OutputFile, Plan, ShardSpec, pack_tensors
+from tpshard.manifest import SPEC_DEFAULTS, TENSOR_FIELDS, Cut as ManifestCut, Kind, ModelInfo, Options, OutputFile, Plan, ShardSpec, TensorPlan
 from tpshard.quant.config import read_quant_config
 from tpshard.quant.formats import QuantSpec, alignment
 from tpshard.quant import shards as qshards
@@ -313,24 +313,80 @@ def refuse_pipeline(ctx: Layout, tensors: Mapping[str, TensorInfo]) -> Callable[
     return stages_of
 
 
-def _dense_specs(
-    name: str, source: str, info: TensorInfo, rule: Rule, layer: str, param: str, ep_slot: int | None,
-    expert: int | None, stages: tuple[int, ...] | None, ctx: Layout, records: dict[tuple, list[dict]],
-) -> list[dict]:  # fmt: skip
-    """The per-rank specs of an unquantized tensor `name`, cut from source tensor `source`.
+class _KindCut(NamedTuple):
+    """One cut of a kind of tensor, with what the file layout needs of it."""
 
-    The cut depends on the rule, the parameter and the shape, not on the name (which only names
-    refusals): records are worked out once per kind and stamped with each tensor's names."""
-    kind = (rule, param, info.dtype, info.shape, ep_slot, stages)
-    if kind not in records:
+    fields: tuple  # Cut's fields before `file`: group_rank, start, length, pad
+    logical: tuple  # Cut's fields after `file`, trailing defaults left out
+    ranks: tuple[int, ...]
+    dtype: str
+    shape: tuple[int, ...]  # the shard's shape
+    nbytes: int
+    label: str  # the file-name part of its rank set (_file_label)
+
+
+class _Kind:
+    """What every tensor of one kind shares: TensorPlan's fields but the names, and its cuts.
+
+    The cut depends on the rule, the parameter, the shape, the EP slot and the stages, not on the
+    name: DeepSeek-V3 has ~92k tensors but a few dozen kinds, so each kind is worked out once and
+    each tensor is a (names, kind) entry."""
+
+    def __init__(self, records: list[dict], topology: Topology):
+        first = {**SPEC_DEFAULTS, **records[0]} if records else {}
+        self.shared = {f: first[f] for f in _KIND_FIELDS} | {"shape": tuple(first["source_shape"])} if records else {}
+        self.cuts: list[_KindCut] = []
+        self.padded = False  # zero-padded by --pad / --pad-blocks (vocab padding is expected)
+        for r in records:
+            r = {**SPEC_DEFAULTS, **r}
+            if any(r[f] != first[f] for f in _KIND_FIELDS) or r["source_shape"] != first["source_shape"]:
+                raise AssertionError(f"the cuts of one kind of tensor disagree: {first} / {r}")
+            logical = (r["logical_start"], r["logical_length"], r["logical_pad"], r["value"])
+            while logical and logical[-1] == _LOGICAL_DEFAULTS[len(logical) - 1]:
+                logical = logical[:-1]
+            self.cuts.append(_KindCut(
+                (r["group_rank"], r["start"], r["length"], r["pad"]), logical, r["ranks"], r["dtype"], tuple(r["shape"]),
+                nbytes_of(r["dtype"], r["shape"]), _file_label(r, topology),
+            ))  # fmt: skip
+            self.padded |= bool(r["pad"]) and r["kind"] != "vocab"
+        self._cuts: dict[tuple[int, ...], tuple[ManifestCut, ...]] = {}
+
+    def plan_cuts(self, files: tuple[int, ...]) -> tuple[ManifestCut, ...]:
+        """The manifest cuts of a tensor of this kind whose shards lie in `files`: shared by every
+        tensor whose shards land in the same files (most of them)."""
+        if files not in self._cuts:
+            self._cuts[files] = tuple(ManifestCut(*c.fields, f, *c.logical) for c, f in zip(self.cuts, files))
+        return self._cuts[files]
+
+
+# TensorPlan's fields that a kind fixes (the names, layer and expert id are each tensor's own).
+_KIND_FIELDS = tuple(f for f in TENSOR_FIELDS if f not in ("layer", "expert"))
+_LOGICAL_DEFAULTS = (0, 0, 0, None)
+
+
+class _Entry(NamedTuple):
+    name: str
+    source: str
+    layer: str
+    expert: int | None
+    kind: _Kind
+
+
+def _dense_kind(
+    name: str, info: TensorInfo, rule: Rule, param: str, ep_slot: int | None, stages: tuple[int, ...] | None,
+    ctx: Layout, kinds: dict[tuple, _Kind],
+) -> _Kind:  # fmt: skip
+    """The kind of an unquantized tensor (`name` only names refusals)."""
+    key = (rule, param, info.dtype, info.shape, ep_slot, stages)
+    if key not in kinds:
         cutting = cut_tensor(name, info, rule, param, ctx)
         group = group_of(rule, ctx) if cutting.kind != "replicated" else "replicated"
-        records[kind] = out = []
+        records = []
         for cut in cutting.cuts:
             shape = list(info.shape)
             if cutting.dim is not None:
                 shape[cutting.dim] = cut.length + cut.pad
-            out.append(
+            records.append(
                 dict(
                     layer_class=rule.layer_class, piece=rule.piece, kind=cutting.kind, dtype=info.dtype,
                     source_shape=info.shape, shape=tuple(shape), dim=cutting.dim, start=cut.start, length=cut.length,
@@ -339,7 +395,8 @@ def _dense_specs(
                     ranks=ctx.topology.ranks_of(group, cut.group_rank, cutting.factor, ep_slot, stages),
                 )  # fmt: skip
             )
-    return [{**r, "name": name, "source": source, "layer": layer, "expert": expert} for r in records[kind]]
+        kinds[key] = _Kind(records, ctx.topology)
+    return kinds[key]
 
 
 def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = None) -> Plan:
@@ -362,9 +419,9 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
             f" embedding cut over the {group_of(VOCAB[1], ctx)} group (SGLang {arch.engine} fills it from the embedding)"
         )
 
-    specs: list[dict] = []
+    entries: list[_Entry] = []
     unknown: list[str] = []
-    records: dict[tuple, list[dict]] = {}  # kind of unquantized tensor -> its per-rank records (_dense_specs)
+    kinds: dict[tuple, _Kind] = {}  # unquantized tensors (_dense_kind)
     quant = read_quant_config(ckpt.path, ckpt.config)
     qlayers = _QuantLayers(ctx)
     experts = _Experts(ctx)
@@ -390,14 +447,14 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
         if qspec is not None and param != "bias":
             if stages_of and name == "model.embed_tokens.weight" and model.tie_word_embeddings:
                 raise PlanError(f"{name}: quantized ({qspec.format}) and tied to lm_head; a pipeline's lm_head copy of it is not built")
-            specs.extend(qlayers.specs(name, info, module, param, qspec, rule, layer, ep_slot, expert, stages))
+            entries.append(_Entry(name, name, layer, expert, qlayers.kind(name, info, module, param, qspec, rule, layer, ep_slot, stages)))
             continue
         targets = [(name, rule, layer, stages)]
         if stages_of and name == "model.embed_tokens.weight" and model.tie_word_embeddings:
             # Tied at pp > 1: the last stage's own lm_head, filled from the embedding (PIPELINE.md §3).
             targets.append(("lm_head.weight", VOCAB[1], VOCAB[1].layer, stages_of("lm_head.weight")))
         for target, rule, layer, stages in targets:
-            specs.extend(_dense_specs(target, name, info, rule, layer, param, ep_slot, expert, stages, ctx, records))
+            entries.append(_Entry(target, name, layer, expert, _dense_kind(target, info, rule, param, ep_slot, stages, ctx, kinds)))
     if unknown:
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         raise PlanError(
@@ -408,17 +465,17 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
     # After the rules: a tensor in the wrong place is named by them, more precisely than a missing one.
     check_complete(model, ckpt.config, ckpt.tensors, lambda m: quant is not None and quant.spec_for(m, True) is not None)
     warnings.extend(qlayers.finish())
-    pad_notes = sorted({f"{s['layer_class']} {s['name'].rsplit('.', 3)[-2]}" for s in specs if s["pad"] and s["kind"] != "vocab"})
+    pad_notes = sorted({f"{e.kind.shared['layer_class']} {e.name.rsplit('.', 3)[-2]}" for e in entries if e.kind.padded})
     if pad_notes:
         warnings.append(f"zero-padded to divide: {', '.join(pad_notes)}")
 
     layouts: dict[str, tuple[bytes, list[int]]] = {}
-    files = _layout_files(specs, topology, options, layouts)
+    files, file_of = _layout_files(entries, options, layouts)
     plan = Plan(
         topology=topology,
         options=options,
         model=model,
-        tensors=pack_tensors(specs, files),
+        tensors=_tensor_plans(entries, file_of),
         files=tuple(files),
         warnings=tuple(warnings),
         quant_layers={m: msgspec.to_builtins(q) for m, (q, _) in sorted(qlayers.suffixes.items())},
@@ -448,7 +505,7 @@ class _QuantLayers:
         self.cuttings: dict[tuple, tuple] = {}  # (layer kind, n, k, format) -> _logical_cut(...)
         self.errors: list[tuple[str, str]] = []  # (tensor, message)
         self.engine = qshards.group_findings()
-        self.records: dict[tuple, list[dict]] = {}  # kind of tensor -> its per-rank records, names left out
+        self.kinds: dict[tuple, _Kind] = {}
 
     def _layer(self, module: str, info: TensorInfo, qspec: QuantSpec, rule: Rule, layer: str, ep_slot: int | None):
         if module in self.layers:
@@ -516,10 +573,10 @@ class _QuantLayers:
             if size % mult:
                 self.engine[(qspec.format, kernel, nk, size, mult, rule.layer_class, group, g)].append(module)
 
-    def specs(
+    def kind(
         self, name: str, info: TensorInfo, module: str, suffix: str, qspec: QuantSpec, rule: Rule, layer: str,
-        ep_slot: int | None = None, expert: int | None = None, stages: tuple[int, ...] | None = None,
-    ) -> list[dict]:  # fmt: skip
+        ep_slot: int | None = None, stages: tuple[int, ...] | None = None,
+    ) -> _Kind:  # fmt: skip
         try:
             role = qspec.role(suffix)
         except KeyError:
@@ -538,13 +595,11 @@ class _QuantLayers:
                 f"{name}: shape {list(info.shape)} on disk, but a {qspec.format} {qspec.bits}-bit layer"
                 f" [N={n}, K={k}] (group {qspec.group_size}) stores {suffix} as {list(want)}"
             )
-        # Every expert and layer of one kind cuts alike: work the records out once per kind and
-        # stamp each tensor's names on them (DeepSeek-V3: ~92k tensors, a few dozen kinds).
-        kind = (rule.layer_class, rule.role, rule.piece, n, k, qspec, suffix, info.dtype, info.shape, ep_slot, stages, bool(cuts))
-        records = self.records.get(kind)
-        if records is None:
-            records = self.records[kind] = self._records(info, qspec, role, rule, cutting, cuts, n, k, group, ep_slot, stages)
-        return [{**r, "name": name, "source": name, "layer": layer, "expert": expert} for r in records]
+        # Every expert and layer of one kind cuts alike (_Kind).
+        key = (rule.layer_class, rule.role, rule.piece, n, k, qspec, suffix, info.dtype, info.shape, ep_slot, stages, bool(cuts))
+        if key not in self.kinds:
+            self.kinds[key] = _Kind(self._records(info, qspec, role, rule, cutting, cuts, n, k, group, ep_slot, stages), self.topology)
+        return self.kinds[key]
 
     def _records(self, info, qspec, role, rule, cutting, cuts, n, k, group, ep_slot, stages) -> list[dict]:
         """The per-rank records of one kind of quantized tensor, without its names."""
@@ -651,38 +706,50 @@ def _stage_label(spec: dict, topology: Topology, stages: int) -> str:
     return f"{label}-{spec['group_rank']:03d}-of-{spec['group_size']:03d}"
 
 
-def _layout_files(specs: list[dict], topology: Topology, options: Options, layouts: dict) -> list[OutputFile]:
-    """Group specs by the set of ranks holding them (one file set each), split into parts by size.
+def _layout_files(entries: list[_Entry], options: Options, layouts: dict) -> tuple[list[OutputFile], list[list[int]]]:
+    """Group shards by the set of ranks holding them (one file set each), split into parts by size.
 
-    Sets `spec["file"]` in place and each file's (header, offsets) in `layouts`. Tensors keep source
-    order inside a file.
-    """
-    by_ranks: dict[tuple[int, ...], list[dict]] = {}
-    for spec in specs:
-        by_ranks.setdefault(spec["ranks"], []).append(spec)
+    Returns the files and, per entry, the file index of each of its cuts; sets each file's
+    (header, offsets) in `layouts`. Tensors keep source order inside a file."""
+    by_ranks: dict[tuple[int, ...], list[tuple[int, int, str, _KindCut]]] = {}
+    for e, entry in enumerate(entries):
+        for j, cut in enumerate(entry.kind.cuts):
+            by_ranks.setdefault(cut.ranks, []).append((e, j, entry.name, cut))
     files: list[OutputFile] = []
+    file_of = [[0] * len(entry.kind.cuts) for entry in entries]
     for ranks, members in by_ranks.items():
-        label = _file_label(members[0], topology)
-        parts: list[list[dict]] = [[]]
+        parts: list[list] = [[]]
         size = 0
-        for spec in members:
-            nbytes = nbytes_of(spec["dtype"], spec["shape"])
+        for member in members:
+            nbytes = member[3].nbytes
             if parts[-1] and size + nbytes > options.max_file_bytes:
                 parts.append([])
                 size = 0
-            parts[-1].append(spec)
+            parts[-1].append(member)
             size += nbytes
         for p, part in enumerate(parts):
             suffix = f"-part-{p + 1:05d}-of-{len(parts):05d}" if len(parts) > 1 else ""
-            name = f"model-{label}{suffix}.safetensors"
-            header, offsets = layouts[name] = file_header([(s["name"], s["dtype"], s["shape"]) for s in part])
-            for s in part:
-                s["file"] = name
-            files.append(
-                OutputFile(
-                    name=name,
-                    ranks=ranks,
-                    size=offsets[-1] + nbytes_of(part[-1]["dtype"], part[-1]["shape"]),  # the data ends with the last tensor
-                )
-            )
-    return files
+            name = f"model-{members[0][3].label}{suffix}.safetensors"
+            header, offsets = layouts[name] = file_header([(tensor, cut.dtype, cut.shape) for _, _, tensor, cut in part])
+            for e, j, _, _ in part:
+                file_of[e][j] = len(files)
+            # the data ends with the last tensor
+            files.append(OutputFile(name=name, ranks=ranks, size=offsets[-1] + part[-1][3].nbytes))
+    return files, file_of
+
+
+def _tensor_plans(entries: list[_Entry], file_of: list[list[int]]) -> tuple[TensorPlan, ...]:
+    seen: set[str] = set()
+    out = []
+    for entry, files in zip(entries, file_of):
+        if not entry.kind.cuts:
+            continue  # a misaligned quantized cut: refused by _QuantLayers.finish
+        if entry.name in seen:
+            raise PlanError(f"{entry.name}: two tensors of the checkpoint would be written under this name")
+        seen.add(entry.name)
+        source = "" if entry.source == entry.name else entry.source  # recorded only where it differs
+        out.append(TensorPlan(
+            name=entry.name, source=source, layer=entry.layer, expert=entry.expert,
+            cuts=entry.kind.plan_cuts(tuple(files)), **entry.kind.shared,
+        ))  # fmt: skip
+    return tuple(out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from tpshard.manifest import Plan, ShardSpec
+from tpshard.manifest import Plan, ShardSpec, TensorPlan, shard_shape
 from tpshard.safetensors_format import nbytes_of
 from tpshard.stages import layer_of, stage_ranges
 
@@ -51,23 +51,22 @@ def generic_name(name: str) -> str:
 
 def kind_rows(plan: Plan) -> list[dict]:
     """One row per (layer class, kind, role of the tensor), with the layer-0 example."""
-    groups: dict[tuple, list[ShardSpec]] = defaultdict(list)
-    for s in plan.shards:
-        generic = generic_name(s.name)
-        groups[(generic, s.layer_class, s.kind)].append(s)
+    groups: dict[tuple, list[TensorPlan]] = defaultdict(list)
+    for t in plan.tensors:
+        groups[(generic_name(t.name), t.layer_class, t.kind)].append(t)
     rows = []
-    for (generic, cls, kind), specs in groups.items():
-        s = specs[0]
+    for (generic, cls, kind), tensors in groups.items():
+        t = tensors[0]
         rows.append(
             dict(
                 tensor=generic,
                 layer_class=cls,
                 kind=kind,
-                group=f"{s.group}" + (f" (x{s.factor} replicas)" if s.factor > 1 and s.dim is not None else ""),
-                source_shape=list(s.source_shape),
-                rank_shape=list(s.shape),
-                distinct=s.group_size,
-                padding=max(x.pad for x in specs),
+                group=f"{t.group}" + (f" (x{t.factor} replicas)" if t.factor > 1 and t.dim is not None else ""),
+                source_shape=list(t.shape),
+                rank_shape=list(shard_shape(t, t.cuts[0])),
+                distinct=t.group_size,
+                padding=max(c.pad for t in tensors for c in t.cuts),
             )
         )
     return rows
@@ -78,22 +77,54 @@ def rank_rows(plan: Plan) -> list[dict]:
     routed experts it holds and their bytes."""
     topo = plan.topology
     moe = plan.model.num_experts > 0
+    files = _file_totals(plan)
     rows = []
     for r in range(topo.world_size):
-        specs = plan.rank_shards(r)
+        held = [files[i] for i, f in enumerate(plan.files) if r in f.ranks]
         row = dict(rank=r) | (dict(pp=topo.pp_rank(r), tp=topo.tp_rank(r)) if topo.pp > 1 else {})
         row |= dict(attn_dp=topo.attn_dp_rank(r), attn_cp=topo.attn_cp_rank(r), attn_tp=topo.attn_tp_rank(r))
         if moe:
-            experts = sorted({s.expert for s in specs if s.expert is not None})
             row |= dict(
                 ep_slot=topo.ep_rank(r),
                 moe_tp=topo.moe_tp_rank(r),
-                experts=_ranges(experts),
-                expert_bytes=sum(nbytes_of(s.dtype, s.shape) for s in specs if s.expert is not None),
+                experts=_ranges(sorted(set().union(*(f.experts for f in held)))),
+                expert_bytes=sum(f.expert_bytes for f in held),
             )
-        row |= dict(tensors=len(specs), bytes=sum(nbytes_of(s.dtype, s.shape) for s in specs), files=len(plan.rank_files(r)))
+        row |= dict(tensors=sum(f.tensors for f in held), bytes=sum(f.bytes for f in held), files=len(held))
         rows.append(row)
     return rows
+
+
+class _FileTotals:
+    """What one output file holds: tensors, bytes, routed expert ids and their bytes."""
+
+    def __init__(self) -> None:
+        self.tensors = self.bytes = self.expert_bytes = 0
+        self.experts: set[int] = set()
+
+
+def _file_totals(plan: Plan) -> list[_FileTotals]:
+    """Per output file, summed over the plan's cuts once (a rank is the sum of its files)."""
+    totals = [_FileTotals() for _ in plan.files]
+    for t in plan.tensors:
+        for c in t.cuts:
+            f, nbytes = totals[c.file], nbytes_of(t.dtype, shard_shape(t, c))
+            f.tensors += 1
+            f.bytes += nbytes
+            if t.expert is not None:
+                f.experts.add(t.expert)
+                f.expert_bytes += nbytes
+    return totals
+
+
+def rank_bytes(plan: Plan) -> list[int]:
+    """Bytes of tensor data each world rank holds."""
+    files = _file_totals(plan)
+    per_rank = [0] * plan.topology.world_size
+    for f, totals in zip(plan.files, files):
+        for r in f.ranks:
+            per_rank[r] += totals.bytes
+    return per_rank
 
 
 def stage_rows(plan: Plan) -> list[dict]:
@@ -110,14 +141,14 @@ def stage_rows(plan: Plan) -> list[dict]:
         what = f"MTP layer {layer}" if layer is not None else t.name.rpartition(".")[0]
         for st in {r // topo.tp for c in t.cuts for r in plan.files[c.file].ranks}:
             others[st].add(what)
-    rows = []
+    rows, per_rank = [], rank_bytes(plan)
     for st, (first, end) in enumerate(stage_ranges(topo.pp_layers)):
         ranks = topo.stage_ranks(st)
-        rank_bytes = max(sum(nbytes_of(s.dtype, s.shape) for s in plan.rank_shards(r)) for r in ranks)
+        largest = max(per_rank[r] for r in ranks)
         rows.append(
             dict(
                 stage=st, ranks=_ranges(list(ranks)), layers=_ranges(list(range(first, end))), layer_count=end - first,
-                also=", ".join(sorted(others[st], key=_forward_position)) or "-", bytes_per_rank=rank_bytes,
+                also=", ".join(sorted(others[st], key=_forward_position)) or "-", bytes_per_rank=largest,
             )
         )  # fmt: skip
     return rows

@@ -41,11 +41,12 @@ from tpshard.manifest import (
     SourceFile,
     encode_manifest,
     rank_dir,
+    shard_shape,
 )
-from tpshard.pieces import cut_pieces, value_bytes
+from tpshard.pieces import cut_pieces, read_into, scratch, value_bytes
 from tpshard.plan import make_plan
 from tpshard.publish import staged_output
-from tpshard.safetensors_format import TensorInfo, nbytes_of, read_header_bytes
+from tpshard.safetensors_format import TensorInfo, nbytes_of, plain_json, read_header_bytes
 from tpshard.topology import Topology
 
 MAX_WORKERS = 256
@@ -94,21 +95,93 @@ def split(
 
 WRITE_BYTES = 128 << 10
 BATCH_BYTES, BATCH_TENSORS = 8 << 20, 256
-WRITEBACK_MIN = 1 << 20  # shards smaller than this are left to the final fsync
+RUN_TENSORS = 4096  # small tensors copied together: one read, and one write per output file
+SMALL_BYTES = 1 << 20  # tensors under this are copied in runs; also the least shard sync_file_range is worth
 
 
-def _batches(order: list[tuple[str, TensorInfo]]):
-    """Consecutive tensors in jobs of about BATCH_BYTES: a job per tensor costs more in the thread
-    pool than copying a small tensor does (DeepSeek-V3: 92k tensors, most of them small)."""
+def _jobs(order: list[tuple[str, TensorInfo]]) -> list[tuple[bool, list[tuple[str, TensorInfo]]]]:
+    """The copy's pool tasks, as (run, tensors).
+
+    Large tensors go first, largest first (one left for the end would keep a worker busy while the
+    others idle), in tasks of about BATCH_BYTES. Small ones follow as runs: tensors adjacent in one
+    source file, in source order, read in one pread; as output files keep source order, their
+    shards land next to each other too, and each output file gets one write per run instead of one
+    per shard (DeepSeek-V3: 92k tensors, most of them small; a system call costs tens of
+    microseconds on some VMs)."""
+    large = sorted((kv for kv in order if kv[1].nbytes >= SMALL_BYTES), key=lambda kv: (-kv[1].nbytes, kv[1].file, kv[1].begin))
+    small = sorted((kv for kv in order if kv[1].nbytes < SMALL_BYTES), key=lambda kv: (kv[1].file, kv[1].begin))
+    jobs: list[tuple[bool, list]] = []
     batch, size = [], 0
-    for item in order:
+    for item in large:
         batch.append(item)
         size += item[1].nbytes
         if size >= BATCH_BYTES or len(batch) >= BATCH_TENSORS:
-            yield batch
+            jobs.append((False, batch))
             batch, size = [], 0
     if batch:
-        yield batch
+        jobs.append((False, batch))
+    run, size = [], 0
+    for item in small:
+        info = item[1]
+        if run and (info.file != run[-1][1].file or info.begin != run[-1][1].end or size + info.nbytes > BATCH_BYTES or len(run) >= RUN_TENSORS):
+            jobs.append((True, run))
+            run, size = [], 0
+        run.append(item)
+        size += info.nbytes
+    if run:
+        jobs.append((True, run))
+    return jobs
+
+
+class _Pending:
+    """Pieces for the output files, kept (not copied) until the run is done, so that adjacent
+    pieces go out in one gathering write."""
+
+    def __init__(self) -> None:
+        self.runs: dict[int, list[list]] = {}  # fd -> [start, end, pieces] of each run of adjacent pieces
+
+    def add(self, fd: int, offset: int, view: memoryview) -> None:
+        runs = self.runs.setdefault(fd, [])
+        if runs and runs[-1][1] == offset:
+            runs[-1][1] += len(view)
+            runs[-1][2].append(view)
+        else:
+            runs.append([offset, offset + len(view), [view]])
+
+    def flush(self) -> None:
+        for fd, runs in self.runs.items():
+            for offset, _, views in runs:
+                group, size = [], 0
+                for view in views:
+                    group.append(view)
+                    size += len(view)
+                    if size >= WRITE_BYTES or len(group) >= IOV_MAX:
+                        _pwritev_all(fd, group, offset)
+                        offset += size
+                        group, size = [], 0
+                if group:
+                    _pwritev_all(fd, group, offset)
+        self.runs.clear()
+
+
+IOV_MAX = 1024  # pieces per gathering write (Linux's limit)
+
+
+def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
+    done = os.pwritev(fd, views, offset)
+    total = sum(len(v) for v in views)
+    if done < total:  # a short write: the rest piece by piece
+        _pwrite_all(fd, memoryview(b"".join(views))[done:], offset + done)
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    # Small writes: on this project's VMs a write of 512 KiB costs 3x the kernel time of four of
+    # 128 KiB (docs/performance.md).
+    for a in range(0, len(view), WRITE_BYTES):
+        piece = view[a : a + WRITE_BYTES]
+        done = 0
+        while done < len(piece):
+            done += os.pwrite(fd, piece[done:], offset + a + done)
 
 
 class _Target:
@@ -118,15 +191,16 @@ class _Target:
         self.spec, self.fd, self.offset = spec, fd, offset
         self.hash = new_hash(checksum)
 
-    def write(self, data, at: int) -> None:
+    def write(self, data, at: int, pending: _Pending | None = None) -> None:
         view = memoryview(data).cast("B")
-        # Small writes, each hashed while it is in the CPU cache: on this project's VMs a write
-        # of 512 KiB costs 3x the kernel time of four of 128 KiB (docs/performance.md).
+        if pending is not None:
+            self.hash.update(view)
+            pending.add(self.fd, self.offset + at, view)
+            return
+        # Hashed piece by piece while each is in the CPU cache.
         for a in range(0, len(view), WRITE_BYTES):
             piece = view[a : a + WRITE_BYTES]
-            done = 0
-            while done < len(piece):
-                done += os.pwrite(self.fd, piece[done:], self.offset + at + a + done)
+            _pwrite_all(self.fd, piece, self.offset + at + a)
             self.hash.update(piece)
 
 
@@ -163,22 +237,25 @@ def _write(
         src_fds = {name: os.open(ckpt.path / name, os.O_RDONLY) for name in ckpt.weight_files}
         try:
             # Every source tensor is read (also those no selected rank needs) so that the source
-            # checksums cover the whole checkpoint. Largest first: a big tensor (embedding, lm_head)
-            # left for the end would keep one worker busy while the others idle.
-            order = sorted(ckpt.tensors.items(), key=lambda kv: (-kv[1].nbytes, kv[1].file, kv[1].begin))
-
-            def job(batch: list[tuple[str, TensorInfo]]) -> list[bytes]:
+            # checksums cover the whole checkpoint.
+            def job(task: tuple[bool, list[tuple[str, TensorInfo]]]) -> list[tuple[str, bytes]]:
+                run, tensors = task
+                pending, data, begin = None, None, tensors[0][1].begin
+                if run:  # adjacent in one file: one read
+                    pending, n = _Pending(), tensors[-1][1].end - begin
+                    data = read_into(src_fds[tensors[0][1].file], scratch("run", n), begin, n)
                 digests = []
-                for name, info in batch:
-                    digests.append(_copy_tensor(src_fds[info.file], info, targets_by_source.get(name, [])))
+                for name, info in tensors:
+                    tensor = None if data is None else data[info.begin - begin : info.end - begin]
+                    digests.append((name, _copy_tensor(src_fds[info.file], info, targets_by_source.get(name, []), tensor, pending)))
                     if on_tensor:
                         on_tensor(info.nbytes)
+                if pending is not None:
+                    pending.flush()
                 return digests
 
-            batches = list(_batches(order))
             with ThreadPoolExecutor(max(1, workers)) as pool:
-                digests = (d for ds in pool.map(job, batches) for d in ds)
-                source_digests = dict(zip((n for n, _ in order), digests))
+                source_digests = dict(d for ds in pool.map(job, _jobs(list(ckpt.tensors.items()))) for d in ds)
                 # On disk before the manifest says the output is complete.
                 list(pool.map(os.fsync, fds.values()))
         finally:
@@ -230,19 +307,20 @@ def write_durably(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _copy_tensor(src_fd: int, info: TensorInfo, targets: list[_Target]) -> bytes:
-    """Read one source tensor once and write every target's piece of it. Returns its crc32."""
+def _copy_tensor(src_fd: int, info: TensorInfo, targets: list[_Target], data=None, pending: _Pending | None = None) -> bytes:
+    """Read one source tensor once (or take its bytes, `data`) and write every target's piece of
+    it, now or into `pending`. Returns its crc32."""
     for t in targets:
         if t.spec.value is not None:  # content given by the plan (e.g. a rank's weight_shape)
-            t.write(value_bytes(t.spec), 0)
+            t.write(value_bytes(t.spec), 0, pending)
     targets = [t for t in targets if t.spec.value is None]
     tiles = _tiling(info, targets)
     source_hash = None if tiles else Crc32()
-    for i, at, data in cut_pieces(src_fd, info, [t.spec for t in targets], source_hash):
-        targets[i].write(data, at)
+    for i, at, piece in cut_pieces(src_fd, info, [t.spec for t in targets], source_hash, data):
+        targets[i].write(piece, at, pending)
     for t in targets:
         nbytes = nbytes_of(t.spec.dtype, t.spec.shape)
-        if nbytes >= WRITEBACK_MIN:  # a call per small shard costs more than it saves (92k shards of DeepSeek-V3)
+        if nbytes >= SMALL_BYTES and pending is None:  # a call per small shard costs more than it saves
             start_writeback(t.fd, t.offset, nbytes)
     if source_hash is not None:
         return source_hash.digest()
@@ -296,11 +374,19 @@ def link_or_copy(src: Path, dst: Path) -> None:
 
 
 def rank_index_bytes(plan: Plan, rank: int) -> bytes:
-    """The model.safetensors.index.json of rank `rank`, byte for byte (check compares it so)."""
-    specs = plan.rank_shards(rank)
-    weight_map = {s.name: s.file for s in sorted(specs, key=lambda s: s.name)}
-    total = sum(nbytes_of(s.dtype, s.shape) for s in specs)
-    return (json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n").encode()
+    """The model.safetensors.index.json of rank `rank`, byte for byte (check compares it so):
+    json.dumps(indent=2), which msgspec writes alike for names that need no escape, ~10x faster."""
+    weight_map, total = {}, 0
+    held = {i for i, f in enumerate(plan.files) if rank in f.ranks}
+    for t in plan.tensors:
+        for c in t.cuts:
+            if c.file in held:
+                weight_map[t.name] = plan.files[c.file].name
+                total += nbytes_of(t.dtype, shard_shape(t, c))
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    if plain_json("".join(weight_map)):
+        return msgspec.json.format(msgspec.json.encode(index), indent=2) + b"\n"
+    return (json.dumps(index, indent=2) + "\n").encode()
 
 
 def _source_files(ckpt: Checkpoint, digests: dict[str, bytes]) -> tuple[SourceFile, ...]:

@@ -148,30 +148,33 @@ def engine_warnings(findings: dict[tuple, list[str]]) -> list[str]:
 
 def alignment_rows(plan) -> list[dict]:
     """Pre-flight table: per quantized tensor (layers folded) the cut, atom and per-rank sizes."""
-    rows: dict[tuple, dict] = {}
-    for s in plan.shards:
-        if not s.quant:
+    from tpshard.manifest import shard_shape
+
+    rows: dict[str, dict] = {}
+    for t in plan.tensors:
+        if not t.quant:
             continue
-        generic = re.sub(r"\.layers\.\d+\.", ".layers.N.", s.name)
-        key = (generic,)
-        if key in rows:
-            if s.logical_pad or s.pad:
-                rows[key]["padded"] = "yes"
+        generic = re.sub(r"\.layers\.\d+\.", ".layers.N.", t.name)
+        padded = any(c.logical_pad or c.pad for c in t.cuts)
+        if generic in rows:
+            if padded:
+                rows[generic]["padded"] = "yes"
             continue
-        if s.value is not None:
-            cut = f"value {list(s.value)} (rank's shape)"
-        elif s.dim is None:
+        c = t.cuts[0]
+        if c.value is not None:
+            cut = f"value {list(c.value)} (rank's shape)"
+        elif t.dim is None:
             cut = "whole (replicated)"
         else:
-            cut = f"{'N' if s.logical_dim == 0 else 'K'} {s.logical_length + s.logical_pad}/rank -> dim {s.dim} x{s.ratio[0]}/{s.ratio[1]}"
-        rows[key] = dict(
+            cut = f"{'N' if t.logical_dim == 0 else 'K'} {c.logical_length + c.logical_pad}/rank -> dim {t.dim} x{t.ratio[0]}/{t.ratio[1]}"
+        rows[generic] = dict(
             tensor=generic,
-            format=s.quant,
-            step=s.step or "-",
-            atom=s.atom,
+            format=t.quant,
+            step=t.step or "-",
+            atom=t.atom,
             cut=cut,
-            rank_shape=list(s.shape),
-            padded="yes" if s.logical_pad or s.pad else "",
+            rank_shape=list(shard_shape(t, c)),
+            padded="yes" if padded else "",
         )
     return list(rows.values())
 
