@@ -2,7 +2,11 @@
 vLLM's own loader on a CPU, stage by stage and rank by rank, and compare it bit for bit with vLLM's
 own load of the Hugging Face source for the same stage (docs/pipeline.md).
 
-    python examples/engine_load_vllm_pp.py MODEL EXPORT TP PP PARTITION    # e.g. ... 2 3 2,3,2
+    python examples/engine_load_vllm_pp.py MODEL EXPORT TP PP PARTITION [ep]  # e.g. ... 2 3 2,3,2
+
+`ep`: the split used --ep TP (vLLM's --enable-expert-parallel); MoE post-processing is skipped then,
+as in examples/engine_keys_vllm.py (vLLM's CPU MoE kernels need its C ops; the files hold the
+pre-processing layout).
 
 Not part of the tests; set up as examples/engine_load_vllm.py. Each world rank builds vLLM's real
 model class in a one-process gloo world posing as that (pp_rank, tp_rank): the TP getters and the
@@ -39,8 +43,8 @@ def pose_as_stage(pp_rank: int, pp: int) -> None:
                 mod.get_pipeline_model_parallel_rank = lambda: pp_rank
 
 
-def main(model: str, export: str, tp: int, pp: int) -> int:
-    build = vllm_loader(model)
+def main(model: str, export: str, tp: int, pp: int, ep: bool = False) -> int:
+    build = vllm_loader(model, expert_parallel=ep, post_process=not ep)
     failed = 0
     for rank in range(pp * tp):
         pp_rank, tp_rank = divmod(rank, tp)
@@ -70,4 +74,4 @@ def main(model: str, export: str, tp: int, pp: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
+    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[6:7] == ["ep"]))

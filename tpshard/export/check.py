@@ -25,7 +25,7 @@ from tpshard.check import CheckReport, check_source_sizes, hash_range, reassembl
 from tpshard.checkpoint import open_checkpoint
 from tpshard.digest import file_digest, sha256_file
 from tpshard.errors import TpshardError
-from tpshard.export.layout import PART_GLOBS, config_tied, export_layout, parse_part_name, stage_problems
+from tpshard.export.layout import PART_GLOBS, config_tied, export_layout, parse_part_name, partition_env, stage_problems
 from tpshard.export.manifest import ExportFile, ExportManifest, read_export_manifest
 from tpshard.export.writer import constant_bytes
 from tpshard.plan import file_header, make_plan
@@ -40,6 +40,9 @@ def check_export(folder: str | Path, source: str | Path | None = None, *, worker
     report = CheckReport(out_dir=str(folder), source=str(source) if source else None)
     workers = workers or default_workers()
     _check_set(folder, m, report)
+    env = dict(m.env) if m.env else {}
+    if env != partition_env(m.from_.topology):
+        report.add("stages", f"the manifest's launch environment {env} is not {partition_env(m.from_.topology)}, the stages' partition")
     _check_files(folder, m, report, workers)
     for extra in m.source.extra_files:
         path = folder / extra.name
