@@ -452,7 +452,8 @@ def _export_summary(manifest, dest: Path, seconds: float, json: bool) -> None:
     )
     for k, v in env.items():
         err.print(f"the server must be started with {k}={v} (the stages' layers; recorded in the export's manifest)", markup=False, soft_wrap=True)
-    err.print(f"check with: tpshard check {dest} --source MODEL; launch with: {launch} (docs/deploy.md)", markup=False, soft_wrap=True)
+    doc = "docs/pipeline.md" if pp > 1 else "docs/deploy.md"
+    err.print(f"check with: tpshard check {dest} --source MODEL; launch with: {launch} ({doc})", markup=False, soft_wrap=True)
 
 
 def _split_then_export(model, out, topology_args, options, checksum, workers, force, format, max_part_size, json) -> None:
