@@ -217,7 +217,9 @@ def test_pp_layers_and_the_partition_to_give_the_engine(llama7, capsys, monkeypa
         ("llama7", ["--pp", 8], "7 layers cannot fill 8 pipeline stages"),
         ("llama7", ["--pp", 0], "--pp must be a positive integer"),
         ("qwen3_moe", ["--pp", 2], "no pipeline layout of Qwen3MoeForCausalLM is on record"),
-        ("llama7", ["--pp", 2, "--format", "vllm"], "export of pipeline stages is not built yet"),
+        ("llama7", ["--pp", 2, "--format", "sglang"], "SGLang 0.5.23's sharded_state names files by TP rank only"),
+        ("llama7", ["--pp", 2, "--format", "vllm", "--engine", "sglang"], "split again with --engine vllm (vLLM's default partition 4,3)"),
+        ("llama_tied", ["--pp", 2, "--engine", "vllm", "--attn-dp", 2], "--engine vllm: --attn-dp 2: vLLM has no such layout"),
     ],
 )  # fmt: skip
 def test_refusals_are_one_line_exit_2_and_write_nothing(request, tmp_path, capsys, monkeypatch, which, args, message):
@@ -337,7 +339,7 @@ def test_verify_and_export_refuse_pipeline_outputs(llama7, llama7_pp2, tmp_path)
 
     with pytest.raises(TpshardError, match="verify of pipeline stages is not built yet"):
         verify(llama7_pp2, llama7)
-    with pytest.raises(OutputError, match="export of pipeline stages is not built yet"):
+    with pytest.raises(TpshardError, match=re.escape("are placed as SGLang builds them (layers 3,4")):
         export(llama7_pp2, tmp_path / "export", "vllm")
     assert not (tmp_path / "export").exists()
 

@@ -29,7 +29,19 @@ from tpshard.manifest import MANIFEST_NAME, Manifest, Plan, ShardSpec, rank_dir,
 from tpshard.pieces import VALUE_DTYPES, cut_pieces, read_into, value_bytes
 from tpshard.arch import arch_for
 from tpshard.plan import make_plan
-from tpshard.stages import layer_of, partition_value, resolve_partition, stage_ranges, tensor_stages
+from tpshard.stages import (
+    ENGINE_NAME,
+    PARTITION_ENV,
+    Placement,
+    default_partition,
+    layer_of,
+    partition_value,
+    placement,
+    refuse_engine_layout,
+    resolve_partition,
+    stage_ranges,
+    tensor_stages,
+)
 from tpshard.safetensors_format import DTYPE_SIZE, nbytes_of
 from tpshard.writer import check_workers, rank_index_bytes
 
@@ -191,11 +203,15 @@ def check_stages(plan: Plan, report: CheckReport) -> dict[str, tuple[int, ...]]:
     except TpshardError as e:
         report.add("stages", f"pipeline stages: {e}")
         return {}
-    if arch.pp_head is None:
-        report.add("stages", f"pipeline stages: no pipeline layout of {model.architecture} is on record, yet the output has {topo.pp} stages")
-        return {}
-    if model.tie_word_embeddings and not arch.pp_tied_head:
-        report.add("stages", f"pipeline stages: SGLang cannot serve a tied {model.architecture} at pp > 1 (no lm_head weight on the last stage)")
+    engine = ENGINE_NAME[topo.placed_for]
+    try:
+        where_built = placement(arch, topo.placed_for, tied=model.tie_word_embeddings, pp=topo.pp)
+        refuse_engine_layout(topo.placed_for, topo, plan.options.dp_lm_head)
+    except TpshardError as e:
+        report.add("stages", f"pipeline stages: {engine} cannot serve this output: {e}")
+        if arch.pp_head is None:
+            return {}
+        where_built = Placement(topo.placed_for, arch.pp_head, False, model.tie_word_embeddings)
     counts, last = topo.pp_layers, topo.pp - 1
     ranges = stage_ranges(counts)
     mtp = any((i := layer_of(t.name)) is not None and i >= model.num_layers for t in plan.tensors)
@@ -214,7 +230,7 @@ def check_stages(plan: Plan, report: CheckReport) -> dict[str, tuple[int, ...]]:
                 layers_held[st].add(layer)
             else:
                 modules_held[st].add(t.name.rpartition(".")[0])
-        stages = tensor_stages(t.name, counts, head=arch.pp_head, mtp=mtp)
+        stages = tensor_stages(t.name, counts, head=where_built.head, mtp=mtp, embed_last=where_built.embed_last)
         if stages is None:
             report.add("stages", f"{t.name}: held by {where(held)}, but no pipeline stage holds such a tensor")
             continue
@@ -232,13 +248,14 @@ def check_stages(plan: Plan, report: CheckReport) -> dict[str, tuple[int, ...]]:
         missing = sorted(set(range(first, end)) - layers_held[st])
         if missing:
             report.add("stages", f"{where([st])} holds no tensor of layers {_span_text(missing)}; its layers are {first}-{end - 1}")
-        needed = {"model.embed_tokens"} if st == 0 or (st == last and mtp) else set()
+        needed = {"model.embed_tokens"} if st == 0 or (st == last and (mtp or where_built.embed_last)) else set()
         if st == last:
             needed.add("model.norm")
-        if st == last or arch.pp_head == "every":
+        has_head = not model.tie_word_embeddings or where_built.head_copy
+        if has_head and (st == last or where_built.head == "every"):
             needed.add("lm_head")
         for module in sorted(needed - modules_held[st]):
-            report.add("stages", f"{where([st])} lacks {module}, which SGLang builds on that stage")
+            report.add("stages", f"{where([st])} lacks {module}, which {engine} builds on that stage")
     return want
 
 
@@ -250,11 +267,21 @@ def check_pipeline_request(plan: Plan, pp: int | None, pp_layers: str | None, re
     """`check --pp N [--pp-layers ...]`: the output was split for the stages the server will run."""
     have = plan.topology.pp_layers if plan.topology.pp > 1 else (plan.model.num_layers,)
     split_for = f"pp {len(have)}" + (f" (layers {partition_value(have)})" if len(have) > 1 else "")
+    engine = plan.topology.placed_for
     if pp_layers is None:
         if pp != len(have):
             report.add("stages", f"the output was split for {split_for}, not --pp {pp}")
+            return
+        # No partition given: the server builds its engine's default one.
+        if len(have) > 1 and default_partition(plan.model.num_layers, pp, engine) != tuple(have):
+            report.add(
+                "stages",
+                f"the output was split for {split_for}, but {ENGINE_NAME[engine]} at --pp {pp} builds layers"
+                f" {partition_value(default_partition(plan.model.num_layers, pp, engine))} unless started with"
+                f" {PARTITION_ENV[engine]}={partition_value(have)} (then check with --pp-layers {partition_value(have)})",
+            )
         return
-    want = resolve_partition(plan.model.num_layers, pp, pp_layers)
+    want = resolve_partition(plan.model.num_layers, pp, pp_layers, engine)
     if want != tuple(have):
         report.add("stages", f"the output was split for {split_for}, not --pp-layers {partition_value(want)}")
 

@@ -41,8 +41,9 @@ MoeDenseTp = Annotated[Optional[int], typer.Option("--moe-dense-tp", help="DeepS
 Pad = Annotated[bool, typer.Option("--pad/--no-pad", help="Zero-pad MLP dims the group does not divide (or refuse).")]
 DpLmHead = Annotated[bool, typer.Option("--dp-lm-head", help="Shard lm_head over attn_tp instead of tp.")]
 Json = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
-Pp = Annotated[Optional[int], typer.Option("--pp", help="Pipeline stages (world = pp x tp, rank = pp_rank x tp + tp_rank); layers split as SGLang does unless --pp-layers.")]
-PpLayers = Annotated[Optional[str], typer.Option("--pp-layers", help="Decoder layers per pipeline stage, e.g. 26,27,27 (give the server the same SGLANG_PP_LAYER_PARTITION).")]
+Pp = Annotated[Optional[int], typer.Option("--pp", help="Pipeline stages (world = pp x tp, rank = pp_rank x tp + tp_rank); layers split as --engine does unless --pp-layers.")]
+PpLayers = Annotated[Optional[str], typer.Option("--pp-layers", help="Decoder layers per pipeline stage, e.g. 26,27,27 (give the server the same SGLANG_ or VLLM_PP_LAYER_PARTITION).")]
+EngineOpt = Annotated[Optional[str], typer.Option("--engine", help="Pipeline stages as this engine builds them: sglang (default) or vllm (its default partition; lm_head on the last stage; a tied model's last stage holds the embedding).")]
 PadBlocks = Annotated[bool, typer.Option("--pad-blocks", help="FP8 block formats: zero-pad each rank's MLP shard to whole 128-blocks instead of refusing.")]
 Workers = Annotated[Optional[int], typer.Option("--workers", help="I/O threads (default: from the CPU count).")]
 EngineFormat = Annotated[Optional[str], typer.Option("--format", help="Engine sharded_state export: vllm or sglang (docs/deploy.md).")]
@@ -53,18 +54,26 @@ def _options(pad: bool, dp_lm_head: bool, pad_blocks: bool = False) -> Options:
     return Options(pad=pad, dp_lm_head=dp_lm_head, pad_blocks=pad_blocks)
 
 
+def _engine(engine: str | None, default: str = "sglang") -> str:
+    engine = default if engine is None else engine
+    if engine not in ("sglang", "vllm"):
+        raise UsageError(f"--engine {engine}: choose sglang or vllm")
+    return engine
+
+
 def _topology(
     tp: int, attn_dp: int, attn_cp: int, ep: int, moe_dense_tp: int | None, pp: int | None = None,
-    pp_layers: str | None = None, ckpt=None,
+    pp_layers: str | None = None, engine: str | None = None, ckpt=None,
 ) -> Topology:  # fmt: skip
-    """The topology asked for; with --pp / --pp-layers, the partition of the checkpoint's layers."""
-    partition = msgspec.UNSET
+    """The topology asked for; with --pp / --pp-layers, the partition of the checkpoint's layers
+    (the engine's default one unless --pp-layers)."""
+    partition, engine = msgspec.UNSET, _engine(engine)
     if pp is not None or pp_layers is not None:
         from tpshard.checkpoint import model_info
         from tpshard.stages import resolve_partition
 
-        partition = resolve_partition(model_info(ckpt).num_layers, pp, pp_layers)
-    return Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp, ep=ep, moe_dense_tp=moe_dense_tp, pp_layers=partition)
+        partition = resolve_partition(model_info(ckpt).num_layers, pp, pp_layers, engine)
+    return Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp, ep=ep, moe_dense_tp=moe_dense_tp, pp_layers=partition, engine=engine)
 
 
 def _plan(model: Path, topology_args: tuple, options: Options):
@@ -79,18 +88,16 @@ def _plan(model: Path, topology_args: tuple, options: Options):
 def _stage_lines(p) -> None:
     """plan: each pipeline stage's layers, and the partition the engine must be started with."""
     from tpshard.report import human_bytes, stage_rows
-    from tpshard.stages import PARTITION_ENV, partition_value
+    from tpshard.stages import ENGINE_NAME, launch_hint
 
     rows = stage_rows(p)
     if not rows:
         return
     for row in rows:
         row["bytes_per_rank"] = human_bytes(row["bytes_per_rank"])
-    err.print(_table("Pipeline stages (SGLang placement)", rows))
-    err.print(
-        f"start SGLang with --pp-size {p.topology.pp} and {PARTITION_ENV['sglang']}={partition_value(p.topology.pp_layers)}",
-        markup=False, soft_wrap=True,
-    )  # fmt: skip
+    engine = p.topology.placed_for
+    err.print(_table(f"Pipeline stages ({ENGINE_NAME[engine]} placement)", rows))
+    err.print(launch_hint(engine, p.topology.pp_layers), markup=False, soft_wrap=True)
 
 
 def _emit_json(obj) -> None:
@@ -109,7 +116,7 @@ def _table(title: str, rows: list[dict]) -> Table:
 @app.command()
 def plan(
     model: Model, tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = 1, moe_dense_tp: MoeDenseTp = None,
-    pp: Pp = None, pp_layers: PpLayers = None,
+    pp: Pp = None, pp_layers: PpLayers = None, engine: EngineOpt = None,
     pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False, json: Json = False,
 ) -> None:  # fmt: skip
     """Show what every rank will hold, before a byte is written."""
@@ -117,14 +124,14 @@ def plan(
 
     from tpshard.quant.shards import alignment_rows
 
-    p = _plan(model, (tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers), _options(pad, dp_lm_head, pad_blocks))
+    p = _plan(model, (tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine), _options(pad, dp_lm_head, pad_blocks))
     alignment = alignment_rows(p)  # quantized tensors: the pre-flight (misaligned cuts were refused above)
     if json:
         out = {"plan": p, "by_kind": kind_rows(p), "by_rank": rank_rows(p), "alignment": alignment}
         if p.topology.pp > 1:
             from tpshard.stages import PARTITION_ENV, partition_value
 
-            out |= {"stages": stage_rows(p), "partition_env": {PARTITION_ENV["sglang"]: partition_value(p.topology.pp_layers)}}
+            out |= {"stages": stage_rows(p), "partition_env": {PARTITION_ENV[p.topology.placed_for]: partition_value(p.topology.pp_layers)}}
         _emit_json(out)
         return
     err.print(f"[bold]{model}[/] {p.model.architecture}, {p.topology.describe()}")
@@ -147,7 +154,7 @@ def plan(
 @app.command()
 def explain(
     model: Model, tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = 1, moe_dense_tp: MoeDenseTp = None,
-    pp: Pp = None, pp_layers: PpLayers = None,
+    pp: Pp = None, pp_layers: PpLayers = None, engine: EngineOpt = None,
     pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False,
     layer: Annotated[int, typer.Option("--layer", help="Decoder layer to walk through.")] = 0,
     json: Json = False,
@@ -155,7 +162,7 @@ def explain(
     """Walk through one layer: segment, layer class and group, per-rank shape, disk slice, reduction."""
     from tpshard.report import explain_rows
 
-    p = _plan(model, (tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers), _options(pad, dp_lm_head, pad_blocks))
+    p = _plan(model, (tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine), _options(pad, dp_lm_head, pad_blocks))
     rows = explain_rows(p, layer)
     if not rows:
         mtp = f" + {p.model.num_nextn_predict_layers} MTP" if p.model.num_nextn_predict_layers else ""
@@ -178,7 +185,7 @@ def split(
     model: Model,
     out: Annotated[Path, typer.Option("-o", "--out", help="Output folder (must not exist unless --force).")],
     tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = 1, moe_dense_tp: MoeDenseTp = None,
-    pp: Pp = None, pp_layers: PpLayers = None,
+    pp: Pp = None, pp_layers: PpLayers = None, engine: EngineOpt = None,
     pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False, workers: Workers = None,
     checksum: Annotated[str, typer.Option("--checksum", help="Tensor digests in the manifest: crc32 (fast) or sha256.")] = "crc32",
     ranks: Annotated[Optional[str], typer.Option("--ranks", help="Write only these ranks, e.g. 0-3 or 0,2,4.")] = None,
@@ -189,13 +196,14 @@ def split(
     """Read the checkpoint once and write each rank's presharded files plus the manifest.
 
     With --format vllm|sglang, OUT is the engine export instead: the tpshard output is written
-    beside it (hidden), exported, and removed."""
+    beside it (hidden), exported, and removed (with --pp, --format vllm places the stages as vLLM
+    does unless --engine says otherwise)."""
     if format is not None:
         if ranks is not None:
             raise TpshardError("--ranks and --format: an engine export needs every rank; split --ranks, merge, then tpshard export")
-        if pp not in (None, 1) or pp_layers is not None:
-            raise TpshardError("--pp and --format: export of pipeline stages is not built yet; split without --format")
-        return _split_then_export(model, out, tp, attn_dp, attn_cp, _options(pad, dp_lm_head, pad_blocks), checksum, workers, force, format, max_part_size, json)
+        engine = _engine(engine, format if format in ("sglang", "vllm") else "sglang")
+        topology_args = (tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine)
+        return _split_then_export(model, out, topology_args, _options(pad, dp_lm_head, pad_blocks), checksum, workers, force, format, max_part_size, json)
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     from tpshard.checkpoint import open_checkpoint
@@ -203,7 +211,7 @@ def split(
     from tpshard.writer import split as do_split
 
     ckpt = open_checkpoint(model)
-    topology = _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, ckpt)
+    topology = _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine, ckpt)
     total = sum(t.nbytes for t in ckpt.tensors.values())
     start = time.perf_counter()
     with Progress(
@@ -232,12 +240,9 @@ def split(
     for w in manifest.plan.warnings:
         err.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
     if manifest.plan.topology.pp > 1:
-        from tpshard.stages import PARTITION_ENV, partition_value
+        from tpshard.stages import launch_hint
 
-        err.print(
-            f"start SGLang with --pp-size {topology.pp} and {PARTITION_ENV['sglang']}={partition_value(topology.pp_layers)}",
-            markup=False, soft_wrap=True,
-        )  # fmt: skip
+        err.print(launch_hint(topology.placed_for, topology.pp_layers), markup=False, soft_wrap=True)
 
 
 @app.command()
@@ -246,10 +251,13 @@ def check(
     source: Annotated[Optional[Path], typer.Option("--source", help="The checkpoint it was split from: enables bit-exact reassembly.")] = None,
     workers: Workers = None,
     pp: Annotated[Optional[int], typer.Option("--pp", help="The pipeline stages the server will run: the output must be split for them.")] = None,
-    pp_layers: Annotated[Optional[str], typer.Option("--pp-layers", help="The layer partition the server will run (its SGLANG_PP_LAYER_PARTITION).")] = None,
+    pp_layers: Annotated[Optional[str], typer.Option("--pp-layers", help="The layer partition the server will run (its SGLANG_ or VLLM_PP_LAYER_PARTITION; the output's engine is in its manifest).")] = None,
     json: Json = False,
 ) -> None:  # fmt: skip
-    """Checksums, alignment checks and (with --source) bit-exact reassembly. Exit 1 on any mismatch."""
+    """Checksums, alignment checks and (with --source) bit-exact reassembly. Exit 1 on any mismatch.
+
+    With --pp (and --pp-layers), also that the output was split for the stages the server will
+    build: --pp alone means the default partition of the engine the output was placed for."""
     from tpshard.check import check as do_check
     from tpshard.report import human_bytes
 
@@ -426,20 +434,29 @@ def _export_summary(manifest, dest: Path, seconds: float, json: bool) -> None:
     from tpshard.report import human_bytes
 
     written = sum(f.size for f in manifest.files)
-    tp = manifest.from_.topology.tp
+    tp, pp = manifest.from_.topology.tp, manifest.from_.topology.pp
+    env = dict(manifest.env) if manifest.env else {}
     if json:
-        _emit_json({"out": str(dest), "engine": manifest.engine, "tp": tp, "files": len(manifest.files), "bytes_written": written, "seconds": round(seconds, 3)})
+        summary = {"out": str(dest), "engine": manifest.engine, "tp": tp, "files": len(manifest.files), "bytes_written": written, "seconds": round(seconds, 3)}
+        if pp > 1:
+            summary |= {"pp": pp, "env": env}
+        _emit_json(summary)
         return
-    err.print(f"[green]export[/] {manifest.engine} -> {dest}: tp {tp}, {len(manifest.files)} files, wrote {human_bytes(written)} in {seconds:.2f} s")
+    err.print(f"[green]export[/] {manifest.engine} -> {dest}: tp {tp}" + (f" x pp {pp}" if pp > 1 else "") + f", {len(manifest.files)} files, wrote {human_bytes(written)} in {seconds:.2f} s")
     launch = (
-        f"vllm serve {dest} --load-format sharded_state --tensor-parallel-size {tp}"
+        "".join(f"{k}={v} " for k, v in env.items())
+        + f"vllm serve {dest} --load-format sharded_state --tensor-parallel-size {tp}"
+        + (f" --pipeline-parallel-size {pp}" if pp > 1 else "")
         if manifest.engine == "vllm"
         else f"python -m sglang.launch_server --model-path {dest} --load-format sharded_state --tp-size {tp}"
     )
-    err.print(f"check with: tpshard check {dest} --source MODEL; launch with: {launch} (docs/deploy.md)", markup=False, soft_wrap=True)
+    for k, v in env.items():
+        err.print(f"the server must be started with {k}={v} (the stages' layers; recorded in the export's manifest)", markup=False, soft_wrap=True)
+    doc = "docs/pipeline.md" if pp > 1 else "docs/deploy.md"
+    err.print(f"check with: tpshard check {dest} --source MODEL; launch with: {launch} ({doc})", markup=False, soft_wrap=True)
 
 
-def _split_then_export(model, out, tp, attn_dp, attn_cp, options, checksum, workers, force, format, max_part_size, json) -> None:
+def _split_then_export(model, out, topology_args, options, checksum, workers, force, format, max_part_size, json) -> None:
     import shutil
     import tempfile
 
@@ -452,7 +469,7 @@ def _split_then_export(model, out, tp, attn_dp, attn_cp, options, checksum, work
 
     max_bytes = parse_size(max_part_size)
     ckpt = open_checkpoint(model)
-    topology = Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp)
+    topology = _topology(*topology_args, ckpt=ckpt)
     export_layout(make_plan(ckpt, topology, options), format, config_tied(ckpt.config), max_bytes, ckpt.config)  # refuse before writing
     check_output_path(out, [ckpt.path])
     if os.path.lexists(out) and not force:

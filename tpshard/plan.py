@@ -25,7 +25,7 @@ from tpshard.quant.config import read_quant_config
 from tpshard.quant.formats import QuantSpec, alignment
 from tpshard.quant import shards as qshards
 from tpshard.safetensors_format import TensorInfo, build_header, nbytes_of
-from tpshard.stages import layer_of, tensor_stages
+from tpshard.stages import Placement, layer_of, placement, refuse_engine_layout, tensor_stages
 from tpshard.topology import GroupName, Topology
 
 # MLP roles whose intermediate dim may be zero-padded (--pad, --pad-blocks): plain linears over
@@ -282,35 +282,26 @@ class _Experts:
                 )
 
 
-def refuse_pipeline(ctx: Layout, tensors: Mapping[str, TensorInfo]) -> Callable[[str], tuple[int, ...]] | None:
-    """At pp > 1: the stages holding each tensor (by name), or a one-line refusal of a layout the
-    engine cannot serve or tpshard does not know. None at pp 1."""
+def refuse_pipeline(ctx: Layout, tensors: Mapping[str, TensorInfo]) -> tuple[Callable[[str], tuple[int, ...]], Placement] | None:
+    """At pp > 1: the stages holding each tensor (by name) and the engine's placement, or a
+    one-line refusal of a layout the engine cannot serve or tpshard does not know. None at pp 1."""
     t, m, a = ctx.topology, ctx.model, ctx.arch
     if t.pp == 1:
         return None
-    if a.pp_head is None:
-        raise PlanError(
-            f"--pp {t.pp}: no pipeline layout of {m.architecture} is on record (which stages hold its lm_head;"
-            " reference/PIPELINE.md covers Llama, Mistral, Qwen2, Qwen3 and DeepSeek); split it with --pp 1"
-        )
-    if m.tie_word_embeddings and not a.pp_tied_head:
-        raise PlanError(
-            f"--pp {t.pp}: SGLang {a.engine} cannot serve a tied {m.architecture} with pipeline stages: its lm_head is"
-            " model.embed_tokens, which only the first stage builds, so the last stage has no head weight"
-            " (reference/PIPELINE.md §3); split it with --pp 1"
-        )
+    where = placement(a, t.placed_for, tied=m.tie_word_embeddings, pp=t.pp)
+    refuse_engine_layout(t.placed_for, t, ctx.options.dp_lm_head)
     if sum(t.pp_layers) != m.num_layers:
         raise PlanError(f"--pp-layers {','.join(map(str, t.pp_layers))} adds up to {sum(t.pp_layers)} layers; the model has {m.num_layers}")
     mtp = any((i := layer_of(name)) is not None and i >= m.num_layers for name in tensors)
-    head, counts = a.pp_head, t.pp_layers
+    counts = t.pp_layers
 
     def stages_of(name: str) -> tuple[int, ...]:
-        stages = tensor_stages(name, counts, head=head, mtp=mtp)
+        stages = tensor_stages(name, counts, head=where.head, mtp=mtp, embed_last=where.embed_last)
         if stages is None:
             raise PlanError(f"{name}: no pipeline stage is known to hold it (not in a decoder layer, the embedding, the final norm or lm_head)")
         return stages
 
-    return stages_of
+    return stages_of, where
 
 
 class _KindCut(NamedTuple):
@@ -406,12 +397,18 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
     arch = arch_for(model)
     ctx = Layout(topology, model, options, arch)
     warnings = refuse_topology(ctx, ckpt.config)
-    stages_of = refuse_pipeline(ctx, ckpt.tensors)  # None: one stage
+    stages_of, where = refuse_pipeline(ctx, ckpt.tensors) or (None, None)  # None: one stage
+    head_copy = where is not None and where.head_copy  # tied: SGLang's last stage has its own lm_head.weight
     matcher = Matcher(arch.table(model))
     if model.tie_word_embeddings and stages_of is None:
         warnings.append(
             "lm_head is tied to model.embed_tokens (no lm_head.weight on disk): engines reuse the"
             f" embedding shard, over the {group_of(VOCAB[0], ctx)} group"
+        )
+    elif model.tie_word_embeddings and not head_copy:
+        warnings.append(
+            "lm_head is tied to model.embed_tokens: the last stage holds the embedding too, cut as the first"
+            " stage's (vLLM builds it there and ties the head to it)"
         )
     elif model.tie_word_embeddings:
         warnings.append(
@@ -445,12 +442,12 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
             if not any(f"{module}.{r.suffix}" in ckpt.tensors for r in qspec.roles() if r.suffix not in ("weight", "bias")):
                 qspec = None
         if qspec is not None and param != "bias":
-            if stages_of and name == "model.embed_tokens.weight" and model.tie_word_embeddings:
+            if head_copy and name == "model.embed_tokens.weight":
                 raise PlanError(f"{name}: quantized ({qspec.format}) and tied to lm_head; a pipeline's lm_head copy of it is not built")
             entries.append(_Entry(name, name, layer, expert, qlayers.kind(name, info, module, param, qspec, rule, layer, ep_slot, stages)))
             continue
         targets = [(name, rule, layer, stages)]
-        if stages_of and name == "model.embed_tokens.weight" and model.tie_word_embeddings:
+        if head_copy and name == "model.embed_tokens.weight":
             # Tied at pp > 1: the last stage's own lm_head, filled from the embedding (PIPELINE.md §3).
             targets.append(("lm_head.weight", VOCAB[1], VOCAB[1].layer, stages_of("lm_head.weight")))
         for target, rule, layer, stages in targets:

@@ -16,7 +16,10 @@ pp_rank * tp + tp_rank. Attention DP/CP and EP live inside each stage's TP group
 above is the tp-sized layout of one stage, offset by pp_rank * tp; `ranks_of(..., stages=...)`
 keeps the ranks of the stages holding a tensor. The partition (decoder layers per stage) is
 `pp_layers`; pp is its length. It is UNSET (left out of the JSON) for one stage, so that an
-output made without pipeline stages is byte for byte what it was before they existed.
+output made without pipeline stages is byte for byte what it was before they existed. `engine`
+names whose placement the stages follow (which stages hold the embedding, norm and lm_head,
+tpshard.stages.placement): UNSET for SGLang, the default, and at one stage, where the engines place
+every tensor alike; so only a vLLM pipeline output records it.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
     moe_dense_tp: int | None = None  # SGLang --moe-dense-tp-size: None = tp, or 1 (dense MLPs whole)
     # Decoder layers of each pipeline stage, e.g. (26, 27, 27) (tpshard.stages); UNSET = one stage.
     pp_layers: tuple[int, ...] | UnsetType = UNSET
+    # Whose pipeline placement the stages follow: "vllm", or UNSET = SGLang (and every one-stage output).
+    engine: Literal["sglang", "vllm"] | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         fields = (("tp", self.tp), ("attn_dp", self.attn_dp), ("attn_cp", self.attn_cp), ("ep", self.ep))
@@ -78,6 +83,11 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
                 )
             if len(counts) == 1:  # one stage is no pipeline: recorded as none, so pp 1 outputs stay as they were
                 msgspec.structs.force_setattr(self, "pp_layers", UNSET)
+        if self.engine is not UNSET:
+            if self.engine not in ("sglang", "vllm"):
+                raise TopologyError(f"--engine {self.engine!r}: choose sglang or vllm")
+            if self.engine == "sglang" or self.pp_layers is UNSET:  # the default, or one stage: placed alike
+                msgspec.structs.force_setattr(self, "engine", UNSET)
         if self.world_size > MAX_WORLD:
             raise TopologyError(f"--pp {self.pp} x --tp {self.tp} = {self.world_size} ranks; at most {MAX_WORLD}")
 
@@ -85,6 +95,11 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
     def pp(self) -> int:
         """Pipeline stages (1 without a pipeline)."""
         return 1 if self.pp_layers is UNSET else len(self.pp_layers)
+
+    @property
+    def placed_for(self) -> Literal["sglang", "vllm"]:
+        """The engine whose pipeline placement the stages follow (SGLang unless recorded)."""
+        return "sglang" if self.engine is UNSET else self.engine
 
     @property
     def world_size(self) -> int:
@@ -162,7 +177,8 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
         if self.moe_dense_tp is not None:
             text += f" moe_dense_tp={self.moe_dense_tp}"
         if self.pp > 1:
-            text += f" pp={self.pp} (layers {','.join(map(str, self.pp_layers))})"
+            text += f" pp={self.pp} (layers {','.join(map(str, self.pp_layers))}"
+            text += ", vLLM placement)" if self.placed_for == "vllm" else ")"
         return text
 
 

@@ -92,6 +92,9 @@ class Arch:
     # A tied model at pp > 1: the last stage builds its own lm_head, filled from the embedding and cut
     # over the head's group (False: the engine ties the head to the first stage's embedding only).
     pp_tied_head: bool = False
+    # vLLM 0.33.0 at pp > 1: a tied model's last stage builds its own embedding and ties lm_head to it
+    # (LlamaModel / Qwen2Model: `tie_word_embeddings and is_last_rank`); False: the class never ties.
+    pp_vllm_tied: bool = False
 
     def table(self, model: ModelInfo) -> tuple[Rule, ...]:
         return self.rules + (self.variant(model) if self.variant else ())

@@ -13,6 +13,6 @@ from tpshard.arch.base import DENSE_MLP, NORMS, QKV_ATTENTION, VOCAB, Arch
 RULES = VOCAB + NORMS + QKV_ATTENTION + DENSE_MLP
 
 ARCHS = (
-    Arch("LlamaForCausalLM", RULES, "llama.py", attn_group="tp", embed_group="tp", pp_head="every"),
-    Arch("MistralForCausalLM", RULES, "llama.py (MistralForCausalLM)", attn_group="tp", embed_group="tp", pp_head="every"),
+    Arch("LlamaForCausalLM", RULES, "llama.py", attn_group="tp", embed_group="tp", pp_head="every", pp_vllm_tied=True),
+    Arch("MistralForCausalLM", RULES, "llama.py (MistralForCausalLM)", attn_group="tp", embed_group="tp", pp_head="every", pp_vllm_tied=True),
 )

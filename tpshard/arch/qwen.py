@@ -44,9 +44,9 @@ def refuse_dense_layers(config: dict, model: ModelInfo) -> None:
 ARCHS = (
     Arch(
         "Qwen2ForCausalLM", QWEN2, "qwen2.py", attn_group="tp", embed_group="attn_tp", dp_lm_head=False,
-        pp_head="last", pp_tied_head=True,
+        pp_head="last", pp_tied_head=True, pp_vllm_tied=True,
     ),
-    Arch("Qwen3ForCausalLM", QWEN3, "qwen3.py", attn_group="attn_tp", embed_group="attn_tp", pp_head="last", pp_tied_head=True),
+    Arch("Qwen3ForCausalLM", QWEN3, "qwen3.py", attn_group="attn_tp", embed_group="attn_tp", pp_head="last", pp_tied_head=True, pp_vllm_tied=True),
     Arch(
         "Qwen3MoeForCausalLM", QWEN3_MOE, "qwen3_moe.py", attn_group="attn_tp", embed_group="attn_tp",
         sparse=every_layer_sparse, experts_limit="moe_tp", check=refuse_dense_layers,

@@ -5,7 +5,9 @@ warning, a file of another TP size loads into wrong weights), so this is where i
 
 Without the source: the folder holds exactly the manifest's files (a stray file matching the
 engine's glob would be read too), parts numbered from 0 for every rank, one key set on every rank
-with no key twice, each file's size, its header byte for byte, every tensor's digest and constant.
+(of a pipeline stage) with no key twice, each file's size, its header byte for byte, every tensor's
+digest and constant; with pipeline stages, every key on the stage vLLM builds it on and every stage
+complete (layout.stage_problems: its layers, the first stage's embedding, the last's norm and head).
 With the source: also that the manifest is what the rules and the engine's name table give for this
 checkpoint, and every byte of every rank's copy of every shard, bit-exact against the checkpoint
 (tpshard.check.reassemble, the same reassembly as for a tpshard output).
@@ -23,7 +25,7 @@ from tpshard.check import CheckReport, check_source_sizes, hash_range, reassembl
 from tpshard.checkpoint import open_checkpoint
 from tpshard.digest import file_digest, sha256_file
 from tpshard.errors import TpshardError
-from tpshard.export.layout import PART_NAME, config_tied, export_layout
+from tpshard.export.layout import PART_GLOBS, config_tied, export_layout, parse_part_name, partition_env, stage_problems
 from tpshard.export.manifest import ExportFile, ExportManifest, read_export_manifest
 from tpshard.export.writer import constant_bytes
 from tpshard.plan import file_header, make_plan
@@ -38,6 +40,9 @@ def check_export(folder: str | Path, source: str | Path | None = None, *, worker
     report = CheckReport(out_dir=str(folder), source=str(source) if source else None)
     workers = workers or default_workers()
     _check_set(folder, m, report)
+    env = dict(m.env) if m.env else {}
+    if env != partition_env(m.from_.topology):
+        report.add("stages", f"the manifest's launch environment {env} is not {partition_env(m.from_.topology)}, the stages' partition")
     _check_files(folder, m, report, workers)
     for extra in m.source.extra_files:
         path = folder / extra.name
@@ -53,27 +58,29 @@ def check_export(folder: str | Path, source: str | Path | None = None, *, worker
 def _check_set(folder: Path, m: ExportManifest, report: CheckReport) -> None:
     listed = {f.name for f in m.files}
     for name in sorted(os.listdir(folder)):
-        if fnmatch.fnmatch(name, "model-rank-*-part-*.safetensors") and name not in listed:
+        if any(fnmatch.fnmatch(name, g) for g in PART_GLOBS) and name not in listed:
             report.add("files", f"{name}: not in the export manifest, but the engine's glob reads it (a stale file of another export?)")
+    topo = m.from_.topology
     parts: dict[int, list[int]] = defaultdict(list)
     keys: dict[int, dict[str, tuple]] = defaultdict(dict)
     for f in m.files:
-        parts[f.rank].append(int(PART_NAME.fullmatch(f.name).group(2)))
+        parts[f.rank].append(parse_part_name(f.name, topo)[1])
         if not f.tensors:
             report.add("files", f"{f.name}: an empty part")
         for t in f.tensors:
             if t.name in keys[f.rank]:
                 report.add("files", f"rank {f.rank}: {t.name} is in two parts (the engine raises KeyError on the second)")
             keys[f.rank][t.name] = (t.dtype, t.shape)
-    tp = m.from_.topology.world_size
-    for rank in range(tp):
+    for rank in range(topo.world_size):
         if sorted(parts[rank]) != list(range(len(parts[rank]))) or not parts[rank]:
             report.add("files", f"rank {rank}: parts {sorted(parts[rank])}, not 0..N-1")
-    reference = keys.get(0, {})
-    for rank in range(1, tp):
-        if keys[rank] != reference:
-            diff = sorted(set(keys[rank].items()) ^ set(reference.items()))[:3]
-            report.add("files", f"rank {rank}: tensors differ from rank 0's in name, dtype or shape, e.g. {diff}")
+    for rank in range(topo.world_size):
+        first = topo.stage_ranks(topo.pp_rank(rank))[0]  # the ranks of one stage build one model
+        if rank != first and keys[rank] != keys[first]:
+            diff = sorted(set(keys[rank].items()) ^ set(keys[first].items()))[:3]
+            report.add("files", f"rank {rank}: tensors differ from rank {first}'s in name, dtype or shape, e.g. {diff}")
+    for problem in stage_problems({r: set(keys[r]) for r in range(topo.world_size)}, topo):
+        report.add("stages", problem)
 
 
 def _check_files(folder: Path, m: ExportManifest, report: CheckReport, workers: int) -> None:

@@ -4,6 +4,16 @@ Each engine tensor is the rank's shards concatenated along dim 0 in the table's 
 for an unfused tensor) or a constant buffer. Everything the engine cannot build from such files is
 refused here, before a byte is written: padded dims, topologies the engine model does not shard
 the same way, quantized checkpoints, architectures without a name table.
+
+Pipeline stages (vLLM only, reference/PIPELINE.md §7): vLLM 0.33.0's sharded_state loader reads
+`model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors` when pp > 1
+(model_loader/sharded_state_loader.py, PP_AND_TP_PATTERN), copies every key into the stage's
+state dict (KeyError on a key the stage does not build) and refuses missing ones, so a stage's
+files hold exactly its target model's parameters: its own layers, the embedding on the first stage,
+norm and lm_head on the last; a tied model's last stage holds its embedding under `lm_head.weight`
+(the head is tied to it, and `_filter_subtensors` keeps the smaller of the two names), the first
+stage under `model.embed_tokens.weight` (its lm_head is a PPMissingLayer). Only an output placed
+for vLLM (`split --engine vllm`) is exported: SGLang places lm_head and tied heads otherwise.
 """
 
 from __future__ import annotations
@@ -15,6 +25,9 @@ from tpshard.errors import PlanError
 from tpshard.export.names import ENGINES, TABLES, NameMap
 from tpshard.manifest import Plan, ShardSpec
 from tpshard.safetensors_format import nbytes_of
+from tpshard.errors import TopologyError
+from tpshard.stages import PARTITION_ENV, default_partition, layer_of, partition_value, stage_of_layer, tensor_stages
+from tpshard.topology import Topology
 
 ENGINE_VOCAB_MULTIPLE = 64  # vLLM and SGLang DEFAULT_VOCAB_PADDING_SIZE
 DEFAULT_MAX_PART_BYTES = 5 << 30  # vLLM's save_sharded_state example's default
@@ -42,12 +55,96 @@ class PartFile(NamedTuple):
     tensors: tuple[EngineTensor, ...]
 
 
-def part_name(rank: int, part: int) -> str:
-    """The file name both engines' `sharded_state` loaders glob for (TP only, no PP)."""
+def part_name(rank: int, part: int, topology: Topology | None = None) -> str:
+    """The file name the engines' `sharded_state` loaders glob for world rank `rank`: by TP rank
+    alone at one stage (both engines), by stage and TP rank with pipeline stages (vLLM)."""
+    if topology is not None and topology.pp > 1:
+        return f"model-pp-{topology.pp_rank(rank)}-tp-{topology.tp_rank(rank)}-part-{part}.safetensors"
     return f"model-rank-{rank}-part-{part}.safetensors"
 
 
 PART_NAME = re.compile(r"model-rank-(\d+)-part-(\d+)\.safetensors")
+PP_PART_NAME = re.compile(r"model-pp-(\d+)-tp-(\d+)-part-(\d+)\.safetensors")
+PART_GLOBS = ("model-rank-*-part-*.safetensors", "model-pp-*-tp-*-part-*.safetensors")
+
+
+def parse_part_name(name: str, topology: Topology) -> tuple[int, int] | None:
+    """(world rank, part) of an export file name for this topology; None: not one of its names."""
+    if topology.pp > 1:
+        m = PP_PART_NAME.fullmatch(name)
+        if m is None or not int(m.group(2)) < topology.tp:
+            return None
+        return int(m.group(1)) * topology.tp + int(m.group(2)), int(m.group(3))
+    m = PART_NAME.fullmatch(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def partition_env(topology: Topology) -> dict[str, str]:
+    """The environment the vLLM server must be started with to build the export's stages."""
+    return {PARTITION_ENV["vllm"]: partition_value(topology.pp_layers)} if topology.pp > 1 else {}
+
+
+def refuse_pipeline_export(plan: Plan, engine: str) -> None:
+    """At pp > 1: only vLLM has a per-stage file pattern, and only an output placed for vLLM fits it."""
+    topo = plan.topology
+    if topo.pp == 1:
+        return
+    layers = partition_value(topo.pp_layers)
+    if engine == "sglang":
+        raise ExportError(
+            f"--format sglang: the output has {topo.pp} pipeline stages, but SGLang 0.5.23's sharded_state names files by"
+            " TP rank only (model-rank-{rank}-part-*), so every stage would read the same files; serve SGLang with"
+            f" pipeline stages from the original checkpoint with its normal loader (--pp-size {topo.pp},"
+            f" SGLANG_PP_LAYER_PARTITION={layers}), or export for vLLM (split --engine vllm)"
+        )
+    if topo.placed_for != "vllm":
+        vllm_default = partition_value(default_partition(plan.model.num_layers, topo.pp, "vllm"))
+        raise ExportError(
+            f"--format vllm: the output's {topo.pp} stages are placed as SGLang builds them (layers {layers}; lm_head and a"
+            " tied head where SGLang puts them); split again with --engine vllm (vLLM's default partition"
+            f" {vllm_default}), or with --engine vllm --pp-layers {layers} and start vLLM with VLLM_PP_LAYER_PARTITION={layers}"
+        )
+
+
+def stage_of_key(key: str, topology: Topology) -> int | None:
+    """The stage of vLLM's target model that holds engine key `key` (None: no stage builds it)."""
+    last = topology.pp - 1
+    layer = layer_of(key)
+    if layer is not None:
+        try:
+            return stage_of_layer(topology.pp_layers, layer)
+        except TopologyError:
+            return None
+    return {"model.embed_tokens.weight": 0, "model.norm.weight": last, "lm_head.weight": last}.get(key)
+
+
+def stage_problems(keys: dict[int, set[str]], topology: Topology) -> list[str]:
+    """What a pipeline export's files hold on the wrong stage, or lack, by engine key: every key on
+    the stage vLLM builds it on, each stage with every one of its layers, the first stage with the
+    embedding, the last with norm and lm_head. keys: world rank -> its engine keys. [] at pp 1."""
+    if topology.pp == 1:
+        return []
+    out: list[str] = []
+    last, counts = topology.pp - 1, topology.pp_layers
+    for rank in sorted(keys):
+        stage = topology.pp_rank(rank)
+        first = sum(counts[:stage])
+        held = set()
+        for key in sorted(keys[rank]):
+            want = stage_of_key(key, topology)
+            if want != stage:
+                where = "no stage of vLLM's model builds it" if want is None else f"vLLM builds it on stage {want}"
+                out.append(f"rank {rank} (stage {stage}): {key} is in its files, but {where}")
+            layer = layer_of(key)
+            if layer is not None:
+                held.add(layer)
+        missing = sorted(set(range(first, first + counts[stage])) - held)
+        if missing:
+            out.append(f"rank {rank} (stage {stage}): no tensor of layers {', '.join(map(str, missing[:8]))}; its layers are {first}-{first + counts[stage] - 1}")
+        needed = ({"model.embed_tokens.weight"} if stage == 0 else set()) | ({"model.norm.weight", "lm_head.weight"} if stage == last else set())
+        for key in sorted(needed - keys[rank]):
+            out.append(f"rank {rank} (stage {stage}): lacks {key}, which vLLM builds on that stage")
+    return out
 
 
 def refuse_unexportable(plan: Plan, engine: str, config_tied: bool) -> NameMap:
@@ -81,6 +178,7 @@ def refuse_unexportable(plan: Plan, engine: str, config_tied: bool) -> NameMap:
             f"--format vllm: the checkpoint is quantized ({', '.join(quant)}); vLLM's quant-method parameter names"
             " are not mapped for export yet, and tpshard writes no name it has not mapped exactly"
         )
+    refuse_pipeline_export(plan, engine)
     topo = plan.topology
     if table.ep == "vllm" and topo.ep not in (1, topo.tp):
         # vLLM 0.33.0 FusedMoEParallelConfig.make (layers/fused_moe/config.py L1198-1246): without
@@ -159,17 +257,26 @@ def rank_tensors(plan: Plan, rank: int, names: NameMap) -> list[EngineTensor]:
     fused: dict[str, dict[int | None, list]] = {}  # engine key -> expert id (None: not stacked) -> pieces
     layers: set[str] = set()
     anchor = re.compile(names.table.buffers_at)
+    topo, tied = plan.topology, plan.model.tie_word_embeddings
+    stage, last = topo.pp_rank(rank), topo.pp - 1
     for spec in plan.rank_shards(rank):
         if names.table.drop_mtp and _layer_index(spec.name) >= plan.model.num_layers:
             continue  # DeepSeek's MTP layer: not in the target model (names.py), only in vLLM's draft model
+        if topo.pp > 1:
+            # vLLM's target model on this stage (the MTP draft's embedding copy is not in it)
+            held = tensor_stages(spec.name, topo.pp_layers, head="last", mtp=False, embed_last=tied)
+            if held is None:
+                raise ExportError(f"{spec.name}: no pipeline stage of vLLM's {plan.model.architecture} holds it")
+            if stage not in held:
+                continue
         piece = names.piece(spec.name)
         if piece is None:
             raise ExportError(f"{spec.name}: no engine name for it in the {plan.model.architecture} table")
         if not piece.engine:
             continue  # not in the engine model's state
         engine = piece.engine
-        if engine == "model.embed_tokens.weight" and plan.model.tie_word_embeddings:
-            engine = names.table.tied
+        if engine == "model.embed_tokens.weight" and tied and stage == last:
+            engine = names.table.tied  # the head and the embedding share storage; the loader keeps this name
         slots = fused.setdefault(engine, {}).setdefault(spec.expert if piece.stacked else None, [None] * piece.count)
         if len(slots) != piece.count or slots[piece.position] is not None:
             raise ExportError(f"rank {rank}: two shards map to piece {piece.position} of {engine}")
@@ -206,7 +313,7 @@ def rank_tensors(plan: Plan, rank: int, names: NameMap) -> list[EngineTensor]:
     return sorted(out, key=lambda t: _order(t.name))
 
 
-def split_parts(rank: int, tensors: list[EngineTensor], max_part_bytes: int) -> list[PartFile]:
+def split_parts(rank: int, tensors: list[EngineTensor], max_part_bytes: int, topology: Topology | None = None) -> list[PartFile]:
     """Greedy parts in state-dict order: a new part when the next tensor would pass the limit,
     never an empty one; a tensor larger than the limit gets a part of its own."""
     if max_part_bytes < 1:
@@ -219,7 +326,7 @@ def split_parts(rank: int, tensors: list[EngineTensor], max_part_bytes: int) -> 
             size = 0
         parts[-1].append(t)
         size += t.nbytes
-    return [PartFile(part_name(rank, p), rank, tuple(ts)) for p, ts in enumerate(parts) if ts]
+    return [PartFile(part_name(rank, p, topology), rank, tuple(ts)) for p, ts in enumerate(parts) if ts]
 
 
 def export_layout(
@@ -230,8 +337,14 @@ def export_layout(
     if config is not None and names.table.drop_mtp:
         refuse_router_bias(plan, engine, config)
     files: list[PartFile] = []
+    keys: dict[int, set[str]] = {}
     for rank in range(plan.topology.world_size):
-        files += split_parts(rank, rank_tensors(plan, rank, names), max_part_bytes)
+        tensors = rank_tensors(plan, rank, names)
+        keys[rank] = {t.name for t in tensors}
+        files += split_parts(rank, tensors, max_part_bytes, plan.topology)
+    problems = stage_problems(keys, plan.topology)
+    if problems:  # the tpshard output lacks what a stage needs (or holds what it must not): a broken plan
+        raise ExportError(f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
     return files
 
 

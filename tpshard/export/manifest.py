@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from tpshard.errors import OutputError
 from tpshard.manifest import Options, Source, plain_name
@@ -31,8 +32,8 @@ class ExportTensor(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
 
 
 class ExportFile(msgspec.Struct, frozen=True, kw_only=True):
-    name: str  # model-rank-{rank}-part-{part}.safetensors
-    rank: int  # the TP rank that loads it
+    name: str  # model-rank-{rank}-part-{part}.safetensors, or model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors
+    rank: int  # the world rank that loads it (pp_rank x tp + tp_rank; the TP rank at one stage)
     size: int  # bytes, header included
     checksum: str  # tpshard.digest.file_digest: sha256 of the header, then the tensor digests
     tensors: tuple[ExportTensor, ...]  # in data order
@@ -56,19 +57,23 @@ class ExportManifest(msgspec.Struct, frozen=True, kw_only=True):
     source: Source
     max_part_bytes: int
     files: tuple[ExportFile, ...]
+    # Pipeline stages: the environment the server must be started with (VLLM_PP_LAYER_PARTITION);
+    # UNSET (left out of the JSON) at one stage, so such exports read as before.
+    env: dict[str, str] | UnsetType = UNSET
 
     def __post_init__(self) -> None:
-        from tpshard.export.layout import PART_NAME
+        from tpshard.export.layout import parse_part_name, part_name
 
         if self.format != EXPORT_FORMAT or self.version != EXPORT_VERSION:
             raise OutputError(f"{EXPORT_MANIFEST_NAME}: format {self.format} v{self.version}; this tpshard reads {EXPORT_FORMAT} v{EXPORT_VERSION}")
         seen = set()
+        topo = self.from_.topology
         for f in self.files:
-            m = PART_NAME.fullmatch(f.name)
-            if m is None or int(m.group(1)) != f.rank or f.name in seen:
-                raise OutputError(f"{EXPORT_MANIFEST_NAME}: files: {f.name!r} is not a unique model-rank-{f.rank}-part-N.safetensors name")
+            m = parse_part_name(f.name, topo)
+            if m is None or m[0] != f.rank or f.name in seen:
+                raise OutputError(f"{EXPORT_MANIFEST_NAME}: files: {f.name!r} is not a unique {part_name(f.rank, 'N', topo)} name")
             if not 0 <= f.rank < self.from_.topology.world_size:
-                raise OutputError(f"{EXPORT_MANIFEST_NAME}: files: {f.name} has rank {f.rank}, outside tp {self.from_.topology.tp}")
+                raise OutputError(f"{EXPORT_MANIFEST_NAME}: files: {f.name} has rank {f.rank}, outside {self.from_.topology.describe()}")
             seen.add(f.name)
         for s in self.source.extra_files:
             if not plain_name(s.name):

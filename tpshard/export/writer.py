@@ -19,10 +19,12 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import msgspec
+
 from tpshard import __version__
 from tpshard.digest import crc32_combine, file_digest, new_hash, sha256_file
 from tpshard.errors import OutputError
-from tpshard.export.layout import DEFAULT_MAX_PART_BYTES, EngineTensor, PartFile, config_tied, export_layout
+from tpshard.export.layout import DEFAULT_MAX_PART_BYTES, EngineTensor, PartFile, config_tied, export_layout, partition_env
 from tpshard.export.manifest import (
     EXPORT_MANIFEST_NAME,
     ExportFile,
@@ -55,8 +57,6 @@ def export(
     out = Path(out_dir)
     manifest = read_manifest(out)
     plan = manifest.plan
-    if plan.topology.pp > 1:
-        raise OutputError(f"{out}: split for {plan.topology.pp} pipeline stages; export of pipeline stages is not built yet")
     missing = sorted(set(range(plan.topology.world_size)) - set(manifest.written_ranks))
     if missing:
         raise OutputError(f"{out}: holds ranks {list(manifest.written_ranks)}; an export needs every rank (missing {missing}); merge the parts first")
@@ -140,6 +140,7 @@ def _write(out: Path, manifest: Manifest, layout: list[PartFile], engine: str, m
         source=manifest.source,
         max_part_bytes=max_part_bytes,
         files=tuple(files),
+        env=partition_env(plan.topology) or msgspec.UNSET,
     )
     write_durably(staging / EXPORT_MANIFEST_NAME, encode_export_manifest(result))
     return result
