@@ -118,8 +118,9 @@ print(f"{t1 - t:.3f} {t2 - t1:.3f} {len(d)}")
 """
 
 
-def run(cmd: list[str], env: dict) -> tuple[float, float, str]:
-    """(seconds incl. the sync after, peak RSS MiB, stdout) of one child."""
+def run(cmd: list[str], env: dict) -> tuple[float, float, str, float]:
+    """(seconds incl. the sync after, peak RSS MiB, stdout, CPU seconds) of one child. CPU time
+    (user + system) is the figure to compare when other jobs share the machine."""
     subprocess.run(["sync"], check=True)
     t = time.perf_counter()
     with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe:  # files: a full pipe would block the child
@@ -132,7 +133,7 @@ def run(cmd: list[str], env: dict) -> tuple[float, float, str]:
         out, err = fo.read().decode(), fe.read().decode()
     if p.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{err[-2000:]}")
-    return seconds, usage.ru_maxrss / 1024, out
+    return seconds, usage.ru_maxrss / 1024, out, usage.ru_utime + usage.ru_stime
 
 
 def bench_case(name: str, work: Path, runs: int, tp: int, log) -> dict:
@@ -163,19 +164,22 @@ def bench_case(name: str, work: Path, runs: int, tp: int, log) -> dict:
         for case, cmd in cmds.items():
             shutil.rmtree(out, ignore_errors=True)
             subprocess.run(["sync"], check=True)
-            seconds, rss, stdout = run(cmd, env)
+            seconds, rss, stdout, cpu = run(cmd, env)
             extra = stdout.split() if case == "load rank 0" else None
-            samples[case].append((seconds, rss, extra))
+            samples[case].append((seconds, rss, extra, cpu))
             log(f"  round {r + 1} {case}: {seconds:.2f} s, {rss:.0f} MiB" + (f" (open+read {extra[0]} s, load_rank {extra[1]} s)" if extra else ""))
     shutil.rmtree(out, ignore_errors=True)
-    cp = statistics.median(s for s, _, _ in samples["cp -r"])
+    cp = statistics.median(s[0] for s in samples["cp -r"])
     rows = {}
     for case, ss in samples.items():
-        secs = statistics.median(s for s, _, _ in ss)
-        rows[case] = {"seconds": round(secs, 3), "x_cp": round(secs / cp, 2), "peak_rss_mib": round(max(r for _, r, _ in ss))}
+        secs = statistics.median(s[0] for s in ss)
+        rows[case] = {
+            "seconds": round(secs, 3), "x_cp": round(secs / cp, 2), "peak_rss_mib": round(max(s[1] for s in ss)),
+            "cpu_s": round(statistics.median(s[3] for s in ss), 2),
+        }  # fmt: skip
         if case == "load rank 0":
-            rows[case]["open_read_s"] = statistics.median(float(e[0]) for _, _, e in ss)
-            rows[case]["load_rank_s"] = statistics.median(float(e[1]) for _, _, e in ss)
+            rows[case]["open_read_s"] = statistics.median(float(s[2][0]) for s in ss)
+            rows[case]["load_rank_s"] = statistics.median(float(s[2][1]) for s in ss)
     n = len(tensors(c))
     size = manifest.stat().st_size
     result = {
@@ -201,9 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_case(name, args.workdir, args.runs, args.tp, log)
         results.append(res)
         print(f"\n{name}: {res['tensors']} tensors, tp {res['tp']}, medians of {res['runs']}, load average {res['loadavg'][0]:.1f} on {res['cpus']} CPUs")
-        print(f"{'command':<16} {'time s':>8} {'x cp -r':>8} {'peak RSS MiB':>13}")
+        print(f"{'command':<16} {'time s':>8} {'x cp -r':>8} {'cpu s':>7} {'peak RSS MiB':>13}")
         for case, row in res["rows"].items():
-            print(f"{case:<16} {row['seconds']:>8.2f} {row['x_cp']:>8.2f} {row['peak_rss_mib']:>13}")
+            print(f"{case:<16} {row['seconds']:>8.2f} {row['x_cp']:>8.2f} {row['cpu_s']:>7.2f} {row['peak_rss_mib']:>13}")
         lr = res["rows"]["load rank 0"]
         print(f"load rank 0 inside the child: open_rank + read all {lr['open_read_s']:.2f} s, load_rank {lr['load_rank_s']:.2f} s")
         print(f"manifest: {res['manifest_bytes'] / 1e6:.1f} MB, {res['manifest_bytes_per_tensor']} B per source tensor")
