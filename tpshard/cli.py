@@ -364,10 +364,16 @@ def _verify_here(out, source, model, backend, device, dtype, tokens, seed, timeo
                     f"tensors: {t.files} files match their checksums, {t.whole} whole copies match the source,"
                     f" {t.padded} paddings are zero" + ("" if t.ok else f" -- {len(t.problems)} problem(s)")
                 )
+            if result.stages is not None and result.topology.pp > 1:
+                err.print(
+                    f"stages: {result.topology.pp} pipeline stages (layers {','.join(map(str, result.topology.pp_layers))}),"
+                    + (" every tensor on the stage the engine builds it on" if not result.stages else f" {len(result.stages)} problem(s)")
+                )
             if result.model is not None:
                 m = result.model
+                ranks = "every rank" if result.topology.pp == 1 else "every rank of the last stage, hidden states passed stage to stage"
                 err.print(
-                    f"model {m.architecture} vs transformers ({m.batches} batches of {m.sequences}x{m.tokens} tokens, every rank):"
+                    f"model {m.architecture} vs transformers ({m.batches} batches of {m.sequences}x{m.tokens} tokens, {ranks}):"
                     f" max abs logit diff {m.max_abs:.3g} (rel {m.max_rel:.3g}), top-1 agreement {m.top1:.4f}, KL {m.kl:.3g}"
                 )
             for line in result.failures():

@@ -5,7 +5,9 @@
     report.ok, report.failures()
 
 Under torchrun (RANK and WORLD_SIZE set) it runs in place on every rank; otherwise it spawns one
-local process per rank (tp of them). Backend: `choose_launch` (NCCL with a GPU per rank, else gloo
+local process per rank (pp x tp of them). With pipeline stages each stage's ranks run the layers
+their stage holds inside the stage's TP group, and `model=True` passes the hidden states from stage
+to stage (tpshard.runtime.send_forward / recv_forward). Backend: `choose_launch` (NCCL with a GPU per rank, else gloo
 on shared GPUs or the CPU; announced). Only rank 0 reads the source.
 Not here: the layers (tpshard.runtime), the slicing rules (the plan); verify only reads the manifest.
 
@@ -139,13 +141,7 @@ def verify_many(
     sizes = set()
     for job in jobs:
         check_args(job)
-        topology = read_manifest(job.out).plan.topology
-        if topology.pp > 1:
-            raise TpshardError(
-                f"{job.out}: split for {topology.pp} pipeline stages; verify of pipeline stages is not built yet"
-                " (tpshard check --source proves every byte)"
-            )
-        sizes.add(topology.world_size)
+        sizes.add(read_manifest(job.out).plan.topology.world_size)
     if len(sizes) != 1:
         raise TpshardError(f"outputs verified in one launch must share the world size, got {sorted(sizes)}")
     world = sizes.pop()
@@ -172,7 +168,7 @@ def _in_place(jobs, world: int, backend, device, timeout_s: float, announce) -> 
     launched = int(os.environ["WORLD_SIZE"])
     if launched != world:
         error = TpshardError(
-            f"torchrun started {launched} processes, but {jobs[0].out} was split for tp={world}:"
+            f"torchrun started {launched} processes, but {jobs[0].out} was split for {_world_text(jobs[0].out)}:"
             f" run torchrun with nnodes x nproc-per-node = {world}"
         )
         error.every_rank = True  # every rank finds the same: rank 0 says it
@@ -188,6 +184,14 @@ def _in_place(jobs, world: int, backend, device, timeout_s: float, announce) -> 
     reports = rank_main(info, jobs)
     shutdown_distributed()  # only after success: a failed rank leaves at once (see tpshard.runtime.launch)
     return reports
+
+
+def _world_text(out: str) -> str:
+    """tp=8, or pp=2 x tp=8 = 16 ranks: what the world size of an output is made of."""
+    from tpshard.manifest import read_manifest
+
+    topo = read_manifest(out).plan.topology
+    return f"tp={topo.tp}" if topo.pp == 1 else f"pp={topo.pp} x tp={topo.tp} = {topo.world_size} ranks"
 
 
 def _spawned(jobs, world: int, backend, device, timeout_s: float, announce) -> list[VerifyReport]:
