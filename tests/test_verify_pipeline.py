@@ -212,3 +212,27 @@ def test_refusals_name_the_pipeline_world(llama7, tmp_path, monkeypatch):
     if torch.cuda.device_count() < 4:
         with pytest.raises(TpshardError, match="--backend nccl needs one GPU per rank: 4 ranks here"):
             verify_many([out], [llama7], backend="nccl")
+
+
+@pytest.mark.slow
+def test_every_byte_per_stage_under_attention_dp(qwen3, tmp_path):
+    """pp 2 x tp 4, attn-dp 2 (8 ranks): attention over attn_tp 2 inside each stage, the MLP and lm_head
+    over the stage's tp 4. A norm on a rank whose activations the gather over tp drops (the second
+    member of a DP replica) must still fail: rank 1's post-attention norm on stage 0 and rank 7's
+    final norm on stage 1, each x10 on that rank only, checksums left as they were."""
+    good = tmp_path / "good"
+    tpshard.split(qwen3, good, Topology(tp=4, attn_dp=2, pp_layers=(1, 1)))
+    bad = copy(good, tmp_path / "bad")
+    for rank, name in ((1, "model.layers.0.post_attention_layernorm.weight"), (7, "model.norm.weight")):
+        unshare(bad, rank, name)
+        overwrite_tensor(bad, rank, name, tpshard.open_rank(bad, rank)[name] * 10)
+    ok, wrong = verify_many([good, bad], [qwen3, qwen3], model=True)
+    assert ok.ok, ok.failures()
+    layers = {x.layer: x for x in ok.layers}
+    assert layers["model.layers.1.self_attn.o_proj"].batches == 2 and layers["model.layers.1.self_attn.o_proj"].stages == [1]
+    assert ok.model.batches == 2 and ok.model.top1 == 1.0
+    assert not wrong.model.ok
+    assert any("world ranks [1, 7] hold activations that differ from their attention-DP replica's" in p for p in wrong.model.problems), wrong.model.problems
+    joined = "\n".join(wrong.tensors.problems)
+    assert "model.layers.0.post_attention_layernorm.weight on world ranks [1]: bytes differ" in joined
+    assert "model.norm.weight on world ranks [7]: bytes differ" in joined
