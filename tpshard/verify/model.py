@@ -30,7 +30,7 @@ from tpshard.errors import TpshardError
 from tpshard.manifest import Plan
 from tpshard.runtime import LogicalGroup, recv_forward, send_forward
 from tpshard.stages import layer_of, stage_ranges
-from tpshard.verify.build import TIED_LM_HEAD, Built, run_row
+from tpshard.verify.build import Built, run_row
 from tpshard.verify.layers_check import generator
 from tpshard.verify.report import MODEL_TOLERANCE, ModelResult
 
