@@ -45,6 +45,20 @@ def deepseek(tmp_path_factory) -> Path:
     return add_mtp_layer(make_moe_checkpoint(tmp_path_factory.mktemp("dsv3") / "model", "deepseek_v3", max_shard_size="100KB"))
 
 
+def cli(capsys, monkeypatch, *args) -> tuple[int, str, str]:
+    """The tpshard command in this process: (exit code, stdout, stderr)."""
+    import sys
+
+    from tpshard.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["tpshard", *map(str, args)])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        main()
+    captured = capsys.readouterr()
+    return stop.value.code, captured.out, captured.err
+
+
 def copy(good: Path, dst: Path) -> Path:
     subprocess.run(["cp", "-a", str(good), str(dst)], check=True)
     return dst
@@ -118,7 +132,8 @@ def test_pp2_tp2_layers_model_and_broken_outputs(llama7, deepseek, tmp_path):
     assert "stages" in found and not found & {"reassembly", "checksum", "files"}, found  # the bytes are right, their stage is not
     names = ["good", "deepseek", *outs]
     paths = [good, ds, *outs.values()]
-    reports = dict(zip(names, verify_many(paths, [llama7, deepseek] + [llama7] * len(outs), model=True)))
+    # pp=2: every output must be split for the 2 stages a server would run (verify --pp 2)
+    reports = dict(zip(names, verify_many(paths, [llama7, deepseek] + [llama7] * len(outs), model=True, pp=2)))
 
     r = reports["good"]
     assert r.ok, r.failures()
@@ -194,6 +209,24 @@ def test_pp3_uneven_tied_qwen3(tmp_path):
     assert ok.model.top1 == 1.0 and ok.model.max_rel < 1e-5
     assert not wrong.ok and all(x.ok for x in wrong.layers) and not wrong.model.ok
     assert f"{name} on world ranks [1]: bytes differ from the source's {name}" in "\n".join(wrong.tensors.problems)
+
+
+def test_pp_request_is_checked_like_check_pp(llama7, tmp_path, capsys, monkeypatch):
+    """verify --pp / --pp-layers: the stages a server will run. A mismatch is a stage finding (what
+    rank 0 reports, from the same function); a value that is no partition is refused before any rank starts."""
+    from tpshard.verify.run import stage_problems
+
+    out = tmp_path / "out"
+    tpshard.split(llama7, out, PP2)
+    plan = read_manifest(out).plan
+    assert stage_problems(plan) == [] and stage_problems(plan, 2, "3,4") == []
+    assert stage_problems(plan, 3) == ["the output was split for pp 2 (layers 3,4), not --pp 3"]
+    assert stage_problems(plan, None, "4,3") == ["the output was split for pp 2 (layers 3,4), not --pp-layers 4,3"]
+    flat = tmp_path / "flat"
+    tpshard.split(llama7, flat, Topology(tp=2))
+    assert stage_problems(read_manifest(flat).plan, 2) == ["the output was split for pp 1, not --pp 2"]
+    code, stdout, err = cli(capsys, monkeypatch, "verify", out, "--source", llama7, "--pp-layers", "3,3")
+    assert code == 2 and stdout == "" and "adds up to 6 layers; the model has 7" in err and "verify:" not in err
 
 
 def test_refusals_name_the_pipeline_world(llama7, tmp_path, monkeypatch):

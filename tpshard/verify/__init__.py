@@ -104,7 +104,7 @@ def choose_backend(world_size: int, backend: str | None = None) -> str:
 def verify(
     out: str | Path, source: str | Path, *, model: bool = False, backend: str | None = None, device: str | None = None,
     dtype: str = "float32", seed: int = 0, tokens: int = 16, timeout_s: float = DEFAULT_TIMEOUT_S,
-    announce: Callable[[str], None] | None = None,
+    announce: Callable[[str], None] | None = None, pp: int | None = None, pp_layers: str | None = None,
 ) -> VerifyReport:  # fmt: skip
     """Verify the tpshard output at `out` against the checkpoint it was split from.
 
@@ -117,6 +117,8 @@ def verify(
         seed, tokens: the random inputs (tokens rows per layer input, sequence length for the model).
         timeout_s: the whole launch, and each collective (a rank that never arrives).
         announce: called with one line saying which backend was chosen and why (rank 0 only).
+        pp, pp_layers: the pipeline stages (and partition, "26,27,27") the server will run; the
+            output must be split for them (findings in the report's `stages`, as `check --pp`).
     Returns:
         The VerifyReport (the same on every rank under torchrun). Never raises on a mismatch; raises
         TpshardError for a user error (exit 2) and LaunchFailed when a rank crashed or hung (exit 3),
@@ -124,20 +126,24 @@ def verify(
     """
     return verify_many(
         [out], [source], model=model, backend=backend, device=device, dtype=dtype, seed=seed, tokens=tokens,
-        timeout_s=timeout_s, announce=announce,
+        timeout_s=timeout_s, announce=announce, pp=pp, pp_layers=pp_layers,
     )[0]  # fmt: skip
 
 
 def verify_many(
     outs: list[str | Path], sources: list[str | Path], *, model: bool = False, backend: str | None = None,
     device: str | None = None, dtype: str = "float32", seed: int = 0, tokens: int = 16,
-    timeout_s: float = DEFAULT_TIMEOUT_S, announce: Callable[[str], None] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S, announce: Callable[[str], None] | None = None, pp: int | None = None,
+    pp_layers: str | None = None,
 ) -> list[VerifyReport]:  # fmt: skip
     """Verify several outputs of the same world size in one launch (one process start per rank)."""
     from tpshard.manifest import read_manifest
     from tpshard.verify.run import Job, check_args, preflight, under_torchrun
 
-    jobs = [Job(str(o), str(s), model=model, dtype=dtype, seed=seed, tokens=tokens) for o, s in zip(outs, sources, strict=True)]
+    jobs = [
+        Job(str(o), str(s), model=model, dtype=dtype, seed=seed, tokens=tokens, pp=pp, pp_layers=pp_layers)
+        for o, s in zip(outs, sources, strict=True)
+    ]
     sizes = set()
     for job in jobs:
         check_args(job)

@@ -38,6 +38,8 @@ class Job:
     dtype: str = "float32"  # layer-level compute dtype; the model level is always float32
     seed: int = 0
     tokens: int = 16
+    pp: int | None = None  # the pipeline stages the server will run (verify --pp): the output must be split for them
+    pp_layers: str | None = None  # and their partition (--pp-layers 26,27,27)
 
 
 def check_args(job: Job) -> None:
@@ -45,6 +47,10 @@ def check_args(job: Job) -> None:
         raise TpshardError(f"--dtype {job.dtype}: expected one of {', '.join(DTYPES)}")
     if job.tokens < 1:
         raise TpshardError(f"--tokens must be positive, got {job.tokens}")
+    if job.pp is not None or job.pp_layers is not None:  # a bad --pp / --pp-layers is refused before any rank starts
+        from tpshard.stages import resolve_partition
+
+        resolve_partition(read_manifest(job.out).plan.model.num_layers, job.pp, job.pp_layers)
 
 
 def rank_preflight(job: Job, rank: int) -> list[str]:
@@ -153,8 +159,8 @@ def _verify_job(info: DistInfo, job: Job) -> VerifyReport:
     facts = gather_to_root(rank_facts(job.out, manifest, rank, tensors))
     if rank == 0:
         report.tensors = judge_facts(manifest, facts, src)
-    if rank == 0 and topo.pp > 1:
-        report.stages = stage_problems(plan)
+    if rank == 0 and (topo.pp > 1 or job.pp is not None or job.pp_layers is not None):
+        report.stages = stage_problems(plan, job.pp, job.pp_layers)
     stage = topo.pp_rank(rank)
     keep = {}  # float32 layers the model-level forward reuses
     loaded = True  # every layer built on every rank of the stages holding it (else the decoder cannot run)
@@ -259,13 +265,17 @@ def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
     return compare_logits(plan, dict(enumerate(gathered)), ref, tokens=job.tokens)
 
 
-def stage_problems(plan) -> list[str]:
+def stage_problems(plan, pp: int | None = None, pp_layers: str | None = None) -> list[str]:
     """At pp > 1: tensors on other stages than the engine builds them on (tpshard.check's stage
-    check, run on the manifest): the layer-level numbers cannot see a layer run by the wrong stage."""
-    from tpshard.check import CheckReport, check_stages
+    check, run on the manifest): the layer-level numbers cannot see a layer run by the wrong stage.
+    With `pp` / `pp_layers` (verify --pp, --pp-layers), as `check --pp`: the output must be split
+    for the stages the server will run."""
+    from tpshard.check import CheckReport, check_pipeline_request, check_stages
 
     found = CheckReport(out_dir="", source=None)
     check_stages(plan, found)
+    if pp is not None or pp_layers is not None:
+        check_pipeline_request(plan, pp, pp_layers, found)
     return [p.message for p in found.problems if p.check == "stages"]
 
 
