@@ -38,6 +38,12 @@ def llama7(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def qwen3_tied7(tmp_path_factory) -> Path:
+    """Qwen3, tied embeddings, 7 layers: a separate last-stage head (SGLang) or embedding (vLLM) at pp > 1."""
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3t7") / "model", "qwen3", num_hidden_layers=7, tie_word_embeddings=True, head_dim=32)
+
+
+@pytest.fixture(scope="module")
 def deepseek(tmp_path_factory) -> Path:
     """DeepSeek-V3 as tests/test_verify_moe.py makes it (transformers' forward runs it): 3 layers, MTP layer 3."""
     from moe_configs import add_mtp_layer, make_moe_checkpoint
@@ -120,20 +126,23 @@ def broken_outputs(model: Path, good: Path, root: Path) -> dict[str, Path]:
     return outs
 
 
-def test_pp2_tp2_layers_model_and_broken_outputs(llama7, deepseek, tmp_path):
+def test_pp2_tp2_layers_model_and_broken_outputs(llama7, deepseek, qwen3_tied7, tmp_path):
     """Llama (7 layers as 3 + 4) and DeepSeek-V3 (1 + 2 layers, MTP on the last stage, ep 2) at pp 2 x
-    tp 2, good and broken, in one launch of 4 gloo ranks."""
+    tp 2, a tied Qwen3 placed for vLLM (4 + 3: the last stage holds the embedding as its head), good
+    and broken, in one launch of 4 gloo ranks."""
     good = tmp_path / "good"
     tpshard.split(llama7, good, PP2)
     ds = tmp_path / "deepseek"
     tpshard.split(deepseek, ds, Topology(tp=2, ep=2, pp_layers=(1, 2)))
+    vllm = tmp_path / "vllm_tied"
+    tpshard.split(qwen3_tied7, vllm, Topology(tp=2, pp_layers=(4, 3), engine="vllm"))
     outs = broken_outputs(llama7, good, tmp_path)
     found = {p.check for p in tpshard.check(outs["layer_on_stage1"], llama7).problems}
     assert "stages" in found and not found & {"reassembly", "checksum", "files"}, found  # the bytes are right, their stage is not
-    names = ["good", "deepseek", *outs]
-    paths = [good, ds, *outs.values()]
+    names = ["good", "deepseek", "vllm_tied", *outs]
+    paths = [good, ds, vllm, *outs.values()]
     # pp=2: every output must be split for the 2 stages a server would run (verify --pp 2)
-    reports = dict(zip(names, verify_many(paths, [llama7, deepseek] + [llama7] * len(outs), model=True, pp=2)))
+    reports = dict(zip(names, verify_many(paths, [llama7, deepseek, qwen3_tied7] + [llama7] * len(outs), model=True, pp=2)))
 
     r = reports["good"]
     assert r.ok, r.failures()
@@ -151,6 +160,12 @@ def test_pp2_tp2_layers_model_and_broken_outputs(llama7, deepseek, tmp_path):
     assert stages["lm_head"] == [1] and stages["model.layers.0.mlp.down_proj"] == [0]
     assert stages["model.layers.2.mlp.experts"] == [1] and stages["model.layers.3.eh_proj"] == [1]
     assert r.model.top1 == 1.0 and r.model.max_rel < 1e-5
+
+    r = reports["vllm_tied"]
+    assert r.ok, r.failures()
+    stages = {x.layer: x.stages for x in r.layers}
+    assert stages["model.embed_tokens"] == [0, 1] and stages["lm_head"] == [0, 1]  # vLLM ties the head to each stage's embedding
+    assert stages["model.layers.3.mlp.down_proj"] == [0] and r.model.top1 == 1.0 and r.model.max_rel < 1e-5
 
     def failing(name: str) -> dict[str, str]:
         rep = reports[name]
@@ -191,11 +206,11 @@ def test_pp2_tp2_layers_model_and_broken_outputs(llama7, deepseek, tmp_path):
     assert any(line.startswith("stages: model.layers.1.") for line in rep.failures())
 
 
-def test_pp3_uneven_tied_qwen3(tmp_path):
+def test_pp3_uneven_tied_qwen3(qwen3_tied7, tmp_path):
     """Qwen3, tied, 7 layers as 2 + 2 + 3 at pp 3 x tp 1 (SGLang's default: the extra layer on the last
     stage): the last stage's own lm_head.weight, cut from the embedding, gives transformers' logits;
     a broken stage-1 norm (checksums rewritten) is caught at model level and against the source bytes."""
-    model = make_checkpoint(tmp_path / "model", "qwen3", num_hidden_layers=7, tie_word_embeddings=True, head_dim=32)
+    model = qwen3_tied7
     good = tmp_path / "good"
     tpshard.split(model, good, Topology(tp=1, pp_layers=(2, 2, 3)))
     bad = copy(good, tmp_path / "bad")
