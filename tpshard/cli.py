@@ -298,6 +298,8 @@ def verify(
     report: Annotated[Optional[Path], typer.Option("--report", help="Write the report as JSON here.")] = None,
     junit: Annotated[Optional[Path], typer.Option("--junit", help="Write JUnit XML here, for CI systems.")] = None,
     json: Json = False,
+    pp: Annotated[Optional[int], typer.Option("--pp", help="The pipeline stages the server will run: the output must be split for them.")] = None,
+    pp_layers: Annotated[Optional[str], typer.Option("--pp-layers", help="The layer partition the server will run (its SGLANG_PP_LAYER_PARTITION).")] = None,
 ) -> None:  # fmt: skip
     """Load the shards into tensor-parallel layers and compare their outputs with the source. Exit 1 on any mismatch.
 
@@ -310,7 +312,7 @@ def verify(
         _verify_torchrun(torchrun)
         return
     if not under_torchrun():
-        _verify_here(out, source, model, backend, device, dtype, tokens, seed, timeout, report, junit, json)
+        _verify_here(out, source, model, backend, device, dtype, tokens, seed, timeout, report, junit, json, pp, pp_layers)
         return
     # Under torchrun: every rank leaves with its verdict written (for --torchrun) and at once, without
     # tearing down a process group a failed peer may still hold.
@@ -318,7 +320,7 @@ def verify(
 
     rank = int(os.environ.get("RANK", "0"))
     try:
-        ok = _verify_here(out, source, model, backend, device, dtype, tokens, seed, timeout, report, junit, json)
+        ok = _verify_here(out, source, model, backend, device, dtype, tokens, seed, timeout, report, junit, json, pp, pp_layers)
         code, message = (0, "") if ok else (1, f"{out}: verify found mismatches (see rank 0's report)")
     except TpshardError as e:
         code, message = e.exit_code, (str(e) if getattr(e, "every_rank", False) else f"rank {rank}: {e}")
@@ -336,7 +338,7 @@ def verify(
     os._exit(code)
 
 
-def _verify_here(out, source, model, backend, device, dtype, tokens, seed, timeout, report, junit, json) -> bool:
+def _verify_here(out, source, model, backend, device, dtype, tokens, seed, timeout, report, junit, json, pp, pp_layers) -> bool:
     from tpshard.verify import verify as do_verify
     from tpshard.verify import write_junit, write_report
     from tpshard.verify.report import encode_report, layer_rows
@@ -346,7 +348,7 @@ def _verify_here(out, source, model, backend, device, dtype, tokens, seed, timeo
 
     result = do_verify(
         out, source, model=model, backend=backend, device=device, dtype=dtype, tokens=tokens, seed=seed,
-        timeout_s=timeout, announce=announce,
+        timeout_s=timeout, announce=announce, pp=pp, pp_layers=pp_layers,
     )  # fmt: skip
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 speaks and writes
         if report:
@@ -364,10 +366,18 @@ def _verify_here(out, source, model, backend, device, dtype, tokens, seed, timeo
                     f"tensors: {t.files} files match their checksums, {t.whole} whole copies match the source,"
                     f" {t.padded} paddings are zero" + ("" if t.ok else f" -- {len(t.problems)} problem(s)")
                 )
+            if result.stages:  # a list (pipeline stages, or --pp asked for): findings, or none
+                err.print(f"stages: {len(result.stages)} problem(s)")
+            elif result.topology.pp > 1:
+                err.print(
+                    f"stages: {result.topology.pp} pipeline stages (layers {','.join(map(str, result.topology.pp_layers))}),"
+                    " every tensor on the stage the engine builds it on"
+                )
             if result.model is not None:
                 m = result.model
+                ranks = "every rank" if result.topology.pp == 1 else "every rank of the last stage, hidden states passed stage to stage"
                 err.print(
-                    f"model {m.architecture} vs transformers ({m.batches} batches of {m.sequences}x{m.tokens} tokens, every rank):"
+                    f"model {m.architecture} vs transformers ({m.batches} batches of {m.sequences}x{m.tokens} tokens, {ranks}):"
                     f" max abs logit diff {m.max_abs:.3g} (rel {m.max_rel:.3g}), top-1 agreement {m.top1:.4f}, KL {m.kl:.3g}"
                 )
             for line in result.failures():

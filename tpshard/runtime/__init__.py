@@ -10,6 +10,9 @@ Typical use on each rank:
     qkv = QKVParallelLinear(hidden, head_dim, n_heads, n_kv_heads, group=g, dtype=torch.bfloat16)
     qkv.load_shard("q", q_tensor); qkv.load_shard("k", k_tensor); qkv.load_shard("v", v_tensor)
 
+Pipeline stages (pipeline.py): hidden states sent from a stage's rank to the matching rank of the
+next stage.
+
 MoE and MLA (moe.py, mla.py): FusedMoE holds a rank's EP slot of experts cut over MoE-TP and
 reduces over tp; MoEBlock adds the router and shared experts; MLAAttention cuts heads over attn_tp.
 """
@@ -38,6 +41,7 @@ from tpshard.runtime.layers import (
 )
 from tpshard.runtime.mla import MLAAttention, MLAConfig
 from tpshard.runtime.moe import FusedMoE, MoEBlock, RouterConfig, route, router_config
+from tpshard.runtime.pipeline import recv_forward, send_forward
 from tpshard.runtime.quant_method import QuantMethod, UnquantizedLinearMethod, new_param
 
 __all__ = [
@@ -69,8 +73,10 @@ __all__ = [
     "new_param",
     "partitions",
     "rank_device",
+    "recv_forward",
     "route",
     "router_config",
     "run_local",
+    "send_forward",
     "shutdown_distributed",
 ]

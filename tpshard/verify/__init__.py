@@ -5,7 +5,9 @@
     report.ok, report.failures()
 
 Under torchrun (RANK and WORLD_SIZE set) it runs in place on every rank; otherwise it spawns one
-local process per rank (tp of them). Backend: `choose_launch` (NCCL with a GPU per rank, else gloo
+local process per rank (pp x tp of them). With pipeline stages each stage's ranks run the layers
+their stage holds inside the stage's TP group, and `model=True` passes the hidden states from stage
+to stage (tpshard.runtime.send_forward / recv_forward). Backend: `choose_launch` (NCCL with a GPU per rank, else gloo
 on shared GPUs or the CPU; announced). Only rank 0 reads the source.
 Not here: the layers (tpshard.runtime), the slicing rules (the plan); verify only reads the manifest.
 
@@ -102,7 +104,7 @@ def choose_backend(world_size: int, backend: str | None = None) -> str:
 def verify(
     out: str | Path, source: str | Path, *, model: bool = False, backend: str | None = None, device: str | None = None,
     dtype: str = "float32", seed: int = 0, tokens: int = 16, timeout_s: float = DEFAULT_TIMEOUT_S,
-    announce: Callable[[str], None] | None = None,
+    announce: Callable[[str], None] | None = None, pp: int | None = None, pp_layers: str | None = None,
 ) -> VerifyReport:  # fmt: skip
     """Verify the tpshard output at `out` against the checkpoint it was split from.
 
@@ -115,6 +117,8 @@ def verify(
         seed, tokens: the random inputs (tokens rows per layer input, sequence length for the model).
         timeout_s: the whole launch, and each collective (a rank that never arrives).
         announce: called with one line saying which backend was chosen and why (rank 0 only).
+        pp, pp_layers: the pipeline stages (and partition, "26,27,27") the server will run; the
+            output must be split for them (findings in the report's `stages`, as `check --pp`).
     Returns:
         The VerifyReport (the same on every rank under torchrun). Never raises on a mismatch; raises
         TpshardError for a user error (exit 2) and LaunchFailed when a rank crashed or hung (exit 3),
@@ -122,30 +126,28 @@ def verify(
     """
     return verify_many(
         [out], [source], model=model, backend=backend, device=device, dtype=dtype, seed=seed, tokens=tokens,
-        timeout_s=timeout_s, announce=announce,
+        timeout_s=timeout_s, announce=announce, pp=pp, pp_layers=pp_layers,
     )[0]  # fmt: skip
 
 
 def verify_many(
     outs: list[str | Path], sources: list[str | Path], *, model: bool = False, backend: str | None = None,
     device: str | None = None, dtype: str = "float32", seed: int = 0, tokens: int = 16,
-    timeout_s: float = DEFAULT_TIMEOUT_S, announce: Callable[[str], None] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S, announce: Callable[[str], None] | None = None, pp: int | None = None,
+    pp_layers: str | None = None,
 ) -> list[VerifyReport]:  # fmt: skip
     """Verify several outputs of the same world size in one launch (one process start per rank)."""
     from tpshard.manifest import read_manifest
     from tpshard.verify.run import Job, check_args, preflight, under_torchrun
 
-    jobs = [Job(str(o), str(s), model=model, dtype=dtype, seed=seed, tokens=tokens) for o, s in zip(outs, sources, strict=True)]
+    jobs = [
+        Job(str(o), str(s), model=model, dtype=dtype, seed=seed, tokens=tokens, pp=pp, pp_layers=pp_layers)
+        for o, s in zip(outs, sources, strict=True)
+    ]
     sizes = set()
     for job in jobs:
         check_args(job)
-        topology = read_manifest(job.out).plan.topology
-        if topology.pp > 1:
-            raise TpshardError(
-                f"{job.out}: split for {topology.pp} pipeline stages; verify of pipeline stages is not built yet"
-                " (tpshard check --source proves every byte)"
-            )
-        sizes.add(topology.world_size)
+        sizes.add(read_manifest(job.out).plan.topology.world_size)
     if len(sizes) != 1:
         raise TpshardError(f"outputs verified in one launch must share the world size, got {sorted(sizes)}")
     world = sizes.pop()
@@ -172,7 +174,7 @@ def _in_place(jobs, world: int, backend, device, timeout_s: float, announce) -> 
     launched = int(os.environ["WORLD_SIZE"])
     if launched != world:
         error = TpshardError(
-            f"torchrun started {launched} processes, but {jobs[0].out} was split for tp={world}:"
+            f"torchrun started {launched} processes, but {jobs[0].out} was split for {_world_text(jobs[0].out)}:"
             f" run torchrun with nnodes x nproc-per-node = {world}"
         )
         error.every_rank = True  # every rank finds the same: rank 0 says it
@@ -188,6 +190,14 @@ def _in_place(jobs, world: int, backend, device, timeout_s: float, announce) -> 
     reports = rank_main(info, jobs)
     shutdown_distributed()  # only after success: a failed rank leaves at once (see tpshard.runtime.launch)
     return reports
+
+
+def _world_text(out: str) -> str:
+    """tp=8, or pp=2 x tp=8 = 16 ranks: what the world size of an output is made of."""
+    from tpshard.manifest import read_manifest
+
+    topo = read_manifest(out).plan.topology
+    return f"tp={topo.tp}" if topo.pp == 1 else f"pp={topo.pp} x tp={topo.tp} = {topo.world_size} ranks"
 
 
 def _spawned(jobs, world: int, backend, device, timeout_s: float, announce) -> list[VerifyReport]:

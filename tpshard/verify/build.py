@@ -128,6 +128,12 @@ class LayerSpecs:
         w = self.main(piece)
         return w.logical_length + w.logical_pad
 
+    def stages(self, topo: Topology) -> tuple[int, ...]:
+        """The pipeline stages whose ranks hold any tensor of the layer, as the manifest records them:
+        every rank of these stages builds and runs it (a rank of such a stage that lacks a piece
+        reports it as never loaded); ranks of other stages skip it."""
+        return tuple(sorted({topo.pp_rank(r) for s in self.specs for r in s.ranks}))
+
     def has_bias(self, kind: str | None = None) -> bool:
         return any(s.name.endswith(".bias") and (kind is None or s.kind == kind) for s in self.specs)
 

@@ -63,8 +63,16 @@ def layer_input(lay: LayerSpecs, batch: int, *, seed: int, tokens: int, dtype: t
 
 
 def batch_of(plan: Plan, group: str, rank: int) -> int:
-    """Which input a world rank runs: one per instance of the layer's group (its DP replica)."""
-    return rank // plan.topology.span(group)  # type: ignore[arg-type]
+    """Which input a world rank runs: one per instance of the layer's group (its DP replica) inside
+    its pipeline stage; every stage holding the layer runs the same inputs."""
+    topo = plan.topology
+    return topo.tp_rank(rank) // topo.span(group)  # type: ignore[arg-type]
+
+
+def batches(plan: Plan, group: str) -> int:
+    """Distinct inputs of a layer over `group`: its group instances in one stage."""
+    topo = plan.topology
+    return topo.tp // topo.span(group)  # type: ignore[arg-type]
 
 
 def rank_outputs(built: Built, x: torch.Tensor, plan: Plan | None = None, *, seed: int = 0, tokens: int = 16) -> dict[str, tuple[int, torch.Tensor]]:
@@ -143,23 +151,23 @@ def reference(
 
 
 def compare_layer(
-    lay: LayerSpecs, plan: Plan, sent: list[dict], src: SourceTensors, *, seed: int, tokens: int,
+    lay: LayerSpecs, plan: Plan, sent: dict[int, dict], src: SourceTensors, *, seed: int, tokens: int,
     dtype: torch.dtype, tolerance: float, probe: bool = False,
 ) -> LayerResult:  # fmt: skip
-    """Rank 0: every rank's output of `lay` (sent[rank]) against the float64 reference.
+    """Rank 0: every rank's output of `lay` (sent[world rank], the ranks of the stages holding it)
+    against the float64 reference.
 
     probe: the outputs are of a zero input, so they must equal the source bias rounded to the
     compute dtype, exactly (tolerance 0): a bias a few ULPs off is invisible next to x @ W.T."""
     if lay.layer_class in moe_layers.MOE_CLASSES:
         return moe_layers.compare(lay, plan, sent, src, seed=seed, tokens=tokens, dtype=dtype, tolerance=tolerance)
-    topo = plan.topology
-    nbatch = topo.world_size // topo.span(lay.group)  # type: ignore[arg-type]
+    nbatch = batches(plan, lay.group)
     result = LayerResult(
         layer=lay.layer, layer_class=lay.layer_class, group=lay.group, pieces=lay.pieces(), batches=nbatch,
         tolerance=tolerance, quant=lay.quant,
     )  # fmt: skip
     problems: dict[str, None] = {}
-    for rank, msg in enumerate(sent):
+    for rank, msg in sent.items():
         for p in msg["problems"]:
             problems.setdefault(p)
     inputs = [layer_input(lay, b, seed=seed, tokens=tokens, dtype=dtype) for b in range(nbatch)]
@@ -179,7 +187,7 @@ def compare_layer(
             spec = lay.main(p)
             for b in range(nbatch):
                 blocks: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)
-                for rank, msg in enumerate(sent):
+                for rank, msg in sent.items():
                     if msg["batch"] == b and p in msg["outputs"]:
                         gr, t = msg["outputs"][p]
                         blocks[gr].append((rank, t))
@@ -214,7 +222,7 @@ def compare_layer(
                     findings[f"piece {p or lay.layer_class} of group rank {gr}/{spec.group_size} differs ({what})"].extend(ranks)
     else:
         spec = lay.main("")
-        for rank, msg in enumerate(sent):
+        for rank, msg in sent.items():
             if "" not in msg["outputs"]:
                 continue  # the layer was not built on every rank: its problems say why
             _, out = msg["outputs"][""]

@@ -28,8 +28,9 @@ import torch.nn.functional as F
 
 from tpshard.errors import TpshardError
 from tpshard.manifest import Plan
-from tpshard.runtime import LogicalGroup
-from tpshard.verify.build import TIED_LM_HEAD, Built, run_row
+from tpshard.runtime import LogicalGroup, recv_forward, send_forward
+from tpshard.stages import layer_of, stage_ranges
+from tpshard.verify.build import Built, run_row
 from tpshard.verify.layers_check import generator
 from tpshard.verify.report import MODEL_TOLERANCE, ModelResult
 
@@ -131,6 +132,12 @@ def model_tokens(plan: Plan, batch: int, *, seed: int, tokens: int) -> torch.Ten
     return torch.randint(0, plan.model.vocab_size, (SEQUENCES, tokens), generator=generator(seed, "model", batch))
 
 
+def stage_layers(plan: Plan) -> tuple[tuple[int, int], ...]:
+    """[first, end) decoder layers of every pipeline stage (one stage: all layers)."""
+    topo = plan.topology
+    return stage_ranges(topo.pp_layers) if topo.pp > 1 else ((0, plan.model.num_layers),)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
@@ -141,19 +148,45 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class TPDecoder:
-    """One rank's part of the decoder. `layers`: engine layer name -> Built (float32, loaded)."""
+    """One rank's part of the decoder. `layers`: engine layer name -> Built (float32, loaded).
+
+    With pipeline stages the rank runs its stage's layers only: the first stage embeds, every other
+    stage receives the hidden states from the rank with its tp_rank on the stage before
+    (tpshard.runtime.recv_forward), and every stage but the last sends its own on; the last
+    applies the final norm and lm_head."""
 
     def __init__(
         self, plan: Plan, rank: int, layers: dict[str, Built], norms: dict[str, torch.Tensor], device,
         rope: dict | None = None,
     ):  # fmt: skip
         self.plan, self.rank, self.layers, self.norms, self.device = plan, rank, layers, norms, device
-        m = plan.model
+        m, topo = plan.model, plan.topology
         self.eps, self.head_dim = m.rms_norm_eps, m.head_dim
-        self.lm_head = layers.get(LM_HEAD) or layers[TIED_LM_HEAD]
+        self.stage, self.last = topo.pp_rank(rank), topo.pp_rank(rank) == topo.pp - 1
+        self.first_layer, self.end_layer = stage_layers(plan)[self.stage]
+        self.lm_head = layers.get(LM_HEAD) if self.last else None  # a tied head is named lm_head too
+        # The attention-DP replica of the token batch: the embedding's group (held on the first stage
+        # only, but every stage's replicas are laid out alike).
+        embed_group = next(t.group for t in plan.tensors if t.layer == EMBED)
+        self.replica = LogicalGroup.of(topo, embed_group, rank)
         self.inv_freq = rope_inv_freq(m.head_dim, m.rope_theta, rope or {}).to(device)  # [hd/2]
         self.disagree: dict[int, float] = {}  # world rank -> rel difference of its copy from the one used
         self._where = ""
+
+    def missing(self) -> list[str]:
+        """What this rank's stage needs and the rank does not hold: the embedding (first stage), each
+        of its layers' engine layers and norms as the plan names them, the final norm and lm_head
+        (last stage). The forward would fail half-way (between collectives) without them."""
+        topo = self.plan.topology
+        want = {EMBED} if self.stage == 0 else set()
+        if self.last:
+            want |= {LM_HEAD, NORM}
+        for t in self.plan.tensors:
+            i = layer_of(t.name)
+            if i is not None and self.first_layer <= i < self.end_layer:
+                want.add(t.name if t.layer_class == "Replicated" else t.layer)
+        held = set(self.layers) | set(self.norms)
+        return [f"stage {self.stage} (world rank {self.rank}, tp rank {topo.tp_rank(self.rank)}) lacks {name}" for name in sorted(want - held)]
 
     # -- gathering attention-DP replicas' tokens for a layer over a larger group, and back
 
@@ -182,30 +215,49 @@ class TPDecoder:
     def _big(self, group: LogicalGroup) -> LogicalGroup:
         return LogicalGroup.of(self.plan.topology, group.name, self.rank)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [B, S] of this rank's attention-DP replica -> logits [B, S, V] (full vocab)."""
+    def forward(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """ids [B, S] of this rank's attention-DP replica -> logits [B, S, V] (full vocab) on the last
+        stage; None on the others (they send their hidden states on)."""
         b, s = ids.shape
-        embed = self.layers[EMBED]
-        h = embed.module(ids.to(self.device))  # [B, S, H], reduced over the embedding's group
+        h = self._enter(ids)  # [B, S, H]
+        cos, sin = self._rope(s)
+        for i in range(self.first_layer, self.end_layer):
+            h = self._layer(LAYER.format(i=i), h, cos, sin, b)
+        return self._leave(h, b)
+
+    def _enter(self, ids: torch.Tensor) -> torch.Tensor:
+        """The hidden states [B, S, H] this stage starts from: embedded, or received from the stage before."""
+        if self.stage == 0:
+            return self.layers[EMBED].module(ids.to(self.device))  # reduced over the embedding's group
+        shape = (*ids.shape, self.plan.model.hidden_size)
+        return recv_forward(shape, torch.float32, self.rank - self.plan.topology.tp, self.device)
+
+    def _leave(self, h: torch.Tensor, b: int) -> torch.Tensor | None:
+        if not self.last:
+            send_forward(h, self.rank + self.plan.topology.tp)
+            return None
+        h = rms_norm(h, self.norms[NORM], self.eps)
+        x = self._gather(h, self.replica, self.lm_head.group)
+        logits = self.lm_head.module(x)  # [n*B, S, V]
+        return self._scatter(logits, self.replica, self.lm_head.group, b)
+
+    def _rope(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(s, device=self.device, dtype=torch.float32)
         freqs = torch.outer(pos, self.inv_freq)  # [S, hd/2]
-        cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()  # [S, hd]
-        for i in range(self.plan.model.num_layers):
-            p = LAYER.format(i=i)
-            x = rms_norm(h, self.norms[f"{p}.{INPUT_NORM}"], self.eps)
-            h = h + self._attention(p, x, cos, sin)
-            x = rms_norm(h, self.norms[f"{p}.{POST_NORM}"], self.eps)
-            gate_up, down = self.layers[f"{p}.{GATE_UP}"], self.layers[f"{p}.{DOWN}"]
-            attn_group = self.layers[f"{p}.{QKV}"].group
-            x = self._gather(x, attn_group, gate_up.group)  # [n*B, S, H]
-            g, u = gate_up.module.split(gate_up.module(x))  # [n*B, S, I_r] each
-            down.module.input_is_parallel = True
-            y = run_row(down, F.silu(g) * u)  # [n*B, S, H], reduced over tp
-            h = h + self._scatter(y, attn_group, gate_up.group, b)
-        h = rms_norm(h, self.norms[NORM], self.eps)
-        x = self._gather(h, embed.group, self.lm_head.group)
-        logits = self.lm_head.module(x)  # [n*B, S, V]
-        return self._scatter(logits, embed.group, self.lm_head.group, b)
+        return torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()  # [S, hd]
+
+    def _layer(self, p: str, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: int) -> torch.Tensor:
+        """One decoder layer on the residual stream h [B, S, H]."""
+        x = rms_norm(h, self.norms[f"{p}.{INPUT_NORM}"], self.eps)
+        h = h + self._attention(p, x, cos, sin)
+        x = rms_norm(h, self.norms[f"{p}.{POST_NORM}"], self.eps)
+        gate_up, down = self.layers[f"{p}.{GATE_UP}"], self.layers[f"{p}.{DOWN}"]
+        attn_group = self.layers[f"{p}.{QKV}"].group
+        x = self._gather(x, attn_group, gate_up.group)  # [n*B, S, H]
+        g, u = gate_up.module.split(gate_up.module(x))  # [n*B, S, I_r] each
+        down.module.input_is_parallel = True
+        y = run_row(down, F.silu(g) * u)  # [n*B, S, H], reduced over tp
+        return h + self._scatter(y, attn_group, gate_up.group, b)
 
     def _attention(self, p: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         qkv, o = self.layers[f"{p}.{QKV}"], self.layers[f"{p}.{O_PROJ}"]
@@ -244,8 +296,9 @@ def hf_logits(source: str, batches: list[torch.Tensor]) -> list[torch.Tensor]:
         return [model(input_ids=ids).logits.double() for ids in batches]
 
 
-def compare_logits(plan: Plan, sent: list[dict], ref: list[torch.Tensor], *, tokens: int) -> ModelResult:
-    """Every rank's logits (sent[rank] = {batch, logits, disagree}) against transformers' of its batch.
+def compare_logits(plan: Plan, sent: dict[int, dict], ref: list[torch.Tensor], *, tokens: int) -> ModelResult:
+    """Every rank's logits (sent[world rank] = {batch, logits, disagree}) against transformers' of its
+    batch; with pipeline stages only the last stage's ranks have logits (None elsewhere).
 
     The result holds the worst over ranks (max error, min top-1, max KL); a failure names the ranks."""
     result = ModelResult(
@@ -254,7 +307,8 @@ def compare_logits(plan: Plan, sent: list[dict], ref: list[torch.Tensor], *, tok
     )  # fmt: skip
     bad: list[int] = []
     result.top1 = 1.0
-    for rank, msg in enumerate(sent):
+    with_logits = {rank: msg for rank, msg in sent.items() if msg["logits"] is not None}
+    for rank, msg in with_logits.items():
         t, r = msg["logits"].double().flatten(0, 1), ref[msg["batch"]].flatten(0, 1)  # [N, V]
         if t.shape != r.shape:
             result.problems.append(f"rank {rank}: logits shape {list(t.shape)}, transformers gives {list(r.shape)}")
@@ -269,10 +323,10 @@ def compare_logits(plan: Plan, sent: list[dict], ref: list[torch.Tensor], *, tok
         tol = result.tolerance
         if max_rel > tol["max_rel"] or top1 < tol["top1"] or kl > tol["kl"]:
             bad.append(rank)
-    if bad and len(bad) < len(sent):
+    if bad and len(bad) < len(with_logits):
         result.problems.append(f"the logits of world ranks {bad} differ from transformers' (the other ranks' agree)")
     disagree: dict[int, float] = {}
-    for msg in sent:
+    for msg in sent.values():
         for member, rel in msg["disagree"].items():
             disagree[member] = max(disagree.get(member, 0.0), rel)
     if disagree:

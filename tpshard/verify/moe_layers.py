@@ -308,16 +308,16 @@ def _expert_out(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
-def compare(lay, plan: Plan, sent: list[dict], src, *, seed: int, tokens: int, dtype: torch.dtype, tolerance: float) -> LayerResult:
-    """Rank 0: every rank's outputs of a FusedMoE or ReplicatedLinear against the float64 source reference."""
-    topo = plan.topology
-    nbatch = 1 if lay.layer_class == "FusedMoE" else topo.world_size
+def compare(lay, plan: Plan, sent: dict[int, dict], src, *, seed: int, tokens: int, dtype: torch.dtype, tolerance: float) -> LayerResult:
+    """Rank 0: every rank's outputs (sent[world rank], the ranks of the stages holding the layer) of a
+    FusedMoE or ReplicatedLinear against the float64 source reference."""
+    nbatch = 1 if lay.layer_class == "FusedMoE" else len(sent)
     result = LayerResult(
         layer=lay.layer, layer_class=lay.layer_class, group="tp" if lay.layer_class == "FusedMoE" else "replicated",
         pieces=lay.pieces(), batches=nbatch, tolerance=tolerance, quant=lay.quant,
     )  # fmt: skip
     problems: dict[str, None] = {}
-    for msg in sent:
+    for msg in sent.values():
         for p in msg["problems"]:
             problems.setdefault(p)
     findings: dict[str, list[int]] = defaultdict(list)
@@ -344,14 +344,14 @@ def _compare_replicated(lay, plan, sent, src, *, seed, tokens, dtype, tol, findi
         cb = next((s for s in lay.specs if s.name.endswith(CORRECTION_BIAS)), None)
         cbias = src[cb.source] if cb is not None else None
     refs = {}
-    for rank, msg in enumerate(sent):
+    for rank, msg in sent.items():
         x = layer_input(lay, msg["batch"], seed=seed, tokens=tokens, dtype=dtype).double()
         refs[rank] = {p: F.linear(x, weights[p], biases[p]) for p in lay.pieces()}
         if router is not None:
             refs[rank]["routing"] = _dense_routing(router, x, weights[""], cbias)
     scale = max((r.abs().max().item() for per in refs.values() for r in per.values()), default=1.0) or 1.0
     max_abs = 0.0
-    for rank, msg in enumerate(sent):
+    for rank, msg in sent.items():
         for p, ref in refs[rank].items():
             if p not in msg["outputs"]:
                 problems.setdefault(f"rank {rank} sent no output for {'piece ' + p if p else 'the layer'}")
@@ -390,7 +390,7 @@ def _compare_experts(lay, plan, sent, src, *, seed, tokens, dtype, tol, findings
             ref[rows] += w[rows, j, None].double() * per_expert[e][rows]
     scale = ref.abs().max().item() or 1.0
     max_abs = 0.0
-    for rank, msg in enumerate(sent):
+    for rank, msg in sent.items():
         if "" not in msg["outputs"]:
             continue
         err = (msg["outputs"][""][1] - ref).abs().max().item()
@@ -407,11 +407,11 @@ def _compare_experts(lay, plan, sent, src, *, seed, tokens, dtype, tol, findings
         g, u, d = full[e]
         return _expert_out(x[rows], g[m_gu * i_p : (m_gu + 1) * i_p], u[m_gu * i_p : (m_gu + 1) * i_p], d[:, m_down * i_p : (m_down + 1) * i_p])
 
-    for rank, msg in enumerate(sent):
+    for rank, msg in sent.items():
         if "partial" not in msg["outputs"]:
             continue
         partial = msg["outputs"]["partial"][1]
-        slot, m = rank // moe_tp, rank % moe_tp
+        slot, m = topo.ep_rank(rank), topo.moe_tp_rank(rank)
         for e in range(slot * per_slot, (slot + 1) * per_slot):
             rows = one == e
             want = sliced(e, m, m, rows)

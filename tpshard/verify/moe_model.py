@@ -80,21 +80,16 @@ class MoEDecoder(TPDecoder):
         self.router = router_config(config) if plan.model.num_experts or _has_experts(layers) else None
         self.mla = MLAConfig.from_hf(config) if plan.model.kv_lora_rank or "kv_lora_rank" in config else None
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [B, S] of this rank's attention-DP replica -> logits [B, S, V]."""
-        b, s = ids.shape
-        embed = self.layers["model.embed_tokens"]
-        h = embed.module(ids.to(self.device))  # [B, S, H]
-        cos, sin = rope_tables(self.folder, s, self.device)
-        for i in range(self.plan.model.num_layers):
-            p = f"model.layers.{i}"
-            x = rms_norm(h, self.norms[f"{p}.{INPUT_NORM}"], self.eps)
-            h = h + (self._mla(p, x, cos, sin) if self.mla is not None else self._attention(p, x, cos, sin))
-            x = rms_norm(h, self.norms[f"{p}.{POST_NORM}"], self.eps)
-            h = h + self._mlp(p, x, b)
-        h = rms_norm(h, self.norms["model.norm.weight"], self.eps)
-        x = self._gather(h, embed.group, self.lm_head.group)
-        return self._scatter(self.lm_head.module(x), embed.group, self.lm_head.group, b)
+    def _rope(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_tables(self.folder, s, self.device)
+
+    def _layer(self, p: str, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: int) -> torch.Tensor:
+        """One MoE / MLA decoder layer on the residual stream h [B, S, H] (the stage hand-off, the
+        embedding and the head are TPDecoder's)."""
+        x = rms_norm(h, self.norms[f"{p}.{INPUT_NORM}"], self.eps)
+        h = h + (self._mla(p, x, cos, sin) if self.mla is not None else self._attention(p, x, cos, sin))
+        x = rms_norm(h, self.norms[f"{p}.{POST_NORM}"], self.eps)
+        return h + self._mlp(p, x, b)
 
     def _attn_group(self, p: str) -> LogicalGroup:
         for name in ("self_attn.qkv_proj", "self_attn.q_b_proj", "self_attn.q_proj", "self_attn.kv_b_proj"):

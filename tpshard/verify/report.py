@@ -10,6 +10,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from tpshard.topology import Topology
 
@@ -45,6 +46,8 @@ class LayerResult(msgspec.Struct, kw_only=True):
     max_rel: float = 0.0
     tolerance: float = 0.0
     problems: list[str] = []
+    # Pipeline stages whose ranks ran the layer (left out of report.json without stages).
+    stages: list[int] | UnsetType = UNSET
 
     @property
     def ok(self) -> bool:
@@ -97,18 +100,22 @@ class VerifyReport(msgspec.Struct, kw_only=True):
     layers: list[LayerResult] = []
     model: ModelResult | None = None
     problems: list[str] = []  # not tied to one layer (a launch, a missing rank folder)
+    # Pipeline stages: tensors the manifest puts on other stages than the engine builds them on
+    # (tpshard.check's stage check); left out of report.json without stages.
+    stages: list[str] | UnsetType = UNSET
     seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
         return (
             not self.problems and all(r.ok for r in self.layers) and (self.model is None or self.model.ok)
-            and (self.tensors is None or self.tensors.ok)
+            and (self.tensors is None or self.tensors.ok) and not self.stages
         )  # fmt: skip
 
     def failures(self) -> list[str]:
         """One line per failing check, naming the layer: what the CLI prints and CI shows."""
         lines = list(self.problems)
+        lines += [f"stages: {p}" for p in self.stages or ()]
         if self.tensors is not None:
             lines += [f"tensors: {p}" for p in self.tensors.problems]
         for r in self.layers:
@@ -127,14 +134,20 @@ class VerifyReport(msgspec.Struct, kw_only=True):
 
 
 def layer_rows(report: VerifyReport) -> list[dict]:
-    return [
-        dict(
+    rows = []
+    for r in report.layers:
+        row = dict(
             layer=r.layer.removeprefix("model."), cls=r.layer_class.replace("ParallelLinear", "").replace("Parallel", ""),
-            group=r.group, format=r.quant or "-", inputs=r.batches, max_abs=f"{r.max_abs:.2g}", max_rel=f"{r.max_rel:.2g}",
+            group=r.group,
+        )  # fmt: skip
+        if r.stages is not UNSET:  # pipeline stages: which stages ran it
+            row["stages"] = ",".join(map(str, r.stages))
+        row.update(
+            format=r.quant or "-", inputs=r.batches, max_abs=f"{r.max_abs:.2g}", max_rel=f"{r.max_rel:.2g}",
             tol=f"{r.tolerance:g}", result="ok" if r.ok else "FAIL",
         )  # fmt: skip
-        for r in report.layers
-    ]
+        rows.append(row)
+    return rows
 
 
 _encoder = msgspec.json.Encoder(order="sorted")
@@ -168,6 +181,9 @@ def write_junit(report: VerifyReport, path: str | Path) -> None:
 
     if report.problems:
         case("tpshard.verify", "launch", "; ".join(report.problems), "\n".join(report.problems))
+    if report.stages is not UNSET:
+        detail = "every tensor on the stages the engine builds it on"
+        case("tpshard.verify", "stages", "; ".join(report.stages) if report.stages else None, "\n".join([*report.stages, detail]))
     if report.tensors is not None:
         t = report.tensors
         detail = f"{t.files} files checksummed, {t.whole} whole copies vs the source, {t.padded} paddings zero"

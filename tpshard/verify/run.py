@@ -38,6 +38,8 @@ class Job:
     dtype: str = "float32"  # layer-level compute dtype; the model level is always float32
     seed: int = 0
     tokens: int = 16
+    pp: int | None = None  # the pipeline stages the server will run (verify --pp): the output must be split for them
+    pp_layers: str | None = None  # and their partition (--pp-layers 26,27,27)
 
 
 def check_args(job: Job) -> None:
@@ -45,6 +47,10 @@ def check_args(job: Job) -> None:
         raise TpshardError(f"--dtype {job.dtype}: expected one of {', '.join(DTYPES)}")
     if job.tokens < 1:
         raise TpshardError(f"--tokens must be positive, got {job.tokens}")
+    if job.pp is not None or job.pp_layers is not None:  # a bad --pp / --pp-layers is refused before any rank starts
+        from tpshard.stages import resolve_partition
+
+        resolve_partition(read_manifest(job.out).plan.model.num_layers, job.pp, job.pp_layers)
 
 
 def rank_preflight(job: Job, rank: int) -> list[str]:
@@ -153,19 +159,26 @@ def _verify_job(info: DistInfo, job: Job) -> VerifyReport:
     facts = gather_to_root(rank_facts(job.out, manifest, rank, tensors))
     if rank == 0:
         report.tensors = judge_facts(manifest, facts, src)
+    if rank == 0 and (topo.pp > 1 or job.pp is not None or job.pp_layers is not None):
+        report.stages = stage_problems(plan, job.pp, job.pp_layers)
+    stage = topo.pp_rank(rank)
     keep = {}  # float32 layers the model-level forward reuses
-    loaded = True  # every layer built on every rank (else the decoder cannot run)
+    loaded = True  # every layer built on every rank of the stages holding it (else the decoder cannot run)
     for lay in sharded_layers(plan):
+        # Pipeline stages: only the ranks of the stages holding the layer build and run it (its
+        # collectives stay inside each stage's groups); the others send nothing about it.
+        mine = stage in lay.stages(topo)
         sent: dict = {"batch": batch_of(plan, lay.group, rank), "problems": [], "outputs": {}, "probe": {}}
-        try:
-            built = build_layer(lay, plan, rank, tensors, dtype=dtype, device=device)
-        except Exception as e:  # noqa: BLE001 - a shape the layer refuses, a file that cannot be read
-            built = None
-            sent["problems"].append(f"cannot build {lay.layer_class} on rank {rank}: {type(e).__name__}: {e}")
+        built = None
+        if mine:
+            try:
+                built = build_layer(lay, plan, rank, tensors, dtype=dtype, device=device)
+            except Exception as e:  # noqa: BLE001 - a shape the layer refuses, a file that cannot be read
+                sent["problems"].append(f"cannot build {lay.layer_class} on rank {rank}: {type(e).__name__}: {e}")
         # Every rank must agree to run the forward: it holds collectives.
-        if not all_true(built is not None, device):
+        if not all_true(built is not None or not mine, device):
             loaded = False
-        else:
+        elif mine:
             sent["problems"] += built.problems
             x = layer_input(lay, sent["batch"], seed=job.seed, tokens=job.tokens, dtype=dtype).to(device)
             sent["outputs"] = rank_outputs(built, x, plan, seed=job.seed, tokens=job.tokens)
@@ -174,13 +187,16 @@ def _verify_job(info: DistInfo, job: Job) -> VerifyReport:
                 sent["probe"] = rank_outputs(built, torch.zeros_like(x), plan, seed=job.seed, tokens=job.tokens)
             if job.model and dtype == torch.float32:
                 keep[lay.layer] = built
-        gathered = gather_to_root(sent)
+        gathered = gather_to_root(sent if mine else None)
         if rank == 0:
+            held = {r: m for r, m in enumerate(gathered) if m is not None}
             kw = dict(seed=job.seed, tokens=job.tokens, dtype=dtype, tolerance=LAYER_TOLERANCE[job.dtype])
-            result = compare_layer(lay, plan, gathered, src, **kw)
-            if all(msg["probe"] for msg in gathered):
-                probe = compare_layer(lay, plan, [{**m, "outputs": m["probe"]} for m in gathered], src, probe=True, **kw)
+            result = compare_layer(lay, plan, held, src, **kw)
+            if all(msg["probe"] for msg in held.values()):
+                probe = compare_layer(lay, plan, {r: {**m, "outputs": m["probe"]} for r, m in held.items()}, src, probe=True, **kw)
                 result.problems += [f"bias (zero input): {p}" for p in probe.problems if p not in result.problems]
+            if topo.pp > 1:
+                result.stages = list(lay.stages(topo))
             report.layers.append(result)
     if job.model and loaded:
         report.model = _verify_model(info, job, plan, tensors, keep, src)
@@ -200,10 +216,13 @@ def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
     from tpshard.verify.moe_model import MoEDecoder, is_moe
 
     rank, device, topo = info.rank, info.device, plan.topology
-    # Load problems are reported per layer already; here only the logits are judged.
+    stage = topo.pp_rank(rank)
+    # Load problems are reported per layer already; here only the logits are judged. A rank builds
+    # the layers of its own pipeline stage.
     layers = {
         lay.layer: keep.get(lay.layer) or build_layer(lay, plan, rank, tensors, dtype=torch.float32, device=device)
         for lay in sharded_layers(plan)
+        if stage in lay.stages(topo)
     }
     norms = {
         s.name: tensors[s.name].to(device=device, dtype=torch.float32)
@@ -218,18 +237,46 @@ def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
         decoder = TPDecoder(plan, rank, layers, norms, device, rope=rope)
     # Attention-DP replicas run different tokens; a replica is the architecture's attention group
     # (Llama, Mistral and Qwen2 keep attention over the whole tp group under --attn-dp: one replica).
+    # Every stage's replicas run the same batches: the hidden states go from a rank to its tp_rank
+    # on the next stage.
     span = topo.span(arch_for(plan.model).attn_group)
-    batch = rank // span
+    batch = topo.tp_rank(rank) // span
     ids = model_tokens(plan, batch, seed=job.seed, tokens=job.tokens)
+    # A stage lacking a layer would fail between two collectives: every rank checks its own first.
+    missing = decoder.missing()
+    if not all_true(not missing, device):
+        gaps = gather_to_root(missing)
+        if rank != 0:
+            return None
+        lines = [m for g in gaps for m in g]
+        return ModelResult(
+            architecture=plan.model.architecture, batches=0, sequences=0, tokens=job.tokens, tolerance=dict(MODEL_TOLERANCE),
+            problems=[f"not run: {'; '.join(lines[:4])}" + (f"; ... {len(lines) - 4} more" if len(lines) > 4 else "")],
+        )  # fmt: skip
     with torch.no_grad():
-        logits = decoder.forward(ids)
-    # Every rank sends its logits: each rank's own norms and layers must give the reference.
-    gathered = gather_to_root({"batch": batch, "logits": logits.cpu(), "disagree": decoder.disagree})
+        logits = decoder.forward(ids)  # None except on the last stage
+    # Every rank of the last stage sends its logits: each rank's own norms and layers must give the
+    # reference (earlier stages' reach them through the hidden states they pass on).
+    gathered = gather_to_root({"batch": batch, "logits": None if logits is None else logits.cpu(), "disagree": decoder.disagree})
     if rank != 0:
         return None
-    nbatch = topo.world_size // span
+    nbatch = topo.tp // span
     ref = hf_logits(job.source, [model_tokens(plan, b, seed=job.seed, tokens=job.tokens) for b in range(nbatch)])
-    return compare_logits(plan, gathered, ref, tokens=job.tokens)
+    return compare_logits(plan, dict(enumerate(gathered)), ref, tokens=job.tokens)
+
+
+def stage_problems(plan, pp: int | None = None, pp_layers: str | None = None) -> list[str]:
+    """At pp > 1: tensors on other stages than the engine builds them on (tpshard.check's stage
+    check, run on the manifest): the layer-level numbers cannot see a layer run by the wrong stage.
+    With `pp` / `pp_layers` (verify --pp, --pp-layers), as `check --pp`: the output must be split
+    for the stages the server will run."""
+    from tpshard.check import CheckReport, check_pipeline_request, check_stages
+
+    found = CheckReport(out_dir="", source=None)
+    check_stages(plan, found)
+    if pp is not None or pp_layers is not None:
+        check_pipeline_request(plan, pp, pp_layers, found)
+    return [p.message for p in found.problems if p.check == "stages"]
 
 
 def under_torchrun() -> bool:
