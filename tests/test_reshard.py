@@ -92,9 +92,12 @@ def test_intermediate_padding_and_attention_dp(mistral, tmp_path):
 
 
 def test_tied_lm_head_copy_at_pp(qwen2_tied, tmp_path):
-    """A tied model at pp 2 holds its own lm_head (a copy of the embedding, never read back)."""
+    """A tied model at pp 2 holds its own lm_head (a copy of the embedding, never read back); vLLM's
+    placement (its last stage holds the embedding) too."""
     roundtrip(qwen2_tied, tmp_path, T(tp=2), T(tp=2, pp_layers=(1, 1)))
     roundtrip(qwen2_tied, tmp_path, T(tp=2, pp_layers=(1, 1)), T(tp=4))
+    roundtrip(qwen2_tied, tmp_path, T(tp=2, pp_layers=(1, 1)), T(tp=1, pp_layers=(1, 1), engine="vllm"))
+    roundtrip(qwen2_tied, tmp_path, T(tp=1, pp_layers=(1, 1), engine="vllm"), T(tp=2))
 
 
 @pytest.fixture(scope="module")

@@ -250,7 +250,7 @@ def reshard(
     old: Annotated[Path, typer.Argument(help="An existing tpshard output (every rank written).")],
     out: Annotated[Path, typer.Option("-o", "--out", help="New output folder (must not exist unless --force).")],
     tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = 1, moe_dense_tp: MoeDenseTp = None,
-    pp: Pp = None, pp_layers: PpLayers = None,
+    pp: Pp = None, pp_layers: PpLayers = None, engine: EngineOpt = None,
     pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False, workers: Workers = None,
     checksum: Annotated[str, typer.Option("--checksum", help="Tensor digests in the manifest: crc32 (fast) or sha256.")] = "crc32",
     ranks: Annotated[Optional[str], typer.Option("--ranks", help="Write only these ranks, e.g. 0-3 or 0,2,4.")] = None,
@@ -269,7 +269,7 @@ def reshard(
     start = time.perf_counter()
     check_output_path(out, [old])  # before OLD is read through
     src = open_output_source(old, workers=check_workers(workers))
-    topology = _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, src.checkpoint)
+    topology = _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine, ckpt=src.checkpoint)
     options = msgspec.structs.replace(_options(pad, dp_lm_head, pad_blocks), checksum=checksum)
     manifest = do_reshard(src, out, topology, options, workers=workers, force=force, ranks=parse_ranks(ranks))
     seconds = time.perf_counter() - start
