@@ -10,6 +10,7 @@ the tensor, the ranks and what differs; a piece that equals another rank's slice
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -24,7 +25,7 @@ import numpy as np
 
 from tpshard.checkpoint import Checkpoint, open_checkpoint
 from tpshard.digest import file_digest, new_hash, sha256_file
-from tpshard.errors import TpshardError
+from tpshard.errors import TpshardError, UsageError
 from tpshard.manifest import MANIFEST_NAME, Manifest, Plan, ShardSpec, rank_dir, read_manifest
 from tpshard.pieces import VALUE_DTYPES, cut_pieces, read_into, value_bytes
 from tpshard.arch import arch_for
@@ -49,13 +50,14 @@ MAX_PROBLEMS = 50
 
 
 class Problem(msgspec.Struct, frozen=True):
-    check: str  # group | stages | experts | sizes | logical | replicas | reduction | files | stray | checksum | extras | rules | reassembly
+    check: str  # group | stages | experts | sizes | logical | replicas | reduction | files | stray | checksum | extras | rules | reassembly | from
     message: str
 
 
 class CheckReport(msgspec.Struct, kw_only=True):
     out_dir: str
     source: str | None
+    from_output: str | None = None  # check --from: the output it was resharded from
     problems: list[Problem] = []
     files_checked: int = 0
     bytes_checked: int = 0
@@ -75,9 +77,13 @@ class CheckReport(msgspec.Struct, kw_only=True):
 
 def check(
     out_dir: str | Path, source: str | Path | None = None, *, workers: int | None = None, pp: int | None = None,
-    pp_layers: str | None = None,
+    pp_layers: str | None = None, from_output: str | Path | None = None,
 ) -> CheckReport:  # fmt: skip
     """Check the output at `out_dir` (and against the checkpoint at `source`); never raises on a mismatch.
+
+    `from_output`: the tpshard output it was resharded from (tpshard reshard), in place of the
+    source: that output is checked against its own manifest, then every source tensor reassembled
+    from it is compared with every shard here, as with `source`.
 
     `pp` / `pp_layers` (text such as "26,27,27"): the pipeline stages the server will run; the
     output must have been split for them. An engine export (a folder with tpshard-export.json)
@@ -91,18 +97,51 @@ def check(
 
         return check_export(out, source, workers=workers)
     manifest = read_manifest(out)
-    report = CheckReport(out_dir=str(out), source=str(source) if source else None)
+    report = CheckReport(out_dir=str(out), source=str(source) if source else None, from_output=str(from_output) if from_output else None)
+    if source is not None and from_output is not None:
+        raise UsageError("--source and --from: give one (--from when the source is gone)")
     if pp is not None or pp_layers is not None:
         check_pipeline_request(manifest.plan, pp, pp_layers, report)
-    check_plan(manifest.plan, report)
-    check_layout(out, manifest, report)
-    _check_files(out, manifest, report, workers)
+    check_output(out, manifest, report, workers)
     if source is not None:
         ckpt = open_checkpoint(source)
         check_extras_against_source(ckpt, manifest, report)
         if _check_rules(ckpt, manifest, report):
             _reassemble(out, ckpt, manifest, report, workers)
+    elif from_output is not None:
+        _check_from_output(out, Path(from_output), manifest, report, workers)
     return report
+
+
+def _check_from_output(out: Path, old: Path, manifest: Manifest, report: CheckReport, workers: int) -> None:
+    """check --from: `old` proven against its own manifest, then read as the source (tpshard.output_source)."""
+    from tpshard.output_source import open_output_source, verify_output
+
+    old_report = verify_output(old, workers)
+    for p in old_report.problems:
+        report.add("from", f"{old} (resharded from): [{p.check}] {p.message}")
+    if not old_report.ok:
+        return
+    try:
+        src = open_output_source(old, workers=workers, verified=True)
+    except TpshardError as e:
+        report.add("from", str(e))
+        return
+    with src.reader:
+        if (manifest.source.path, manifest.source.files) != (src.manifest.source.path, src.manifest.source.files):
+            report.add("rules", f"the manifest's source (path, file checksums) is not the one {old} records")
+        check_extras_against_source(src.checkpoint, manifest, report)
+        if _check_rules(src.checkpoint, manifest, report):
+            _reassemble(out, src.checkpoint, manifest, report, workers, reader=src.reader)
+
+
+def check_output(out: Path, manifest: Manifest, report: CheckReport, workers: int, deferred: set[Path] = frozenset()) -> None:
+    """The checks without a source: the plan's, the folder's layout, every file of every rank.
+    `deferred`: files whose tensor digests the caller compares as it reads them (tpshard.output_source);
+    their size, header and file checksum are checked here."""
+    check_plan(manifest.plan, report)
+    check_layout(out, manifest, report)
+    _check_files(out, manifest, report, workers, deferred=deferred)
 
 
 def _rel(spec: ShardSpec) -> str:
@@ -336,7 +375,9 @@ def check_rank_files(out_dir: str | Path, manifest: Manifest, ranks: list[int], 
     return report
 
 
-def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: int, ranks: list[int] | None = None) -> None:
+def _check_files(
+    out: Path, manifest: Manifest, report: CheckReport, workers: int, ranks: list[int] | None = None, deferred: set[Path] = frozenset()
+) -> None:  # fmt: skip
     plan = manifest.plan
     algorithm = plan.options.checksum
     written = {f.name: f for f in manifest.files if f.checksum}
@@ -373,6 +414,12 @@ def _check_files(out: Path, manifest: Manifest, report: CheckReport, workers: in
                 return [("files", f"{where}: safetensors header differs from the planned one")]
             digests = []
             for s, offset, want in zip(specs, offsets, rec.digests):
+                if path in deferred:  # compared by the caller as it reads: the manifest's own here
+                    try:
+                        digests.append(bytes.fromhex(want))
+                    except ValueError:
+                        return [("checksum", f"{where}: tensor {s.name} has no valid digest in the manifest")]
+                    continue
                 d = hash_range(fh.fileno(), offset, nbytes_of(s.dtype, s.shape), algorithm)
                 digests.append(d)
                 if d.hex() != want:
@@ -530,7 +577,7 @@ def distinct_copies(out: Path, manifest: Manifest) -> dict[str, list[tuple[Path,
     return {name: list(by_inode.values()) for name, by_inode in copies.items()}
 
 
-def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckReport, workers: int) -> None:
+def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckReport, workers: int, reader=None) -> None:
     """Every source tensor, rebuilt from the shards, equals the source bit for bit, in every copy
     of every file that holds a piece of it (a copy that replaced a hard link is proven on its own)."""
     plan = manifest.plan
@@ -546,17 +593,18 @@ def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckRe
                 located[s.source].append((s, None, offset, ""))
             for path, ranks in held:
                 located[s.source].append((s, path, offset, f" (the copy of ranks {ranks})" if len(held) > 1 else ""))
-    reassemble(ckpt, located, report, workers)
+    reassemble(ckpt, located, report, workers, reader)
 
 
 # (spec, file holding it or None when no copy is readable, data offset, where: appended to a finding)
 Place = tuple[ShardSpec, "Path | None", int, str]
 
 
-def reassemble(ckpt: Checkpoint, located: dict[str, list[Place]], report: CheckReport, workers: int) -> None:
+def reassemble(ckpt: Checkpoint, located: dict[str, list[Place]], report: CheckReport, workers: int, reader=None) -> None:
     """Compare every place a spec is written (a spec may be listed at several: copies) with the bytes
     the spec says it cuts from its source tensor, reading each source tensor once. Only tensors
-    proven bit-exact in every place are counted."""
+    proven bit-exact in every place are counted. `reader`: where source tensors are read
+    (tpshard.writer.CheckpointReader's interface); default: the checkpoint's files."""
 
     fds_open: dict[Path, int] = {}  # each file opened once, shared by the threads (pread only)
     lock = threading.Lock()
@@ -569,6 +617,11 @@ def reassemble(ckpt: Checkpoint, located: dict[str, list[Place]], report: CheckR
                 if fd is None:
                     fd = fds_open[path] = os.open(path, os.O_RDONLY)
         return fd
+
+    def tensor_of(source: str, info):
+        if reader is not None:
+            return reader.tensor(source, info)
+        return contextlib.nullcontext((fd_of(ckpt.path / info.file), info, None))
 
     def rebuild(source: str) -> list[tuple[str, str]]:
         info = ckpt.tensors[source]
@@ -583,23 +636,28 @@ def reassemble(ckpt: Checkpoint, located: dict[str, list[Place]], report: CheckR
                     if held != list(s.value):
                         found.append(("reassembly", f"{_rel(s)}: holds {held}{where}, not the planned {list(s.value)}"))
             places = [(s, path, offset, where) for s, path, offset, where in located[source] if s.value is None]
-            specs = [s for s, _, _, _ in places]
-            offsets = [offset for _, _, offset, _ in places]
-            src_fd = fd_of(ckpt.path / info.file)
-            fds = [fd_of(path) for _, path, _, _ in places]
-            bad: dict[int, int] = {}  # place index -> first differing byte
-            buf = np.empty(0, np.uint8)
-            for i, at, data in cut_pieces(src_fd, info, specs):
-                if len(buf) < len(data):
-                    buf = np.empty(len(data), np.uint8)
-                actual = read_into(fds[i], buf, offsets[i] + at, len(data))
-                if not same_bytes(actual, data):
-                    bad[i] = at + int(np.argmax(actual != data)) if len(actual) == len(data) else at
-            return found + [
-                ("reassembly", _diagnose(src_fd, info, specs, i, fds[i], offsets[i], byte) + places[i][3]) for i, byte in bad.items()
-            ]
+            if not places:
+                return found
+            with tensor_of(source, info) as (src, src_info, data):
+                return found + compare(places, src, src_info, data)
         except (OSError, TpshardError) as e:  # a missing or truncated file, already reported by name
             return [("files", f"{source}: cannot be reassembled: {e}")]
+
+    def compare(places: list[Place], src_fd, info, tensor) -> list[tuple[str, str]]:
+        specs = [s for s, _, _, _ in places]
+        offsets = [offset for _, _, offset, _ in places]
+        fds = [fd_of(path) for _, path, _, _ in places]
+        bad: dict[int, int] = {}  # place index -> first differing byte
+        buf = np.empty(0, np.uint8)
+        for i, at, data in cut_pieces(src_fd, info, specs, None, tensor):
+            if len(buf) < len(data):
+                buf = np.empty(len(data), np.uint8)
+            actual = read_into(fds[i], buf, offsets[i] + at, len(data))
+            if not same_bytes(actual, data):
+                bad[i] = at + int(np.argmax(actual != data)) if len(actual) == len(data) else at
+        return [
+            ("reassembly", _diagnose(src_fd, info, specs, i, fds[i], offsets[i], byte, tensor) + places[i][3]) for i, byte in bad.items()
+        ]
 
     try:
         with ThreadPoolExecutor(workers) as pool:
@@ -635,13 +693,13 @@ def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     return not (a[:n].view(np.uint64) != b[:n].view(np.uint64)).any()
 
 
-def _diagnose(src_fd: int, info, specs: list[ShardSpec], i: int, fd: int, offset: int, byte: int) -> str:
+def _diagnose(src_fd: int, info, specs: list[ShardSpec], i: int, fd: int, offset: int, byte: int, tensor=None) -> str:
     """Say what rank `specs[i]` holds instead: another group rank's slice, or where it first differs."""
     spec = specs[i]
     size = nbytes_of(spec.dtype, spec.shape)
     actual = hash_range(fd, offset, size)
     hashes = [hashlib.sha256() for _ in specs]
-    for j, _, data in cut_pieces(src_fd, info, specs):
+    for j, _, data in cut_pieces(src_fd, info, specs, None, tensor):
         hashes[j].update(data)
     for j, h in enumerate(hashes):
         if j != i and h.digest() == actual and specs[j].shape == spec.shape:

@@ -246,9 +246,51 @@ def split(
 
 
 @app.command()
+def reshard(
+    old: Annotated[Path, typer.Argument(help="An existing tpshard output (every rank written).")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="New output folder (must not exist unless --force).")],
+    tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = 1, moe_dense_tp: MoeDenseTp = None,
+    pp: Pp = None, pp_layers: PpLayers = None, engine: EngineOpt = None,
+    pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False, workers: Workers = None,
+    checksum: Annotated[str, typer.Option("--checksum", help="Tensor digests in the manifest: crc32 (fast) or sha256.")] = "crc32",
+    ranks: Annotated[Optional[str], typer.Option("--ranks", help="Write only these ranks, e.g. 0-3 or 0,2,4.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    json: Json = False,
+) -> None:  # fmt: skip
+    """Write the split for another topology from an existing output, without the source checkpoint.
+
+    The result is byte for byte what split of the source would write (prove it with check NEW --from OLD)."""
+    from tpshard.output_source import open_output_source
+    from tpshard.publish import check_output_path
+    from tpshard.report import human_bytes
+    from tpshard.reshard import reshard as do_reshard
+    from tpshard.writer import check_workers
+
+    start = time.perf_counter()
+    check_output_path(out, [old])  # before OLD is read through
+    src = open_output_source(old, workers=check_workers(workers))
+    topology = _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine, ckpt=src.checkpoint)
+    options = msgspec.structs.replace(_options(pad, dp_lm_head, pad_blocks), checksum=checksum)
+    manifest = do_reshard(src, out, topology, options, workers=workers, force=force, ranks=parse_ranks(ranks))
+    seconds = time.perf_counter() - start
+    written = sum(f.size for f in manifest.written_files)
+    summary = {"from": str(old), "out": str(out), "ranks": list(manifest.written_ranks), "files": len(manifest.written_files), "bytes_written": written, "seconds": round(seconds, 3)}
+    if json:
+        _emit_json(summary)
+        return
+    err.print(
+        f"[green]resharded[/] {escape(str(old))} ({src.manifest.topology.describe()}) -> {escape(str(out))} ({topology.describe()}):"
+        f" {len(manifest.written_ranks)} ranks, {len(manifest.written_files)} files, wrote {human_bytes(written)} in {seconds:.2f} s"
+    )
+    for w in manifest.plan.warnings:
+        err.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
+
+
+@app.command()
 def check(
     out: Annotated[Path, typer.Argument(help="A tpshard output folder, or an engine export (tpshard export).")],
     source: Annotated[Optional[Path], typer.Option("--source", help="The checkpoint it was split from: enables bit-exact reassembly.")] = None,
+    from_output: Annotated[Optional[Path], typer.Option("--from", help="The tpshard output it was resharded from, when the source is gone: checked itself, then every tensor reassembled from it compared bit for bit.")] = None,
     workers: Workers = None,
     pp: Annotated[Optional[int], typer.Option("--pp", help="The pipeline stages the server will run: the output must be split for them.")] = None,
     pp_layers: Annotated[Optional[str], typer.Option("--pp-layers", help="The layer partition the server will run (its SGLANG_ or VLLM_PP_LAYER_PARTITION; the output's engine is in its manifest).")] = None,
@@ -262,7 +304,7 @@ def check(
     from tpshard.report import human_bytes
 
     start = time.perf_counter()
-    report = do_check(out, source, workers=workers, pp=pp, pp_layers=pp_layers)
+    report = do_check(out, source, workers=workers, pp=pp, pp_layers=pp_layers, from_output=from_output)
     seconds = time.perf_counter() - start
     if json:
         _emit_json({"ok": report.ok, "seconds": round(seconds, 3), **msgspec.to_builtins(report)})
@@ -275,6 +317,8 @@ def check(
         if report.ok:
             if source:
                 what += f", {report.tensors_reassembled} source tensors reassembled bit-exact"
+            elif from_output:
+                what += f", {report.tensors_reassembled} source tensors reassembled from {from_output} bit-exact"
             err.print(f"[green]ok[/] {out}: {what} in {seconds:.2f} s")
         else:  # never "bit-exact" beside a failure
             total = len(report.problems) + report.omitted

@@ -17,6 +17,7 @@ manifest is complete, and an old output stays whole until the new one replaces i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -83,16 +84,62 @@ def split(
     """
     ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(source)
     plan = make_plan(ckpt, topology, options)
+    selected = select_ranks(topology, ranks)
+    workers = check_workers(workers)
+    with staged_output(out, force=force, inputs=[ckpt.path]) as staging:
+        manifest = write_plan(ckpt, plan, staging, selected, workers, on_tensor)
+    return manifest
+
+
+def select_ranks(topology: Topology, ranks: Iterable[int] | None) -> list[int]:
+    """The world ranks to write, sorted: all of them, or `ranks` (each inside the world)."""
     selected = sorted(set(range(topology.world_size) if ranks is None else ranks))
     bad = [r for r in selected if not 0 <= r < topology.world_size]
     if bad or not selected:
         raise TopologyError(f"--ranks {bad or '(none)'}: ranks must lie in 0..{topology.world_size - 1}")
-    workers = check_workers(workers)
-    with staged_output(out, force=force, inputs=[ckpt.path]) as staging:
-        manifest = _write(ckpt, plan, staging, selected, workers, on_tensor)
-    return manifest
+    return selected
 
 
+class CheckpointReader:
+    """Where split reads each source tensor's bytes: the checkpoint's own files.
+
+    The interface the writer reads through (tpshard.output_source.OutputReader is the other one):
+    `job(tensors, run)`, a context giving, for each (name, info, needed) of one pool task, the
+    (fd, TensorInfo, bytes or None) to cut it from, in order; `source(digests)`, the manifest's
+    source path and files; `reads_every_tensor`, whether tensors no target needs are read too."""
+
+    reads_every_tensor = True  # the source checksums cover every byte of the checkpoint
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        self.fds: dict[str, int] = {}
+
+    def __enter__(self) -> CheckpointReader:
+        for name in self.ckpt.weight_files:
+            self.fds[name] = os.open(self.ckpt.path / name, os.O_RDONLY)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+
+    @contextlib.contextmanager
+    def job(self, tensors: list[tuple[str, TensorInfo, bool]], run: bool):
+        if not run:
+            yield ((self.fds[info.file], info, None) for _, info, _ in tensors)
+            return
+        # adjacent in one file: one read
+        begin, fd = tensors[0][1].begin, self.fds[tensors[0][1].file]
+        n = tensors[-1][1].end - begin
+        data = read_into(fd, scratch("run", n), begin, n)
+        yield ((fd, info, data[info.begin - begin : info.end - begin]) for _, info, _ in tensors)
+
+    def source(self, digests: dict[str, bytes]) -> tuple[str, tuple[SourceFile, ...]]:
+        return str(self.ckpt.path.resolve()), _source_files(self.ckpt, digests)
+
+
+_NOTHING = TensorInfo(file="", dtype="U8", shape=(0,), begin=0, end=0)
 WRITE_BYTES = 128 << 10
 BATCH_BYTES, BATCH_TENSORS = 8 << 20, 256
 RUN_TENSORS = 4096  # small tensors copied together: one read, and one write per output file
@@ -204,14 +251,18 @@ class _Target:
             self.hash.update(piece)
 
 
-def _write(
+def write_plan(
     ckpt: Checkpoint,
     plan: Plan,
     staging: Path,
     selected: list[int],
     workers: int,
     on_tensor: Callable[[int], None] | None,
+    reader=None,
 ) -> Manifest:
+    """Write `plan` for `selected` ranks into `staging`, reading each of `ckpt`'s tensors through
+    `reader` (default: CheckpointReader, the checkpoint's files); the manifest last."""
+    reader = reader or CheckpointReader(ckpt)
     chosen = set(selected)
     files = [f for f in plan.files if chosen & set(f.ranks)]
     for r in selected:
@@ -234,33 +285,35 @@ def _write(
             for spec, offset in zip(specs, offsets):
                 targets_by_source.setdefault(spec.source, []).append(_Target(spec, fd, offset, plan.options.checksum))
 
-        src_fds = {name: os.open(ckpt.path / name, os.O_RDONLY) for name in ckpt.weight_files}
-        try:
+        with reader:
             # Every source tensor is read (also those no selected rank needs) so that the source
-            # checksums cover the whole checkpoint.
+            # checksums cover the whole checkpoint; a reshard (reads_every_tensor false) reads only
+            # tensors some target needs bytes of.
             def job(task: tuple[bool, list[tuple[str, TensorInfo]]]) -> list[tuple[str, bytes]]:
                 run, tensors = task
-                pending, data, begin = None, None, tensors[0][1].begin
-                if run:  # adjacent in one file: one read
-                    pending, n = _Pending(), tensors[-1][1].end - begin
-                    data = read_into(src_fds[tensors[0][1].file], scratch("run", n), begin, n)
+                pending = _Pending() if run else None
+                digest = reader.reads_every_tensor
+                wanted = [
+                    (name, info, digest or any(t.spec.value is None for t in targets_by_source.get(name, [])))
+                    for name, info in tensors
+                ]  # fmt: skip
                 digests = []
-                for name, info in tensors:
-                    tensor = None if data is None else data[info.begin - begin : info.end - begin]
-                    digests.append((name, _copy_tensor(src_fds[info.file], info, targets_by_source.get(name, []), tensor, pending)))
-                    if on_tensor:
-                        on_tensor(info.nbytes)
-                if pending is not None:
-                    pending.flush()
+                with reader.job(wanted, run) as sources:
+                    for (name, info, needed), (src, src_info, data) in zip(wanted, sources):
+                        targets = targets_by_source.get(name, [])
+                        if not needed:  # only planned values to write: nothing to read
+                            src, src_info, data = -1, _NOTHING, None
+                        digests.append((name, _copy_tensor(src, src_info, targets, data, pending, digest)))
+                        if on_tensor:
+                            on_tensor(info.nbytes)
+                    if pending is not None:  # its pieces are views of the reader's bytes: written while they live
+                        pending.flush()
                 return digests
 
             with ThreadPoolExecutor(max(1, workers)) as pool:
                 source_digests = dict(d for ds in pool.map(job, _jobs(list(ckpt.tensors.items()))) for d in ds)
                 # On disk before the manifest says the output is complete.
                 list(pool.map(os.fsync, fds.values()))
-        finally:
-            for fd in src_fds.values():
-                os.close(fd)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -289,10 +342,11 @@ def _write(
         index = rank_index_bytes(plan, r)
         (staging / rank_dir(r) / "model.safetensors.index.json").write_bytes(index)
 
+    source_path, source_files = reader.source(source_digests)
     manifest = Manifest.of(
         plan,
         tool_version=__version__,
-        source=Source(path=str(ckpt.path.resolve()), files=_source_files(ckpt, source_digests), extra_files=tuple(extra)),
+        source=Source(path=source_path, files=source_files, extra_files=tuple(extra)),
         written_ranks=tuple(selected),
         files=tuple(written.get(f.name, f) for f in plan.files),
     )
@@ -307,15 +361,18 @@ def write_durably(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _copy_tensor(src_fd: int, info: TensorInfo, targets: list[_Target], data=None, pending: _Pending | None = None) -> bytes:
+def _copy_tensor(
+    src_fd: int, info: TensorInfo, targets: list[_Target], data=None, pending: _Pending | None = None, digest: bool = True
+) -> bytes:  # fmt: skip
     """Read one source tensor once (or take its bytes, `data`) and write every target's piece of
-    it, now or into `pending`. Returns its crc32."""
+    it, now or into `pending`. Returns its crc32 (b"" without `digest`: a reshard records the old
+    output's source checksums)."""
     for t in targets:
         if t.spec.value is not None:  # content given by the plan (e.g. a rank's weight_shape)
             t.write(value_bytes(t.spec), 0, pending)
     targets = [t for t in targets if t.spec.value is None]
     tiles = _tiling(info, targets)
-    source_hash = None if tiles else Crc32()
+    source_hash = None if tiles or not digest else Crc32()
     for i, at, piece in cut_pieces(src_fd, info, [t.spec for t in targets], source_hash, data):
         targets[i].write(piece, at, pending)
     for t in targets:
@@ -324,6 +381,8 @@ def _copy_tensor(src_fd: int, info: TensorInfo, targets: list[_Target], data=Non
             start_writeback(t.fd, t.offset, nbytes)
     if source_hash is not None:
         return source_hash.digest()
+    if not digest:
+        return b""
     # The pieces are consecutive runs of the source, already crc32'd as they were written.
     crc = 0
     for t in tiles:

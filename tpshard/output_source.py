@@ -1,0 +1,407 @@
+"""A tpshard output read as the checkpoint it was split from (for `reshard` and `check --from`).
+
+`open_output_source(out)` checks the output against its own manifest (tpshard.check without a
+source: the plan's alignment checks, the folder's layout, every rank's index and copied files, every
+file's size, header and file checksum; the tensor digests of the copy of each file the reader reads
+are compared as it reads them, those of any other copy here), then gives:
+
+* `checkpoint`: a Checkpoint that `make_plan` reads as it read the original. Its config.json and
+  other copied files are those of a written rank folder (split copies them unchanged); its tensors
+  are the source tensors with their names, dtypes and shapes, in the source's (file, offset) order,
+  which is the manifest's tensor order (make_plan lists tensors in that order). The tensors split
+  dropped (rotary inv_freq) are named only by its warnings; they come back as empty tensors, in
+  their order, so that the plan's warnings are the same. What make_plan does not read (file names,
+  offsets) is made up. `make_plan` on it must give the old output's manifest, or it is refused.
+* `reader` (OutputReader): each source tensor's bytes, reassembled from the shards: one copy per
+  cut (kv-head and attention-DP replicas share a cut), padding stripped and required to be zero,
+  each shard's digest compared with the manifest's as it is read; `verify_rest` hashes what no
+  tensor needed (duplicates, padding-only cuts, planned values, a tied lm_head copy). A tensor
+  lives in memory while it is cut; the buffers, in use or kept for reuse, stay under one largest
+  tensor (or 64 MiB) together.
+
+What it cannot rebuild exactly it refuses in one line (an output written for some ranks only, a
+manifest the rules do not give). The source section of the manifest (path, source file checksums)
+is the old output's: the shards are proven to be what that output's manifest says, and that
+manifest was written by the split that read those source files (docs/reshard.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import threading
+from collections import defaultdict
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from tpshard.checkpoint import Checkpoint
+from tpshard.digest import new_hash
+from tpshard.errors import OutputError, TpshardError
+from tpshard.inputs import check_config, check_inside
+from tpshard.manifest import Manifest, ShardSpec, Source, SourceFile, rank_dir, read_manifest
+from tpshard.pieces import CHUNK_BYTES, read_into, scratch
+from tpshard.safetensors_format import TensorInfo, nbytes_of
+
+VIRTUAL_FILE = "(tensors reassembled from a tpshard output)"
+_DROPPED = re.compile(r"(.+): dropped \(engines recompute it\)")
+MIN_BUDGET = 64 << 20
+
+
+class _Cut:
+    """One cut of a source tensor as the reader uses it: where one copy of its shard lies."""
+
+    __slots__ = ("spec", "path", "offset", "digest", "where", "index")
+
+    def __init__(self, spec: ShardSpec, path: Path, offset: int, digest: str, where: str, index: int):
+        self.spec, self.path, self.offset, self.digest, self.where = spec, path, offset, digest, where
+        self.index = index  # in its file
+
+
+class OutputSource:
+    """What `open_output_source` gives: the old output's manifest, its checkpoint view, its reader."""
+
+    def __init__(self, out: Path, manifest: Manifest, checkpoint: Checkpoint, reader: OutputReader):
+        self.out, self.manifest, self.checkpoint, self.reader = out, manifest, checkpoint, reader
+
+
+def verify_output(out: Path, workers: int, deferred: set[Path] = frozenset()):
+    """The old output's own check (no source): a CheckReport. `deferred`: files whose tensor
+    digests an OutputReader compares as it reads them (OutputReader.verify_rest for the rest)."""
+    from tpshard.check import CheckReport, check_output
+
+    report = CheckReport(out_dir=str(out), source=None)
+    check_output(out, read_manifest(out), report, workers, deferred)
+    return report
+
+
+def open_output_source(out: str | Path, *, workers: int = 2, verified: bool = False) -> OutputSource:
+    """The output at `out` as a source; OutputError (one line) when it cannot be one exactly.
+    `verified`: the caller has already run tpshard.check on it and found nothing."""
+    out = Path(out)
+    manifest = read_manifest(out)
+    reader = OutputReader(out, manifest)
+    if not verified:
+        # The files the reader reads are hashed as they are read (once, not twice): here only
+        # their sizes, headers and file checksums, and every other copy in full.
+        report = verify_output(out, workers, reader.first_copies())
+        if not report.ok:
+            p = report.problems[0]
+            more = len(report.problems) + report.omitted - 1
+            raise OutputError(
+                f"{out}: fails its own check, so it cannot be resharded: [{p.check}] {p.message}"
+                + (f" (and {more} more; run tpshard check {out})" if more else "")
+            )
+    reader.check_held()
+    ckpt = _checkpoint_of(out, manifest)
+    _same_plan(out, ckpt, manifest)
+    return OutputSource(out, manifest, ckpt, reader)
+
+
+def _same_plan(out: Path, ckpt: Checkpoint, manifest: Manifest) -> None:
+    """The rules give, for this view of the source and the old topology, the plan the old output
+    records: then the view holds what make_plan read from the real source (every tensor it kept or
+    dropped, in order; the config), and a new plan made from it is the one split would make."""
+    from tpshard.plan import make_plan
+
+    try:
+        again = make_plan(ckpt, manifest.topology, manifest.options)
+    except TpshardError as e:
+        raise OutputError(f"{out}: the rules of this tpshard refuse its own topology ({e}); it cannot be resharded exactly") from None
+    # quant_layers as JSON: the plan holds tuples where the decoded manifest holds lists
+    mine = (again.model, again.tensors, [(f.name, f.ranks, f.size) for f in again.files], again.warnings, msgspec.json.encode(again.quant_layers, order="sorted"))
+    theirs = (manifest.model, manifest.tensors, [(f.name, f.ranks, f.size) for f in manifest.files], manifest.warnings, msgspec.json.encode(manifest.quant_layers, order="sorted"))
+    for what, a, b in zip(("model", "tensors", "files", "warnings", "quantized layers"), mine, theirs):
+        if a != b:
+            raise OutputError(
+                f"{out}: its manifest's {what} are not what this tpshard's rules give for the source it records"
+                f" (written by tpshard {manifest.tool_version}?); the source cannot be rebuilt exactly from it"
+            )
+
+
+def _checkpoint_of(out: Path, manifest: Manifest) -> Checkpoint:
+    folder = out / rank_dir(manifest.written_ranks[0])
+    config_path = folder / "config.json"
+    if not any(e.name == "config.json" for e in manifest.extra_files) or not config_path.is_file():
+        raise OutputError(f"{out}: the output holds no config.json of its source; it cannot be resharded")
+    check_inside(config_path, folder)
+    try:
+        config = json.loads(config_path.read_text())
+    except (ValueError, RecursionError) as e:
+        raise OutputError(f"{config_path}: not valid JSON ({str(e)[:100]})") from None
+    check_config(config, str(config_path))
+
+    tensors: dict[str, TensorInfo] = {}
+    at = 0
+    for w in manifest.warnings:  # in the order split met them, before every kept tensor: only their order counts
+        m = _DROPPED.fullmatch(w)
+        if m:
+            tensors[m.group(1)] = TensorInfo(file=VIRTUAL_FILE, dtype="F32", shape=(0,), begin=at, end=at)
+    for t in manifest.tensors:
+        if t.source:  # a copy of another source tensor (a tied lm_head at pp > 1)
+            continue
+        n = nbytes_of(t.dtype, t.shape)
+        tensors[t.name] = TensorInfo(file=VIRTUAL_FILE, dtype=t.dtype, shape=t.shape, begin=at, end=at + n)
+        at += n
+    missing = sorted(t.source for t in manifest.tensors if t.source and t.source not in tensors)
+    if missing:
+        raise OutputError(f"{out}: {missing[0]} is recorded as the source of another tensor but is not in the output")
+    # weight_files stays empty: extra_files() then lists the copied files (the rank's own
+    # safetensors files and index are weight files to it) and check_source_sizes has no file to size.
+    return Checkpoint(path=folder, config=config, weight_files=(), tensors=tensors, index_file=None)
+
+
+class _Buffers:
+    """The reassembled tensors' memory: buffers in use stay under `limit` bytes (one buffer larger
+    than that waits until it is alone), and are kept for the next tensors, free and in use together
+    also under the limit: a fresh buffer costs a page fault per 4 KiB (3 s per GiB on this project's
+    VMs, more than reading it)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+        self.free: list[np.ndarray] = []
+        self.cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def get(self, n: int):
+        buf = None
+        with self.cond:
+            while True:
+                fits = [i for i, b in enumerate(self.free) if len(b) >= n]
+                if fits:
+                    buf = self.free.pop(min(fits, key=lambda i: len(self.free[i])))
+                    break
+                if self.used + n <= self.limit or not self.used:
+                    # None of the free ones is large enough: let go of them until the new one fits.
+                    self.free.sort(key=len)
+                    while self.free and self.used + sum(map(len, self.free)) + n > self.limit:
+                        self.free.pop(0)
+                    break
+                self.cond.wait()
+            size = n if buf is None else len(buf)
+            self.used += size
+        try:
+            if buf is None:
+                buf = np.empty(n, np.uint8)
+            yield buf[:n]
+        finally:
+            with self.cond:
+                self.used -= size
+                if buf is not None:
+                    self.free.append(buf)
+                self.cond.notify_all()
+
+    def clear(self) -> None:
+        with self.cond:
+            self.free = []
+
+
+class OutputReader:
+    """Source tensors reassembled from an output's shards; the writer's and check's reader
+    (tpshard.writer.CheckpointReader has the interface)."""
+
+    reads_every_tensor = False  # no source digests to compute: a tensor only planned values hold is not read
+
+    def __init__(self, out: Path, manifest: Manifest):
+        from tpshard.check import distinct_copies
+
+        self.out, self.manifest = out, manifest
+        plan = manifest.plan
+        self.algorithm = plan.options.checksum
+        digests = {f.name: f.digests for f in manifest.files}
+        copies = distinct_copies(out, manifest)
+        self.cuts: dict[str, list[_Cut]] = defaultdict(list)
+        self.unheld: dict[str, str] = {}  # source tensor -> a file of it no written rank holds
+        for fname, specs in plan.specs_by_file().items():
+            held = copies.get(fname)
+            for i, (s, offset) in enumerate(zip(specs, plan.layout(fname)[1])):
+                if s.source != s.name or s.value is not None:
+                    continue  # a copy of another tensor, or content the plan gives (never read)
+                if not held or not digests[fname]:
+                    self.unheld.setdefault(s.name, fname)
+                    continue
+                path, ranks = held[0]
+                self.cuts[s.name].append(_Cut(s, path, offset, digests[fname][i], f"{fname} of ranks {ranks}", i))
+        self.copies = copies
+        self.read: set[tuple[Path, int]] = set()  # (file, tensor index) hashed while read
+        self.largest = max((nbytes_of(t.dtype, t.shape) for t in manifest.tensors), default=0)
+        self.buffers = _Buffers(max(self.largest, MIN_BUDGET))
+        self.fds: dict[Path, int] = {}
+        self.lock = threading.Lock()
+
+    def first_copies(self) -> set[Path]:
+        """The copy of each file the reader reads (the others are checked in full beforehand)."""
+        return {held[0][0] for held in self.copies.values() if held}
+
+    def check_held(self) -> None:
+        """Refuse, in one line, an output in which some source tensor has no copy (split --ranks)."""
+        out, manifest, plan = self.out, self.manifest, self.manifest.plan
+        if self.unheld:
+            name, fname = next(iter(self.unheld.items()))
+            raise OutputError(
+                f"{out}: written for ranks {_ranks_text(manifest.written_ranks)} of {plan.topology.world_size} only:"
+                f" no rank folder holds {fname} ({name}); reshard needs every source tensor (tpshard merge the parts first)"
+            )
+
+    def verify_rest(self, workers: int = 2) -> None:
+        """Hash every tensor of the first copies that no tensor() call read (duplicates, padding-only
+        cuts, planned values, tied copies, tensors no new rank needed): then every byte of the old
+        output has been compared with its manifest."""
+        from tpshard.check import hash_range
+
+        plan = self.manifest.plan
+        digests = {f.name: f.digests for f in self.manifest.files}
+        todo = []
+        specs_by_file = plan.specs_by_file()
+        for fname, held in self.copies.items():
+            path = held[0][0]
+            for i, (s, offset) in enumerate(zip(specs_by_file[fname], plan.layout(fname)[1])):
+                if (path, i) not in self.read:
+                    todo.append((path, offset, nbytes_of(s.dtype, s.shape), digests[fname][i], f"{fname} of ranks {held[0][1]}", s.name))
+
+        def one(item) -> None:
+            path, offset, n, want, where, name = item
+            if hash_range(self._fd(path), offset, n, self.algorithm).hex() != want:
+                raise OutputError(f"{self.out}: {where}: tensor {name} does not match its {self.algorithm} in the manifest")
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(one, todo))
+
+    def __enter__(self) -> OutputReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self.lock:
+            for fd in self.fds.values():
+                os.close(fd)
+            self.fds = {}
+        self.buffers.clear()
+
+    def _fd(self, path: Path) -> int:
+        with self.lock:
+            fd = self.fds.get(path)
+            if fd is None:
+                fd = self.fds[path] = os.open(path, os.O_RDONLY)
+            return fd
+
+    @contextlib.contextmanager
+    def tensor(self, name: str, info: TensorInfo):
+        """(-1, info, the tensor's bytes as a uint8 array) while the block runs (check's reader)."""
+        with self.buffers.get(info.nbytes) as data:
+            if info.nbytes:
+                self._fill(name, info, data)
+            yield -1, info, data
+
+    @contextlib.contextmanager
+    def job(self, tensors: list[tuple[str, TensorInfo, bool]], run: bool):
+        """The writer's reader (tpshard.writer.CheckpointReader.job): a run of small tensors,
+        adjacent in the view, reassembled into one buffer that lives until the block ends (the
+        writer's gathered writes point into it); other tensors one at a time."""
+        if run:
+            begin = tensors[0][1].begin
+            with self.buffers.get(tensors[-1][1].end - begin) as data:
+                for name, info, needed in tensors:
+                    if needed and info.nbytes:
+                        self._fill(name, info, data[info.begin - begin : info.end - begin])
+                yield ((-1, info, data[info.begin - begin : info.end - begin]) for _, info, _ in tensors)
+            return
+        each = self._each(tensors)
+        try:
+            yield each
+        finally:
+            each.close()
+
+    def _each(self, tensors: list[tuple[str, TensorInfo, bool]]):
+        for name, info, needed in tensors:
+            if not needed:
+                yield -1, info, None
+                continue
+            with self.tensor(name, info) as got:  # its buffer goes back when the next is asked for
+                yield got
+
+    def source(self, digests: dict[str, bytes]) -> tuple[str, tuple[SourceFile, ...]]:
+        """The old output's record of its source: the split that made it read those files."""
+        s: Source = self.manifest.source
+        return s.path, s.files
+
+    def _fill(self, name: str, info: TensorInfo, data: np.ndarray) -> None:
+        cuts = self.cuts.get(name)
+        if not cuts:
+            raise OutputError(f"{self.out}: {name} is held only as values the plan gives; its bytes cannot be rebuilt")
+        shape = info.shape or (1,)
+        dim = cuts[0].spec.dim
+        if dim is None:
+            self._read(cuts[0], data, 1, 0)
+            for c in cuts[1:]:  # several whole copies must agree; the manifest's digests say so
+                if c.digest != cuts[0].digest:
+                    raise OutputError(f"{self.out}: {name}: the whole copies in {cuts[0].where} and {c.where} differ")
+            return
+        outer, rows = math.prod(shape[:dim]), shape[dim]
+        inner = info.nbytes // (outer * rows) if outer * rows else 0
+        covered = 0
+        seen: dict[tuple[int, int], _Cut] = {}
+        for c in sorted(cuts, key=lambda c: (c.spec.start, -c.spec.length)):
+            s = c.spec
+            if not s.length:
+                continue
+            first = seen.setdefault((s.start, s.length), c)
+            if first is not c:
+                if first.digest != c.digest or first.spec.pad != s.pad:
+                    raise OutputError(f"{self.out}: {name}: two copies of rows [{s.start}, {s.start + s.length}) differ ({first.where}, {c.where})")
+                continue
+            if s.start != covered:
+                raise OutputError(f"{self.out}: {name}: its cuts do not tile dim {dim} (a gap or overlap at {covered})")
+            covered = s.start + s.length
+            self._read(c, data, outer, inner * rows)
+        if covered != rows:
+            raise OutputError(f"{self.out}: {name}: its cuts cover {covered} of {rows} along dim {dim}")
+
+    def _read(self, c: _Cut, data: np.ndarray, outer: int, row_bytes: int) -> None:
+        """Put cut `c`'s real rows into `data` (the whole source tensor); its digest and zero padding checked."""
+        s = c.spec
+        fd = self._fd(c.path)
+        size = nbytes_of(s.dtype, s.shape)
+        h = new_hash(self.algorithm)
+        if s.dim is None:
+            h.update(read_into(fd, data, c.offset, size))
+        elif outer == 1:  # contiguous: straight into place, then the padding
+            inner = row_bytes // s.source_shape[s.dim]
+            region = data[s.start * inner : (s.start + s.length) * inner]
+            h.update(read_into(fd, region, c.offset, len(region)))
+            if s.pad:
+                tail = read_into(fd, scratch("pad", s.pad * inner), c.offset + len(region), s.pad * inner)
+                h.update(tail)
+                self._zero(tail, c)
+        else:  # cut along an inner dim: whole rows of the outer dims at a time, a few MiB each
+            per = s.length + s.pad
+            inner = row_bytes // s.source_shape[s.dim]
+            shard_row = per * inner
+            step = max(1, CHUNK_BYTES // max(shard_row, 1))
+            into = data.reshape(outer, s.source_shape[s.dim], inner)
+            for a in range(0, outer, step):
+                b = min(outer, a + step)
+                chunk = read_into(fd, scratch("shard", (b - a) * shard_row), c.offset + a * shard_row, (b - a) * shard_row)
+                h.update(chunk)
+                view = chunk.reshape(b - a, per, inner)
+                if s.pad:
+                    self._zero(view[:, s.length :], c)
+                into[a:b, s.start : s.start + s.length] = view[:, : s.length]
+        if h.digest().hex() != c.digest:
+            raise OutputError(f"{self.out}: {c.where}: tensor {s.name} does not match its {self.algorithm} in the manifest")
+        with self.lock:
+            self.read.add((c.path, c.index))
+
+    def _zero(self, pad: np.ndarray, c: _Cut) -> None:
+        if pad.any():
+            raise OutputError(f"{self.out}: {c.where}: the padding of {c.spec.name} is not zero; a split writes zeros there")
+
+
+def _ranks_text(ranks) -> str:
+    ranks = list(ranks)
+    return ", ".join(map(str, ranks[:8])) + (f" ... ({len(ranks)})" if len(ranks) > 8 else "")
