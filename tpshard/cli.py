@@ -47,6 +47,9 @@ EngineOpt = Annotated[Optional[str], typer.Option("--engine", help="Pipeline sta
 PadBlocks = Annotated[bool, typer.Option("--pad-blocks", help="FP8 block formats: zero-pad each rank's MLP shard to whole 128-blocks instead of refusing.")]
 Workers = Annotated[Optional[int], typer.Option("--workers", help="I/O threads (default: from the CPU count).")]
 EngineFormat = Annotated[Optional[str], typer.Option("--format", help="Engine sharded_state export: vllm or sglang (docs/deploy.md).")]
+Checksum = Annotated[str, typer.Option("--checksum", help="Tensor digests in the manifest: crc32 (fast) or sha256.")]
+Ranks = Annotated[Optional[str], typer.Option("--ranks", help="Write only these ranks, e.g. 0-3 or 0,2,4.")]
+Force = Annotated[bool, typer.Option("--force", help="Replace an existing output.")]
 MaxPartSize = Annotated[str, typer.Option("--max-part-size", help="Engine export: largest part file per rank, e.g. 5GiB, 500MB, 1048576.")]
 
 
@@ -187,9 +190,7 @@ def split(
     tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = 1, moe_dense_tp: MoeDenseTp = None,
     pp: Pp = None, pp_layers: PpLayers = None, engine: EngineOpt = None,
     pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False, workers: Workers = None,
-    checksum: Annotated[str, typer.Option("--checksum", help="Tensor digests in the manifest: crc32 (fast) or sha256.")] = "crc32",
-    ranks: Annotated[Optional[str], typer.Option("--ranks", help="Write only these ranks, e.g. 0-3 or 0,2,4.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    checksum: Checksum = "crc32", ranks: Ranks = None, force: Force = False,
     format: EngineFormat = None, max_part_size: MaxPartSize = "5GiB",
     json: Json = False,
 ) -> None:  # fmt: skip
@@ -252,9 +253,7 @@ def reshard(
     tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = 1, moe_dense_tp: MoeDenseTp = None,
     pp: Pp = None, pp_layers: PpLayers = None, engine: EngineOpt = None,
     pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False, workers: Workers = None,
-    checksum: Annotated[str, typer.Option("--checksum", help="Tensor digests in the manifest: crc32 (fast) or sha256.")] = "crc32",
-    ranks: Annotated[Optional[str], typer.Option("--ranks", help="Write only these ranks, e.g. 0-3 or 0,2,4.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    checksum: Checksum = "crc32", ranks: Ranks = None, force: Force = False,
     json: Json = False,
 ) -> None:  # fmt: skip
     """Write the split for another topology from an existing output, without the source checkpoint.
@@ -458,7 +457,7 @@ def _verify_torchrun(options: str) -> None:
 def merge(
     parts: Annotated[list[Path], typer.Argument(help="Outputs of `split --ranks` for different ranks of one split.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Merged output folder.")],
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    force: Force = False,
 ) -> None:
     """Join outputs written for different ranks (split --ranks on several nodes) into one."""
     from tpshard.merge import merge as do_merge
