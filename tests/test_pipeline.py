@@ -17,6 +17,7 @@ import torch
 
 import tpshard
 from checkpoints import make_checkpoint
+from pipeline_tools import cli, held_stages
 from tpshard.checkpoint import open_checkpoint
 from tpshard.errors import OutputError, TpshardError
 from tpshard.manifest import MANIFEST_NAME, encode_manifest, rank_dir, read_manifest
@@ -50,22 +51,6 @@ def llama7_pp2(llama7, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("llama7pp2") / "out"
     tpshard.split(llama7, out, Topology(tp=2, pp_layers=(3, 4)))
     return out
-
-
-def cli(capsys, monkeypatch, *args) -> tuple[int, str, str]:
-    """The tpshard command in this process: (exit code, stdout, stderr); a traceback fails the test."""
-    from tpshard.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["tpshard", *map(str, args)])
-    capsys.readouterr()  # what came before (a fixture saving a checkpoint) is not the command's
-    with pytest.raises(SystemExit) as stop:
-        main()
-    captured = capsys.readouterr()
-    return stop.value.code, captured.out, captured.err
-
-
-def held_stages(plan, t) -> set[int]:
-    return {r // plan.topology.tp for c in t.cuts for r in plan.files[c.file].ranks}
 
 
 def expected_stages(name: str, counts: tuple[int, ...], lm_head_everywhere: bool) -> set[int]:

@@ -23,6 +23,7 @@ from safetensors import safe_open
 
 import tpshard
 from checkpoints import make_checkpoint
+from pipeline_tools import cli, held_stages
 from tpshard.checkpoint import open_checkpoint
 from tpshard.digest import Crc32, file_digest
 from tpshard.errors import TopologyError, TpshardError
@@ -32,25 +33,6 @@ from tpshard.export.manifest import EXPORT_MANIFEST_NAME, ExportFile, ExportTens
 from tpshard.manifest import MANIFEST_NAME, encode_manifest, read_manifest
 from tpshard.plan import file_header
 from tpshard.topology import Topology
-
-
-
-def cli(capsys, monkeypatch, *args) -> tuple[int, str, str]:
-    """The tpshard command in this process: (exit code, stdout, stderr); a traceback fails the test."""
-    import sys
-
-    from tpshard.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["tpshard", *map(str, args)])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as stop:
-        main()
-    captured = capsys.readouterr()
-    return stop.value.code, captured.out, captured.err
-
-
-def held_stages(plan, t) -> set[int]:
-    return {r // plan.topology.tp for c in t.cuts for r in plan.files[c.file].ranks}
 
 
 def partition(layers: int, pp: int, engine: str) -> tuple[int, ...]:

@@ -22,6 +22,7 @@ import pytest
 import tpshard
 from broken import overwrite_tensor, rewrite_checksums
 from checkpoints import make_checkpoint
+from pipeline_tools import cli
 from tpshard.errors import TpshardError
 from tpshard.manifest import rank_dir, read_manifest
 from tpshard.topology import Topology
@@ -49,20 +50,6 @@ def deepseek(tmp_path_factory) -> Path:
     from moe_configs import add_mtp_layer, make_moe_checkpoint
 
     return add_mtp_layer(make_moe_checkpoint(tmp_path_factory.mktemp("dsv3") / "model", "deepseek_v3", max_shard_size="100KB"))
-
-
-def cli(capsys, monkeypatch, *args) -> tuple[int, str, str]:
-    """The tpshard command in this process: (exit code, stdout, stderr)."""
-    import sys
-
-    from tpshard.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["tpshard", *map(str, args)])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as stop:
-        main()
-    captured = capsys.readouterr()
-    return stop.value.code, captured.out, captured.err
 
 
 def copy(good: Path, dst: Path) -> Path:
