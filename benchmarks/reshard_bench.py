@@ -35,22 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import make_checkpoint  # noqa: E402
-from split_bench import dir_bytes, drop, measure, warm  # noqa: E402
-
-
-def prepare(work: Path, layers: int, tp: int, reuse: bool) -> tuple[Path, Path]:
-    ckpt = work / f"ckpt-{layers}l"
-    if not (reuse and make_checkpoint.is_complete(ckpt, layers)):
-        shutil.rmtree(ckpt, ignore_errors=True)
-        make_checkpoint.make_checkpoint(ckpt, layers=layers, quiet=True)
-    out = work / f"out-{layers}l-tp{tp}"
-    if not (reuse and (out / "tpshard-manifest.json").is_file()):
-        shutil.rmtree(out, ignore_errors=True)
-        sample = measure([sys.executable, "-m", "tpshard", "split", str(ckpt), "-o", str(out), "--tp", str(tp)])
-        if not sample.ok:
-            raise SystemExit(f"split failed: {sample.error}")
-    return ckpt, out
+from split_bench import dir_bytes, drop, measure, prepare, warm  # noqa: E402
 
 
 def cases(ckpt: Path, out: Path, dest: Path, to: list[str]) -> dict[str, list[str]]:

@@ -321,6 +321,22 @@ class Tpshard:
     notes: list[str] = field(default_factory=list)
 
 
+def prepare(work: Path, layers: int, tp: int, reuse: bool) -> tuple[Path, Path]:
+    """A Llama-shaped checkpoint of `layers` layers under `work` and its tpshard split for `tp`
+    (kept with `reuse`): what export_bench and reshard_bench start from."""
+    ckpt = work / f"ckpt-{layers}l"
+    if not (reuse and make_checkpoint.is_complete(ckpt, layers)):
+        shutil.rmtree(ckpt, ignore_errors=True)
+        make_checkpoint.make_checkpoint(ckpt, layers=layers, quiet=True)
+    out = work / f"out-{layers}l-tp{tp}"
+    if not (reuse and (out / "tpshard-manifest.json").is_file()):
+        shutil.rmtree(out, ignore_errors=True)
+        sample = measure([sys.executable, "-m", "tpshard", "split", str(ckpt), "-o", str(out), "--tp", str(tp)])
+        if not sample.ok:
+            raise SystemExit(f"split failed: {sample.error}")
+    return ckpt, out
+
+
 def _runs_ok(cmd: list[str]) -> tuple[bool, str]:
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=str(REPO), timeout=120)
