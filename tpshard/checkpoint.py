@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 
 from tpshard.errors import CheckpointError
-from tpshard.inputs import check_config, check_inside, check_plain_name
+from tpshard.inputs import check_inside, check_plain_name, read_config
 from tpshard.manifest import ModelInfo
 from tpshard.safetensors_format import HeaderError, TensorInfo, read_header
 
@@ -51,15 +51,9 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint folder")
-    config_path = path / "config.json"
-    if not config_path.is_file():
+    if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json; tpshard needs a Hugging Face checkpoint folder")
-    check_inside(config_path, path)
-    try:
-        config = json.loads(config_path.read_text())
-    except (ValueError, RecursionError) as e:
-        raise CheckpointError(f"{config_path}: not valid JSON ({str(e)[:100]})") from None
-    check_config(config, str(config_path))
+    config = read_config(path)
 
     index_path = path / INDEX_NAME
     if index_path.is_file():

@@ -13,6 +13,7 @@ is tpshard.completeness.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import NamedTuple
@@ -118,6 +119,18 @@ def check_config(config: object, where: str, fields: list[Field] | None = None) 
         raise CheckpointError(f"{where}: num_key_value_heads {kv} does not divide num_attention_heads {heads}")
     if get("head_dim") is None and get("hidden_size") % heads:
         raise CheckpointError(f"{where}: hidden_size {get('hidden_size')} is not a multiple of num_attention_heads {heads}, and head_dim is not given")
+
+
+def read_config(folder: Path) -> dict:
+    """`folder`/config.json, checked: inside the folder, JSON, and its fields (check_config)."""
+    path = folder / "config.json"
+    check_inside(path, folder)
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({str(e)[:100]})") from None
+    check_config(config, str(path))
+    return config
 
 
 def check_plain_name(name: object, where: str) -> str:
