@@ -446,6 +446,28 @@ def plain_name(name: str) -> bool:
     return bool(name) and "/" not in name and "\\" not in name and "\0" not in name and not name.startswith(".")
 
 
+def _check_cuts(t: TensorPlan, size: int, nfiles: int) -> str | None:
+    """What is wrong with a tensor's shape, dim or cuts (the text after its name), or None."""
+    for d in t.shape:  # zero dims count as one: no dim may hide a huge product
+        size *= max(d, 1)
+        if size > MAX_BYTES:
+            return f".shape: {list(t.shape)} is more than {MAX_BYTES} bytes"
+    if t.dim is not None and t.dim >= len(t.shape):
+        return f".dim: {t.dim} but the shape {list(t.shape)} has {len(t.shape)} dims"
+    full = t.shape[t.dim] if t.dim is not None else 0
+    row = size // max(full, 1)  # bytes per index along the cut dim
+    for j, c in enumerate(t.cuts):
+        if c.file >= nfiles:
+            return f".cuts[{j}]: file index {c.file} but there are {nfiles} files"
+        if c.group_rank >= t.group_size:
+            return f".cuts[{j}]: group rank {c.group_rank} of a group of {t.group_size}"
+        if t.dim is not None and (c.start + c.length > full or (c.length + c.pad) * row > MAX_BYTES):
+            return f".cuts[{j}]: [{c.start}, +{c.length}) + {c.pad} padding does not fit dim {t.dim} of size {full}"
+        if c.value is not None and len(c.value) > 64:
+            return f".cuts[{j}]: a value of {len(c.value)} numbers"
+    return None
+
+
 def validate(m: Manifest) -> str | None:
     """Cross-field facts the schema cannot say (docs/format.md); the first failure, naming its field."""
     from tpshard.safetensors_format import DTYPE_SIZE
@@ -473,36 +495,33 @@ def validate(m: Manifest) -> str | None:
     for i, e in enumerate(m.source.extra_files):
         if not e.name or "/" in e.name or "\\" in e.name or "\0" in e.name or e.name in (".", "..") or e.name == MANIFEST_NAME:
             return f"source.extra_files[{i}].name: {e.name!r} is not a plain file name"
-    per_file = [0] * len(m.files)
     nfiles = len(m.files)
+    # The cuts' checks depend on a tensor's dtype, shape, dim, group size and cuts, which most tensors
+    # share with many others (every layer, every expert): each distinct one is checked once, and
+    # counted for the per-file tensor counts.
+    kinds: dict[tuple, int] = {}
     for i, t in enumerate(m.tensors):
         size = DTYPE_SIZE.get(t.dtype)
         if size is None:
             return f"tensors[{i}] ({t.name}).dtype: {t.dtype!r} is not a safetensors dtype tpshard writes"
-        for d in t.shape:  # zero dims count as one: no dim may hide a huge product
-            size *= max(d, 1)
-            if size > MAX_BYTES:
-                return f"tensors[{i}] ({t.name}).shape: {list(t.shape)} is more than {MAX_BYTES} bytes"
         if t.source == t.name:
             return f"tensors[{i}] ({t.name}).source: equal to the name (recorded only where they differ)"
-        if t.dim is not None and t.dim >= len(t.shape):
-            return f"tensors[{i}] ({t.name}).dim: {t.dim} but the shape {list(t.shape)} has {len(t.shape)} dims"
         if t.ep_slot is not None and t.ep_slot >= m.topology.ep:
             return f"tensors[{i}] ({t.name}).ep_slot: {t.ep_slot} but --ep is {m.topology.ep}"
         if t.expert is not None and t.expert >= m.model.num_experts:
             return f"tensors[{i}] ({t.name}).expert: {t.expert} but the model has {m.model.num_experts} routed experts"
-        full = t.shape[t.dim] if t.dim is not None else 0
-        row = size // max(full, 1)  # bytes per index along the cut dim
-        for j, c in enumerate(t.cuts):
-            if c.file >= nfiles:
-                return f"tensors[{i}] ({t.name}).cuts[{j}]: file index {c.file} but there are {nfiles} files"
-            per_file[c.file] += 1
-            if c.group_rank >= t.group_size:
-                return f"tensors[{i}] ({t.name}).cuts[{j}]: group rank {c.group_rank} of a group of {t.group_size}"
-            if t.dim is not None and (c.start + c.length > full or (c.length + c.pad) * row > MAX_BYTES):
-                return f"tensors[{i}] ({t.name}).cuts[{j}]: [{c.start}, +{c.length}) + {c.pad} padding does not fit dim {t.dim} of size {full}"
-            if c.value is not None and len(c.value) > 64:
-                return f"tensors[{i}] ({t.name}).cuts[{j}]: a value of {len(c.value)} numbers"
+        key = (t.dtype, t.shape, t.dim, t.group_size, t.cuts)
+        if key in kinds:
+            kinds[key] += 1
+            continue
+        problem = _check_cuts(t, size, nfiles)
+        if problem:
+            return f"tensors[{i}] ({t.name}){problem}"
+        kinds[key] = 1
+    per_file = [0] * nfiles
+    for (_, _, _, _, cuts), count in kinds.items():
+        for c in cuts:
+            per_file[c.file] += count
     for i, f in enumerate(m.files):
         if f.digests and len(f.digests) != per_file[i]:
             return f"files[{i}].digests: {len(f.digests)} digests for the {per_file[i]} tensors of {f.name}"
