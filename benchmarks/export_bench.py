@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -33,7 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from split_bench import dir_bytes, drop, measure, prepare, warm  # noqa: E402
+from split_bench import dir_bytes, drop, measure, prepare, summary, warm  # noqa: E402
 
 
 def cases(out: Path, dest: Path, fmt: str) -> dict[str, list[str]]:
@@ -58,20 +57,6 @@ def run(out: Path, work: Path, fmt: str, runs: int) -> dict[str, list]:
             print(f"  round {r + 1} {name}: {s.total_s:.2f} s, cpu {s.cpu_s:.2f} s, maxrss {s.maxrss_mib:.0f} MiB, load {s.loadavg:.1f}", file=sys.stderr)
     drop(dest)
     return samples
-
-
-def summary(samples: dict[str, list]) -> list[dict]:
-    med = lambda xs: statistics.median(xs)  # noqa: E731
-    cp = med([s.total_s for s in samples["cp"]])
-    rows = []
-    for name, ss in samples.items():
-        t = med([s.total_s for s in ss])
-        rows.append({
-            "case": name, "time_s": round(t, 2), "cpu_s": round(med([s.cpu_s for s in ss]), 2), "x_cp": round(t / cp, 2),
-            "maxrss_mib": round(med([s.maxrss_mib for s in ss])), "anon_mib": round(med([s.anon_mib for s in ss])),
-            "out_gib": round(ss[0].out_gib or 0, 2), "loadavg": round(med([s.loadavg for s in ss]), 1),
-        })  # fmt: skip
-    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

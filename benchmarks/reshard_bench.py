@@ -27,7 +27,6 @@ import filecmp
 import json
 import shlex
 import shutil
-import statistics
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -35,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from split_bench import dir_bytes, drop, measure, prepare, warm  # noqa: E402
+from split_bench import dir_bytes, drop, measure, prepare, summary, warm  # noqa: E402
 
 
 def cases(ckpt: Path, out: Path, dest: Path, to: list[str]) -> dict[str, list[str]]:
@@ -81,20 +80,6 @@ def run(ckpt: Path, out: Path, work: Path, to: list[str], runs: int) -> tuple[di
     drop(dest)
     drop(ref)
     return samples, bool(same)
-
-
-def summary(samples: dict[str, list]) -> list[dict]:
-    med = statistics.median
-    cp = med([s.total_s for s in samples["cp"]])
-    rows = []
-    for name, ss in samples.items():
-        t = med([s.total_s for s in ss])
-        rows.append({
-            "case": name, "time_s": round(t, 2), "cpu_s": round(med([s.cpu_s for s in ss]), 2), "x_cp": round(t / cp, 2),
-            "maxrss_mib": round(med([s.maxrss_mib for s in ss])), "anon_mib": round(med([s.anon_mib for s in ss])),
-            "out_gib": round(ss[0].out_gib or 0, 2), "loadavg": round(med([s.loadavg for s in ss]), 1),
-        })  # fmt: skip
-    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

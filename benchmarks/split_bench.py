@@ -337,6 +337,21 @@ def prepare(work: Path, layers: int, tp: int, reuse: bool) -> tuple[Path, Path]:
     return ckpt, out
 
 
+def summary(samples: dict[str, list]) -> list[dict]:
+    """Medians per case of measure() samples, x `cp` (the case named "cp"): export_bench, reshard_bench."""
+    med = statistics.median
+    cp = med([s.total_s for s in samples["cp"]])
+    rows = []
+    for name, ss in samples.items():
+        t = med([s.total_s for s in ss])
+        rows.append({
+            "case": name, "time_s": round(t, 2), "cpu_s": round(med([s.cpu_s for s in ss]), 2), "x_cp": round(t / cp, 2),
+            "maxrss_mib": round(med([s.maxrss_mib for s in ss])), "anon_mib": round(med([s.anon_mib for s in ss])),
+            "out_gib": round(ss[0].out_gib or 0, 2), "loadavg": round(med([s.loadavg for s in ss]), 1),
+        })  # fmt: skip
+    return rows
+
+
 def _runs_ok(cmd: list[str]) -> tuple[bool, str]:
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=str(REPO), timeout=120)
