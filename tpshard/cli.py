@@ -231,16 +231,23 @@ def split(
         "out": str(out), "ranks": list(manifest.written_ranks), "files": len(manifest.written_files),
         "bytes_read": total, "bytes_written": written, "seconds": round(seconds, 3),
     }  # fmt: skip
+    _report_written(manifest, summary, json, (
+        f"[green]split[/] {model} -> {out}: {len(manifest.written_ranks)} ranks, {len(manifest.written_files)} files,"
+        f" read {human_bytes(total)}, wrote {human_bytes(written)} in {seconds:.2f} s"
+    ))  # fmt: skip
+
+
+def _report_written(manifest, summary: dict, json: bool, headline: str) -> None:
+    """split and reshard: the summary as JSON, or the headline, the plan's warnings and, with
+    pipeline stages, how the server must be started."""
     if json:
         _emit_json(summary)
         return
-    err.print(
-        f"[green]split[/] {model} -> {out}: {len(manifest.written_ranks)} ranks, {len(manifest.written_files)} files,"
-        f" read {human_bytes(total)}, wrote {human_bytes(written)} in {seconds:.2f} s"
-    )
+    err.print(headline)
     for w in manifest.plan.warnings:
         err.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
-    if manifest.plan.topology.pp > 1:
+    topology = manifest.plan.topology
+    if topology.pp > 1:
         from tpshard.stages import launch_hint
 
         err.print(launch_hint(topology.placed_for, topology.pp_layers), markup=False, soft_wrap=True)
@@ -274,15 +281,10 @@ def reshard(
     seconds = time.perf_counter() - start
     written = sum(f.size for f in manifest.written_files)
     summary = {"from": str(old), "out": str(out), "ranks": list(manifest.written_ranks), "files": len(manifest.written_files), "bytes_written": written, "seconds": round(seconds, 3)}
-    if json:
-        _emit_json(summary)
-        return
-    err.print(
+    _report_written(manifest, summary, json, (
         f"[green]resharded[/] {escape(str(old))} ({src.manifest.topology.describe()}) -> {escape(str(out))} ({topology.describe()}):"
         f" {len(manifest.written_ranks)} ranks, {len(manifest.written_files)} files, wrote {human_bytes(written)} in {seconds:.2f} s"
-    )
-    for w in manifest.plan.warnings:
-        err.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
+    ))  # fmt: skip
 
 
 @app.command()
