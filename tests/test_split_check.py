@@ -128,11 +128,13 @@ def test_output_is_identical_whatever_the_worker_count(llama, tmp_path):
 def test_output_is_identical_whatever_the_copy_jobs(llama, tmp_path, monkeypatch, small, run_tensors, short_writes):
     """Small tensors are copied in runs (one read, one gathering write per output file); the bytes
     are those of a copy tensor by tensor, whatever the run length, also when the kernel writes
-    only part of a gathering write."""
+    only part of a gathering write. Source crc32s combined from the shards' (COMBINE_BYTES 1) equal
+    those computed over the source bytes."""
     import tpshard.writer as writer
 
     a = split(llama, tmp_path / "a", tp=8, attn_dp=2)
     monkeypatch.setattr(writer, "SMALL_BYTES", small)
+    monkeypatch.setattr(writer, "COMBINE_BYTES", 1)
     monkeypatch.setattr(writer, "RUN_TENSORS", run_tensors)
     if short_writes:
         real = os.pwritev
@@ -159,7 +161,7 @@ def test_a_failed_split_leaves_nothing(llama, tmp_path, monkeypatch):
     def boom(*args):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(tpshard.writer, "_copy_tensor", boom)
+    monkeypatch.setattr(tpshard.writer, "_copy_small", boom)
     with pytest.raises(RuntimeError):
         split(llama, tmp_path / "out", tp=2)
     assert list(tmp_path.iterdir()) == []

@@ -678,7 +678,7 @@ def reassemble(ckpt: Checkpoint, located: dict[str, list[Place]], report: CheckR
 
 def _read_value(path: Path, offset: int, spec: ShardSpec) -> list[int]:
     """The content of a value spec as written (to compare with `spec.value`)."""
-    n = len(value_bytes(spec))
+    n = len(value_bytes(spec.dtype, spec.value))
     with open(path, "rb") as fh:
         fh.seek(offset)
         raw = fh.read(n)

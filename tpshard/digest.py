@@ -24,6 +24,11 @@ def new_hash(algorithm: str):
     return Crc32() if algorithm == "crc32" else hashlib.new(algorithm)
 
 
+def tensor_digest(algorithm: str, data) -> bytes:
+    """The digest of one tensor's bytes, in one call (no hash object: ~460k of them at DeepSeek-V3 scale)."""
+    return zlib.crc32(data).to_bytes(4, "big") if algorithm == "crc32" else hashlib.new(algorithm, data).digest()
+
+
 class Crc32:
     """crc32 with hashlib's update/digest interface."""
 

@@ -100,9 +100,27 @@ def cut_pieces(
 VALUE_DTYPES = {"I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1", "U16": "<u2", "U32": "<u4", "U64": "<u8"}
 
 
-def value_bytes(spec: ShardSpec) -> np.ndarray:
-    """The bytes of a spec whose content is given (`spec.value`, e.g. CT weight_shape), not read."""
-    return np.asarray(spec.value, dtype=VALUE_DTYPES[spec.dtype]).reshape(-1).view(np.uint8)
+def value_bytes(dtype: str, value: tuple[int, ...]) -> np.ndarray:
+    """The bytes of a shard whose content is given (`Cut.value`, e.g. CT weight_shape), not read."""
+    return np.asarray(value, dtype=VALUE_DTYPES[dtype]).reshape(-1).view(np.uint8)
+
+
+def shard_bytes(data: np.ndarray, shape: tuple[int, ...], dim: int | None, cut) -> np.ndarray:
+    """One shard's bytes, padding included, from its source tensor's bytes in memory: what
+    cut_pieces yields for it, in one array (a view of `data` when the cut is a contiguous run).
+    `cut` has start, length and pad (a Cut or a ShardSpec)."""
+    if dim is None or not len(data):
+        return data
+    shape = shape or (1,)
+    outer, rows = math.prod(shape[:dim]), shape[dim]
+    inner = len(data) // (outer * rows)
+    if outer == 1:
+        piece = data[cut.start * inner : (cut.start + cut.length) * inner]
+        return np.concatenate((piece, np.zeros(cut.pad * inner, np.uint8))) if cut.pad else piece
+    piece = np.empty((outer, cut.length + cut.pad, inner), np.uint8)
+    piece[:, : cut.length] = data.reshape(outer, rows, inner)[:, cut.start : cut.start + cut.length]
+    piece[:, cut.length :] = 0
+    return piece.reshape(-1)
 
 
 def read_into(fd: int, buf: np.ndarray, offset: int, n: int) -> np.ndarray:
