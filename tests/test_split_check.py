@@ -386,3 +386,27 @@ def test_source_checksums_do_not_depend_on_how_the_split_read_the_source(llama, 
         expected[name] = file_digest(read_header_bytes(llama / name), [zlib.crc32(data[b:e]).to_bytes(4, "big") for b, e in spans])
     m = tpshard.split(llama, tmp_path / "out", Topology(**topo), Options(checksum=checksum), ranks=ranks)
     assert {f.name: f.checksum for f in m.source_files if f.name in expected} == expected
+
+
+def test_check_plan_finds_a_broken_tensor_whose_kind_another_layer_passed(llama):
+    """check_plan checks a tensor record (names aside) once when it is clean: the last layer's
+    k_proj with two group ranks swapped, otherwise the first layer's twin, is still found, by name;
+    a tensor listed twice too."""
+    import msgspec
+
+    from tpshard.check import CheckReport, check_plan
+    from tpshard.checkpoint import open_checkpoint
+    from tpshard.plan import make_plan
+
+    plan = make_plan(open_checkpoint(llama), Topology(tp=4))
+    report = CheckReport(out_dir="", source=None)
+    check_plan(plan, report)
+    assert report.ok, report.problems
+    a, b = [s for s in plan.shards if s.name == "model.layers.1.self_attn.k_proj.weight"][:2]
+    swapped = {id(a): msgspec.structs.replace(a, group_rank=b.group_rank), id(b): msgspec.structs.replace(b, group_rank=a.group_rank)}
+    report = CheckReport(out_dir="", source=None)
+    check_plan(plan.with_shards(swapped.get(id(s), s) for s in plan.shards), report)
+    assert report.problems and {p.message.split(" ")[0] for p in report.problems} == {a.name}, report.problems
+    report = CheckReport(out_dir="", source=None)
+    check_plan(msgspec.structs.replace(plan, tensors=plan.tensors + plan.tensors[-1:]), report)
+    assert [p.message for p in report.problems] == [f"{plan.tensors[-1].name}: listed more than once in the manifest"]

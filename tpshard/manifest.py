@@ -289,6 +289,15 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
             self.__dict__["_members"] = members
         return self.__dict__["_members"]
 
+    def index_entries(self, index: int) -> list[tuple[str, str]]:
+        """(tensor name, file name) of each tensor of file `index`, sorted by name, built once: each
+        rank's model.safetensors.index.json merges its files' lists."""
+        cache = self.__dict__.setdefault("_index_entries", {})
+        if index not in cache:
+            name = self.files[index].name
+            cache[index] = sorted((t.name, name) for t, _ in self.file_members()[index])
+        return cache[index]
+
     def specs_by_file(self) -> dict[str, list[ShardSpec]]:
         """File name -> its tensors' specs, in data order (the files' order)."""
         if "_by_file" not in self.__dict__:

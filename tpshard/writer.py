@@ -18,6 +18,7 @@ manifest is complete, and an old output stays whole until the new one replaces i
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -148,7 +149,7 @@ RUN_TENSORS = 4096  # small tensors copied together: one read, and one write per
 SMALL_BYTES = 1 << 20  # tensors under this are copied in runs; also the least shard sync_file_range is worth
 
 
-def _jobs(order: list[tuple[str, TensorInfo]]) -> list[tuple[bool, list[tuple[str, TensorInfo]]]]:
+def copy_jobs(order: list[tuple[str, TensorInfo]]) -> list[tuple[bool, list[tuple[str, TensorInfo]]]]:
     """The copy's pool tasks, as (run, tensors).
 
     Large tensors go first, largest first (one left for the end would keep a worker busy while the
@@ -318,7 +319,7 @@ def write_plan(
                 return done
 
             with ThreadPoolExecutor(max(1, workers)) as pool:
-                source_digests = dict(d for ds in pool.map(job, _jobs(list(ckpt.tensors.items()))) for d in ds)
+                source_digests = dict(d for ds in pool.map(job, copy_jobs(list(ckpt.tensors.items()))) for d in ds)
                 # On disk before the manifest says the output is complete.
                 list(pool.map(os.fsync, fds.values()))
     finally:
@@ -468,13 +469,12 @@ def link_or_copy(src: Path, dst: Path) -> None:
 def rank_index_bytes(plan: Plan, rank: int) -> bytes:
     """The model.safetensors.index.json of rank `rank`, byte for byte (check compares it so):
     json.dumps(indent=2), which msgspec writes alike for names that need no escape, ~10x faster."""
-    weight_map, total = {}, 0
-    members = plan.file_members()
-    for i, f in enumerate(plan.files):
-        if rank in f.ranks:
-            total += f.size - len(plan.layout(f.name)[0])  # the data follows the header, without gaps
-            weight_map.update(dict.fromkeys([t.name for t, _ in members[i]], f.name))
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    held = [i for i, f in enumerate(plan.files) if rank in f.ranks]
+    # the data follows each header, without gaps
+    total = sum(plan.files[i].size - len(plan.layout(plan.files[i].name)[0]) for i in held)
+    # One sorted run per file (a rank holds one piece of each tensor): sorted() merges the runs.
+    weight_map = dict(sorted(itertools.chain.from_iterable(plan.index_entries(i) for i in held)))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     if plain_json("".join(weight_map)):
         return msgspec.json.format(msgspec.json.encode(index), indent=2) + b"\n"
     return (json.dumps(index, indent=2) + "\n").encode()

@@ -21,13 +21,14 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tpshard.check import CheckReport, check_source_sizes, hash_range, reassemble
+from tpshard.check import CheckReport, check_source_sizes, range_digests, reassemble
 from tpshard.checkpoint import open_checkpoint
 from tpshard.digest import file_digest, sha256_file
 from tpshard.errors import TpshardError
 from tpshard.export.layout import PART_GLOBS, config_tied, export_layout, parse_part_name, partition_env, stage_problems
 from tpshard.export.manifest import ExportFile, ExportManifest, read_export_manifest
 from tpshard.export.writer import constant_bytes
+from tpshard.manifest import shard_shape
 from tpshard.plan import file_header, make_plan
 from tpshard.safetensors_format import nbytes_of
 from tpshard.writer import default_workers
@@ -99,11 +100,9 @@ def _check_files(folder: Path, m: ExportManifest, report: CheckReport, workers: 
         with open(path, "rb") as fh:
             if fh.read(len(header)) != header:
                 return [("files", f"{f.name}: safetensors header differs from the manifest's names, dtypes and shapes")]
-            digests = []
-            for t, offset in zip(f.tensors, offsets):
-                n = nbytes_of(t.dtype, t.shape)
-                d = hash_range(fh.fileno(), offset, n, algorithm)
-                digests.append(d)
+            sizes = [nbytes_of(t.dtype, t.shape) for t in f.tensors]
+            digests = list(range_digests(fh.fileno(), offsets, sizes, algorithm))
+            for t, offset, n, d in zip(f.tensors, offsets, sizes, digests):
                 if d.hex() != t.digest:
                     found.append(("checksum", f"{f.name}: tensor {t.name} does not match its {algorithm} in the manifest"))
                 if t.value is not None:
@@ -146,14 +145,14 @@ def _check_against_source(folder: Path, m: ExportManifest, source: Path, report:
     if any(p.check == "rules" for p in report.problems):
         return
 
-    spec_of = {(s.name, s.group_rank): s for s in plan.shards}
+    cut_of = {(t.name, c.group_rank): (t, c) for t in plan.tensors for c in t.cuts}
     located: dict[str, list] = defaultdict(list)
     for f in m.files:
         _, offsets = file_header([(t.name, t.dtype, t.shape) for t in f.tensors])
         for t, offset in zip(f.tensors, offsets):
             at = offset
             for name, group_rank in t.parts:
-                spec = spec_of[(name, group_rank)]
-                located[spec.source].append((spec, folder / f.name, at, f" [{f.name}]"))
-                at += nbytes_of(spec.dtype, spec.shape)
-    reassemble(ckpt, located, report, workers)
+                tensor, cut = cut_of[(name, group_rank)]
+                located[tensor.source or tensor.name].append((tensor, cut, folder / f.name, at, f" [{f.name}]"))
+                at += nbytes_of(tensor.dtype, shard_shape(tensor, cut))
+    reassemble(ckpt, plan, located, report, workers)
