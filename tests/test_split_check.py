@@ -410,3 +410,16 @@ def test_check_plan_finds_a_broken_tensor_whose_kind_another_layer_passed(llama)
     report = CheckReport(out_dir="", source=None)
     check_plan(msgspec.structs.replace(plan, tensors=plan.tensors + plan.tensors[-1:]), report)
     assert [p.message for p in report.problems] == [f"{plan.tensors[-1].name}: listed more than once in the manifest"]
+
+
+def test_crc32_combine_equals_crc32_of_the_concatenation():
+    """The writer derives a source tensor's crc32 from its shards' (tpshard.digest.crc32_combine)."""
+    import random
+    import zlib
+
+    from tpshard.digest import crc32_combine
+
+    rng = random.Random(0)
+    for n in [0, 1, 2, 7, 8, 255, 256, 4096, *[rng.randrange(1, 100_000) for _ in range(20)]]:
+        a, b = rng.randbytes(rng.randrange(0, 300)), rng.randbytes(n)
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b), n
