@@ -43,6 +43,32 @@ def test_manifest_is_compact_and_round_trips(good):
         assert m.plan.rank_shards(r) == [s for s in m.plan.shards if r in s.ranks]
 
 
+def test_encoding_splices_cuts_only_where_the_keys_are(good):
+    """encode_manifest splices each tensor's cuts and the tensors array into msgspec's encoding by
+    their keys: names and paths that spell those keys must come back unchanged, and the JSON is the
+    whole manifest as plain data (cuts trimmed of trailing defaults)."""
+    import msgspec
+
+    from tpshard.manifest import decode_manifest, encode_manifest
+
+    m = read_manifest(good)
+    odd = '"cuts":[]"tensors":[]\\'
+    tensors = tuple(msgspec.structs.replace(t, name=t.name + odd) if i % 3 == 0 else t for i, t in enumerate(m.tensors))
+    m = msgspec.structs.replace(m, tensors=tensors, source=msgspec.structs.replace(m.source, path=m.source.path + odd))
+    raw = encode_manifest(m)
+    assert decode_manifest(raw, "test") == m
+    data = json.loads(json.dumps(msgspec.to_builtins(m)))
+
+    def trim(cut: list) -> list:  # [group_rank, start, length, pad, file] + trailing non-defaults
+        while len(cut) > 5 and cut[-1] == [0, 0, 0, None][len(cut) - 6]:
+            cut = cut[:-1]
+        return cut
+
+    for t in data["tensors"]:
+        t["cuts"] = [trim(c) for c in t["cuts"]]
+    assert json.loads(raw) == data
+
+
 def craft(good: Path, tmp_path: Path, edit) -> Path:
     out = tmp_path / "crafted"
     shutil.copytree(good, out, symlinks=True)

@@ -394,15 +394,21 @@ _DEFAULT_TAIL = [0, 0, 0, None]
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
-    """Compact JSON, keys sorted, defaults left out (trailing ones of each cut array too)."""
-    data = msgspec.to_builtins(manifest)
-    trimmed: dict[int, list] = {}  # make_plan shares one cuts tuple between the tensors of a kind
-    for t, d in zip(manifest.tensors, data["tensors"]):
-        cuts = trimmed.get(id(t.cuts))
+    """Compact JSON, keys sorted, defaults left out (trailing ones of each cut array too).
+
+    Each tensor is encoded from its struct with its cuts spliced in, each distinct cuts tuple
+    encoded once (make_plan shares one between the tensors of a kind): no tree of Python dicts for
+    ~90k tensors. The splices are safe: inside strings JSON escapes every quote, so `"cuts":[]`
+    and `"tensors":[]` occur only as the keys themselves."""
+    cuts_json: dict[int, bytes] = {}
+    tensors = []
+    for t in manifest.tensors:
+        cuts = cuts_json.get(id(t.cuts))
         if cuts is None:
-            cuts = trimmed[id(t.cuts)] = [_trim(c) for c in d["cuts"]]
-        d["cuts"] = cuts
-    return _encoder.encode(data) + b"\n"
+            cuts = cuts_json[id(t.cuts)] = b'"cuts":' + _encoder.encode([_trim(msgspec.to_builtins(c)) for c in t.cuts])
+        tensors.append(_encoder.encode(msgspec.structs.replace(t, cuts=())).replace(b'"cuts":[]', cuts, 1))
+    head, _, tail = _encoder.encode(msgspec.structs.replace(manifest, tensors=())).partition(b'"tensors":[]')
+    return b"".join([head, b'"tensors":[', b",".join(tensors), b"]", tail, b"\n"])
 
 
 def _trim(cut) -> list:
