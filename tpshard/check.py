@@ -103,11 +103,15 @@ def check(
         raise UsageError("--source and --from: give one (--from when the source is gone)")
     if pp is not None or pp_layers is not None:
         check_pipeline_request(manifest.plan, pp, pp_layers, report)
-    check_output(out, manifest, report, workers)
     if source is not None:
         ckpt = open_checkpoint(source)
+        expected = _rules_plan(ckpt, manifest)
+        if isinstance(expected, Plan):
+            manifest.plan.share_layouts(expected)
+    check_output(out, manifest, report, workers)
+    if source is not None:
         check_extras_against_source(ckpt, manifest, report)
-        if _check_rules(ckpt, manifest, report):
+        if _check_rules(ckpt, manifest, report, expected):
             _reassemble(out, ckpt, manifest, report, workers)
     elif from_output is not None:
         _check_from_output(out, Path(from_output), manifest, report, workers)
@@ -585,13 +589,21 @@ def check_source_sizes(ckpt: Checkpoint, recorded, report: CheckReport, done: st
             report.add("rules", f"source {name}: {actual} bytes, the split read {sizes.get(name)}: not the checkpoint that was {done}")
 
 
-def _check_rules(ckpt: Checkpoint, manifest: Manifest, report: CheckReport) -> bool:
-    """The manifest is what the rules give for this source (check 1, against the source)."""
-    check_source_sizes(ckpt, manifest.source.files, report, "split")
+def _rules_plan(ckpt: Checkpoint, manifest: Manifest) -> Plan | TpshardError:
+    """The plan the rules give for this source and the manifest's topology and options, or why not."""
     try:
-        expected = make_plan(ckpt, manifest.plan.topology, manifest.plan.options)
+        return make_plan(ckpt, manifest.plan.topology, manifest.plan.options)
     except TpshardError as e:
-        report.add("rules", f"the rules refuse this source: {e}")
+        return e
+
+
+def _check_rules(ckpt: Checkpoint, manifest: Manifest, report: CheckReport, expected: Plan | TpshardError | None = None) -> bool:
+    """The manifest is what the rules give for this source (check 1, against the source);
+    `expected`: _rules_plan's answer, when the caller has it already."""
+    check_source_sizes(ckpt, manifest.source.files, report, "split")
+    expected = _rules_plan(ckpt, manifest) if expected is None else expected
+    if isinstance(expected, TpshardError):
+        report.add("rules", f"the rules refuse this source: {expected}")
         return False
     layout = [(f.name, f.ranks, f.size) for f in manifest.files]
     if layout != [(f.name, f.ranks, f.size) for f in expected.files]:

@@ -317,6 +317,12 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
             layouts[file] = file_header([(t.name, t.dtype, shard_shape(t, c)) for t, c in self.file_members()[index]])
         return layouts[file]
 
+    def share_layouts(self, other: Plan) -> None:
+        """Take the headers `other` has built when it holds the same tensors in files of the same
+        names (check --source: the rules' plan built them all to size the files)."""
+        if other.tensors == self.tensors and [f.name for f in other.files] == [f.name for f in self.files]:
+            self.__dict__.setdefault("_layouts", {}).update(other.__dict__.get("_layouts", {}))
+
     def with_shards(self, specs: Iterable[ShardSpec]) -> Plan:
         """This plan with its tensors rebuilt from `specs` (files kept): for tests that break a plan."""
         return msgspec.structs.replace(self, tensors=pack_tensors(specs, self.files))

@@ -42,7 +42,7 @@ from tpshard.checkpoint import Checkpoint
 from tpshard.digest import new_hash
 from tpshard.errors import OutputError, TpshardError
 from tpshard.inputs import read_config
-from tpshard.manifest import Manifest, ShardSpec, Source, SourceFile, rank_dir, read_manifest
+from tpshard.manifest import Manifest, ShardSpec, Source, SourceFile, rank_dir, read_manifest, shard_shape
 from tpshard.pieces import CHUNK_BYTES, read_into, scratch
 from tpshard.safetensors_format import TensorInfo, nbytes_of
 
@@ -244,27 +244,27 @@ class OutputReader:
         """Hash every tensor of the first copies that no tensor() call read (duplicates, padding-only
         cuts, planned values, tied copies, tensors no new rank needed): then every byte of the old
         output has been compared with its manifest."""
-        from tpshard.check import hash_range
+        from tpshard.check import range_digests
 
         plan = self.manifest.plan
         digests = {f.name: f.digests for f in self.manifest.files}
-        todo = []
-        specs_by_file = plan.specs_by_file()
-        for fname, held in self.copies.items():
-            path = held[0][0]
-            for i, (s, offset) in enumerate(zip(specs_by_file[fname], plan.layout(fname)[1])):
-                if (path, i) not in self.read:
-                    todo.append((path, offset, nbytes_of(s.dtype, s.shape), digests[fname][i], f"{fname} of ranks {held[0][1]}", s.name))
+        index_of = {f.name: i for i, f in enumerate(plan.files)}
 
-        def one(item) -> None:
-            path, offset, n, want, where, name = item
-            if hash_range(self._fd(path), offset, n, self.algorithm).hex() != want:
-                raise OutputError(f"{self.out}: {where}: tensor {name} does not match its {self.algorithm} in the manifest")
+        def one(item: tuple[str, list]) -> None:
+            fname, held = item
+            path = held[0][0]
+            members = plan.file_members()[index_of[fname]]
+            offsets = plan.layout(fname)[1]
+            todo = [k for k in range(len(members)) if (path, k) not in self.read]
+            sizes = [nbytes_of(members[k][0].dtype, shard_shape(*members[k])) for k in todo]
+            for k, got in zip(todo, range_digests(self._fd(path), [offsets[k] for k in todo], sizes, self.algorithm)):
+                if got.hex() != digests[fname][k]:
+                    raise OutputError(f"{self.out}: {fname} of ranks {held[0][1]}: tensor {members[k][0].name} does not match its {self.algorithm} in the manifest")
 
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(one, todo))
+            list(pool.map(one, self.copies.items()))
 
     def __enter__(self) -> OutputReader:
         return self
