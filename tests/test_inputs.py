@@ -41,6 +41,8 @@ def test_a_valid_header_reads(tmp_path):
         (GOOD, bytes(12), 200_000_000, "over the 100000000 bytes"),
         (GOOD, bytes(12), 10_000, "does not fit the file"),
         (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}', bytes(8), None, "appears twice"),
+        (b'{"__metadata__": {}, "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "__metadata__": {}}', bytes(8), None, "appears twice"),
+        (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "data_offsets": [0, 8]}}', bytes(8), None, "appears twice"),
         (b"\xff\xfe", b"", None, "not UTF-8 JSON"),
         (b"[1, 2]", b"", None, "not a JSON object"),
         (b'"a"', b"", None, "not a JSON object"),
