@@ -4,6 +4,7 @@ OutputError naming the file and the tensor; verify=False is the documented opt-o
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -108,3 +109,136 @@ def test_truncated_file_and_link_out_of_the_output_are_refused(out, tmp_path):
     path.unlink()
     path.symlink_to(outside)
     refused(out, 1, files[(1,)], "plain file")
+
+
+# ---- one rank's records: read_rank_records decodes only what places the rank's bytes ----
+
+
+def _manifest_only(plan, tmp_path):
+    """An output folder holding only a manifest of `plan` (every rank written), each file with one
+    made-up digest per tensor: the rank records need no tensor data."""
+    import msgspec
+
+    from tpshard.manifest import MANIFEST_NAME, Manifest, Source, encode_manifest
+
+    counts = {f.name: len(specs) for f, specs in zip(plan.files, plan.specs_by_file().values())}
+    files = tuple(
+        msgspec.structs.replace(f, checksum="0" * 64, digests=tuple(f"{i:08x}" for i in range(counts[f.name])))
+        for f in plan.files
+    )
+    m = Manifest.of(plan, tool_version="test", source=Source(path="model", files=()), written_ranks=tuple(range(plan.topology.world_size)), files=files)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / MANIFEST_NAME).write_bytes(encode_manifest(m))
+    return out
+
+
+LAYOUTS = [
+    ("llama", dict(tp=4, attn_dp=2)),
+    ("llama", dict(tp=8)),  # kv heads replicated over 4 ranks each
+    ("llama", dict(tp=2, pp_layers=(1, 1))),
+    ("qwen2_tied", dict(tp=2, pp_layers=(1, 1))),  # the last stage's own lm_head, cut from the embedding
+    ("deepseek_v3", dict(tp=4, ep=2)),
+    ("deepseek_fp8", dict(tp=2)),  # block-quantized: scales cut along with their weights
+]
+
+
+@pytest.mark.parametrize("fixture,topology", LAYOUTS, ids=[f"{f}-{'-'.join(f'{k}{v}' for k, v in t.items())}" for f, t in LAYOUTS])
+def test_rank_records_are_the_plans_files(request, tmp_path, fixture, topology):
+    """Every rank's files, tensors in data order and digests from read_rank_records equal those of the
+    whole plan (Plan.specs_by_file), and so do the headers laid out from them."""
+    from tpshard.manifest import read_rank_records
+    from tpshard.plan import file_header, make_plan
+
+    plan = make_plan(tpshard.open_checkpoint(request.getfixturevalue(fixture)), Topology(**topology))
+    out = _manifest_only(plan, tmp_path)
+    full = read_manifest(out)
+    by_file = full.plan.specs_by_file()
+    for rank in range(plan.topology.world_size):
+        records = read_rank_records(out, rank)
+        assert records.written_ranks == full.written_ranks and records.checksum == full.options.checksum
+        assert [f.record for f in records.files] == [f for f in full.files if rank in f.ranks]
+        for f in records.files:
+            specs = by_file[f.record.name]
+            assert f.members == [(s.name, s.dtype, s.shape) for s in specs]
+            assert file_header(f.members) == spec_layout(specs)
+
+
+def test_rank_records_decode_the_manifests_fields_as_the_manifest_does():
+    """The rank records' schema is a subset of the manifest's, field for field (types and defaults),
+    the cuts and digests aside (JSON text, decoded as Cut and str when used)."""
+    import msgspec
+
+    from tpshard.manifest import Manifest, OutputFile, TensorPlan, _FileRecord, _RankManifest, _TensorRecord
+
+    for part, whole in ((_TensorRecord, TensorPlan), (_FileRecord, OutputFile), (_RankManifest, Manifest)):
+        fields = {f.name: f for f in msgspec.structs.fields(whole)}
+        for f in msgspec.structs.fields(part):
+            if f.name in ("cuts", "digests", "format", "version", "tensors", "files"):
+                continue  # raw text; the envelope is compared with the constants; records above
+            assert (f.type, f.default) == (fields[f.name].type, fields[f.name].default), f"{part.__name__}.{f.name}"
+
+
+def _edit(out, edit):
+    from tpshard.manifest import MANIFEST_NAME
+
+    data = json.loads((out / MANIFEST_NAME).read_bytes())
+    edit(data)
+    (out / MANIFEST_NAME).write_text(json.dumps(data))
+
+
+def _rank_cut(data, held_by):
+    """A tensor and one of its cuts whose file only the ranks `held_by` hold."""
+    index = next(i for i, f in enumerate(data["files"]) if f["ranks"] == held_by)
+    return next((t, c) for t in data["tensors"] for c in t["cuts"] if c[4] == index)
+
+
+def test_tampered_rank_records_are_refused_by_that_rank_only(out):
+    """A cut of rank 1's own file made one row longer in the manifest: rank 1 refuses it (its planned
+    header is no longer the file's), every other rank reads as before."""
+    import gc
+
+    def longer(data):
+        t, c = _rank_cut(data, [1])
+        t["shape"][t["dim"]] += 1  # a cut tensor (a file of one rank holds no whole copy), one row longer
+        c[2] += 1  # and the cut one row longer: the rank's shape changes, no other rank's
+
+    _edit(out, longer)
+    refused(out, 1, "rank 1")
+    assert gc.isenabled()  # load_rank pauses the collector and restores it, refusing or not
+    for rank in (0, 2, 3):
+        lazy, eager = loaders(out, rank)
+        assert lazy.keys() == eager.keys() and lazy
+
+
+def test_tampered_digest_and_moved_cut_are_refused(out):
+    files = _single_rank_files(out)
+
+    def digest(data):
+        f = next(f for f in data["files"] if f["ranks"] == [2])
+        f["digests"][3] = "00000000" if f["digests"][3] != "00000000" else "00000001"
+
+    _edit(out, digest)
+    refused(out, 2, files[(2,)], "does not match its crc32")
+
+    def moved(data):  # a tensor of rank 3's file recorded in rank 0's, a digest moved along
+        _, c = _rank_cut(data, [3])
+        to, of = (next(f for f in data["files"] if f["ranks"] == [r]) for r in (0, 3))
+        c[4] = data["files"].index(to)
+        to["digests"].append(of["digests"].pop())
+
+    _edit(out, moved)
+    refused(out, 0, "rank 0", files[(0,)])
+    refused(out, 3, "rank 3", files[(3,)])
+
+
+@pytest.mark.parametrize("bad,needle", [
+    (["x", 1], "$.files["),  # a digest that is not a string
+    ("abc", "$.files["),
+])  # fmt: skip
+def test_rank_files_digests_are_decoded_against_the_schema(out, bad, needle):
+    def edit(data):
+        next(f for f in data["files"] if f["ranks"] == [0])["digests"] = bad
+
+    _edit(out, edit)
+    refused(out, 0, "not a valid tpshard manifest", needle, ".digests")

@@ -431,6 +431,44 @@ class _Envelope(msgspec.Struct):
     version: Any = None
 
 
+def _refuse_envelope(data: bytes, where: str, format: Any = None, version: Any = None, decoded: bool = False) -> None:
+    """An OutputError if the document is not JSON, not a tpshard manifest or of another version.
+    `decoded`: format and version are those of a document that decoded; else they are read here."""
+    from tpshard.errors import OutputError
+
+    if not decoded:
+        try:
+            envelope = msgspec.json.decode(data, type=_Envelope)
+        except msgspec.DecodeError as e:
+            raise OutputError(f"{where}: not a tpshard manifest ({e})") from None
+        format, version = envelope.format, envelope.version
+    if format != MANIFEST_FORMAT:
+        raise OutputError(f"{where}: format {format!r} is not {MANIFEST_FORMAT!r}; not a tpshard split manifest")
+    if version != MANIFEST_VERSION:
+        older = isinstance(version, int) and version < MANIFEST_VERSION
+        raise OutputError(
+            f"{where}: manifest version {version!r}, this tpshard reads version {MANIFEST_VERSION}"
+            + ("; written by an older tpshard, re-run tpshard split" if older else "; written by a newer tpshard, upgrade it")
+        )
+
+
+def _decode(decoder: msgspec.json.Decoder, data: bytes, where: str):
+    """`data` decoded against the schema of `decoder`, its format and version first: the JSON is
+    parsed once when it is a manifest of this version (a 90k-tensor manifest is ~30 MB)."""
+    from tpshard.errors import OutputError
+
+    try:
+        decoded = decoder.decode(data)
+    except msgspec.DecodeError as e:  # msgspec names the field: "... - at `$.files[3].size`"
+        _refuse_envelope(data, where)  # a foreign document or another version: say that instead
+        raise OutputError(f"{where}: not a valid tpshard manifest ({e})") from None
+    except Exception as e:  # a __post_init__ refusing a value (Options, Topology)
+        _refuse_envelope(data, where)
+        raise OutputError(f"{where}: not a valid tpshard manifest ({e})") from None
+    _refuse_envelope(data, where, decoded.format, decoded.version, decoded=True)
+    return decoded
+
+
 _decoder = msgspec.json.Decoder(Manifest)
 
 
@@ -438,31 +476,14 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
     """A manifest from JSON bytes, decoded against its schema and validated; OutputError otherwise."""
     from tpshard.errors import OutputError
 
-    try:
-        envelope = msgspec.json.decode(data, type=_Envelope)
-    except msgspec.DecodeError as e:
-        raise OutputError(f"{where}: not a tpshard manifest ({e})") from None
-    if envelope.format != MANIFEST_FORMAT:
-        raise OutputError(f"{where}: format {envelope.format!r} is not {MANIFEST_FORMAT!r}; not a tpshard split manifest")
-    if envelope.version != MANIFEST_VERSION:
-        older = isinstance(envelope.version, int) and envelope.version < MANIFEST_VERSION
-        raise OutputError(
-            f"{where}: manifest version {envelope.version!r}, this tpshard reads version {MANIFEST_VERSION}"
-            + ("; written by an older tpshard, re-run tpshard split" if older else "; written by a newer tpshard, upgrade it")
-        )
-    try:
-        manifest = _decoder.decode(data)
-    except msgspec.DecodeError as e:  # msgspec names the field: "... - at `$.files[3].size`"
-        raise OutputError(f"{where}: not a valid tpshard manifest ({e})") from None
-    except Exception as e:  # a __post_init__ refusing a value (Options, Topology)
-        raise OutputError(f"{where}: not a valid tpshard manifest ({e})") from None
+    manifest = _decode(_decoder, data, where)
     problem = validate(manifest)
     if problem:
         raise OutputError(f"{where}: not a valid tpshard manifest ({problem})")
     return manifest
 
 
-def read_manifest(out_dir: str | Path) -> Manifest:
+def _manifest_bytes(out_dir: str | Path) -> tuple[bytes, str]:
     from tpshard.errors import OutputError
 
     path = Path(out_dir) / MANIFEST_NAME
@@ -473,7 +494,109 @@ def read_manifest(out_dir: str | Path) -> Manifest:
     size = path.stat().st_size
     if size > MAX_MANIFEST_BYTES:
         raise OutputError(f"{path}: {size} bytes, more than any tpshard manifest ({MAX_MANIFEST_BYTES})")
-    return decode_manifest(path.read_bytes(), str(path))
+    return path.read_bytes(), str(path)
+
+
+def read_manifest(out_dir: str | Path) -> Manifest:
+    return decode_manifest(*_manifest_bytes(out_dir))
+
+
+# ---- one rank's records -------------------------------------------------------------------------
+# open_rank / load_rank read one rank of an output whose manifest may describe hundreds of thousands
+# of shards. They decode the fields that place bytes (names, dtypes, shapes, cuts, files, digests)
+# and what validate() checks across fields, never build a ShardSpec, and lay out only the rank's own
+# files. The fields for engines and checks (layer, kind, quantized layout, ...) are check's and
+# verify's: those read the whole manifest. Field for field these are Manifest's (a test holds them so).
+
+
+class _TensorRecord(msgspec.Struct, kw_only=True, gc=False):
+    name: str
+    source: str = ""
+    dtype: str
+    shape: tuple[Count, ...]
+    group: GroupName
+    group_size: Positive = 1
+    dim: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    ep_slot: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    expert: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    cuts: msgspec.Raw  # decoded once per distinct text: tensors of a kind share it
+
+
+class _FileRecord(msgspec.Struct, kw_only=True, gc=False):
+    name: str
+    ranks: tuple[Rank, ...]
+    size: Count
+    checksum: str = ""
+    digests: msgspec.Raw = msgspec.Raw(b"[]")  # decoded for the rank's own files only
+
+
+class _RankManifest(msgspec.Struct, kw_only=True):
+    format: Any = None
+    version: Any = None
+    source: Source
+    topology: Topology
+    options: Options
+    model: ModelInfo
+    written_ranks: tuple[Rank, ...]
+    tensors: tuple[_TensorRecord, ...]
+    files: tuple[_FileRecord, ...]
+
+
+_rank_decoder = msgspec.json.Decoder(_RankManifest)
+_cuts_decoder = msgspec.json.Decoder(tuple[Cut, ...])
+_digests_decoder = msgspec.json.Decoder(tuple[str, ...])
+
+
+class RankFile(msgspec.Struct, frozen=True, gc=False):
+    """One file of a rank: its record (digests included) and its tensors in data order."""
+
+    record: OutputFile
+    members: list[tuple[str, str, tuple[int, ...]]]  # (name, dtype, shape), as the file's header lists them
+
+
+class RankRecords(msgspec.Struct, frozen=True):
+    written_ranks: tuple[int, ...]
+    checksum: str  # the digests' algorithm (Options.checksum)
+    files: list[RankFile]  # the files holding the rank, in manifest order
+
+
+def read_rank_records(out_dir: str | Path, rank: int) -> RankRecords:
+    """Rank `rank`'s files and their tensors, from the manifest of `out_dir`, validated as
+    read_manifest does except for what no byte of the rank depends on (see above); OutputError otherwise."""
+    from tpshard.errors import OutputError
+
+    data, where = _manifest_bytes(out_dir)
+    m = _decode(_rank_decoder, data, where)
+    kinds: list[_CutKind] = []
+    problem = _frame_problem(m) or _tensors_problem(m, raw=True, kind_of=kinds)
+    if problem:
+        raise OutputError(f"{where}: not a valid tpshard manifest ({problem})")
+    held = {i for i, f in enumerate(m.files) if rank in f.ranks}
+    members: dict[int, list] = {i: [] for i in held}
+    for t, kind in zip(m.tensors, kinds):
+        placed = kind.placed
+        if placed is None:  # the kind's shards in the rank's files, worked out once
+            placed = kind.placed = [(members[c.file], shard_shape(t, c)) for c in kind.cuts if c.file in held]
+        for into, shape in placed:
+            into.append((t.name, t.dtype, shape))
+    files = []
+    for i in sorted(held):
+        f = m.files[i]
+        try:
+            digests = _digests_decoder.decode(f.digests)
+        except msgspec.DecodeError as e:
+            raise OutputError(f"{where}: not a valid tpshard manifest ({_located(e, f'$.files[{i}].digests')})") from None
+        if digests and len(digests) != len(members[i]):
+            raise OutputError(f"{where}: not a valid tpshard manifest (files[{i}].digests: {len(digests)} digests for the {len(members[i])} tensors of {f.name})")
+        record = OutputFile(name=f.name, ranks=f.ranks, size=f.size, checksum=f.checksum, digests=digests)
+        files.append(RankFile(record, members[i]))
+    return RankRecords(m.written_ranks, m.options.checksum, files)
+
+
+def _located(e: msgspec.DecodeError, path: str) -> str:
+    """msgspec's message for a part decoded on its own, at `path` as decoding the whole manifest says it."""
+    text = str(e)
+    return text.replace("`$", f"`{path}") if "`$" in text else f"{text} - at `{path}`"
 
 
 def plain_name(name: str) -> bool:
@@ -481,23 +604,23 @@ def plain_name(name: str) -> bool:
     return bool(name) and "/" not in name and "\\" not in name and "\0" not in name and not name.startswith(".")
 
 
-def _check_cuts(t: TensorPlan, size: int, nfiles: int) -> str | None:
+def _check_cuts(shape: tuple[int, ...], dim: int | None, group_size: int, cuts: tuple[Cut, ...], size: int, nfiles: int) -> str | None:
     """What is wrong with a tensor's shape, dim or cuts (the text after its name), or None."""
-    for d in t.shape:  # zero dims count as one: no dim may hide a huge product
+    for d in shape:  # zero dims count as one: no dim may hide a huge product
         size *= max(d, 1)
         if size > MAX_BYTES:
-            return f".shape: {list(t.shape)} is more than {MAX_BYTES} bytes"
-    if t.dim is not None and t.dim >= len(t.shape):
-        return f".dim: {t.dim} but the shape {list(t.shape)} has {len(t.shape)} dims"
-    full = t.shape[t.dim] if t.dim is not None else 0
+            return f".shape: {list(shape)} is more than {MAX_BYTES} bytes"
+    if dim is not None and dim >= len(shape):
+        return f".dim: {dim} but the shape {list(shape)} has {len(shape)} dims"
+    full = shape[dim] if dim is not None else 0
     row = size // max(full, 1)  # bytes per index along the cut dim
-    for j, c in enumerate(t.cuts):
+    for j, c in enumerate(cuts):
         if c.file >= nfiles:
             return f".cuts[{j}]: file index {c.file} but there are {nfiles} files"
-        if c.group_rank >= t.group_size:
-            return f".cuts[{j}]: group rank {c.group_rank} of a group of {t.group_size}"
-        if t.dim is not None and (c.start + c.length > full or (c.length + c.pad) * row > MAX_BYTES):
-            return f".cuts[{j}]: [{c.start}, +{c.length}) + {c.pad} padding does not fit dim {t.dim} of size {full}"
+        if c.group_rank >= group_size:
+            return f".cuts[{j}]: group rank {c.group_rank} of a group of {group_size}"
+        if dim is not None and (c.start + c.length > full or (c.length + c.pad) * row > MAX_BYTES):
+            return f".cuts[{j}]: [{c.start}, +{c.length}) + {c.pad} padding does not fit dim {dim} of size {full}"
         if c.value is not None and len(c.value) > 64:
             return f".cuts[{j}]: a value of {len(c.value)} numbers"
     return None
@@ -505,8 +628,11 @@ def _check_cuts(t: TensorPlan, size: int, nfiles: int) -> str | None:
 
 def validate(m: Manifest) -> str | None:
     """Cross-field facts the schema cannot say (docs/format.md); the first failure, naming its field."""
-    from tpshard.safetensors_format import DTYPE_SIZE
+    return _frame_problem(m) or _tensors_problem(m)
 
+
+def _frame_problem(m: Manifest | _RankManifest) -> str | None:
+    """The topology, written ranks, files and extra files of a manifest (or of its rank records)."""
     world = m.topology.world_size
     if world > MAX_WORLD:
         return f"topology: world size {world} exceeds {MAX_WORLD}"
@@ -530,33 +656,63 @@ def validate(m: Manifest) -> str | None:
     for i, e in enumerate(m.source.extra_files):
         if not e.name or "/" in e.name or "\\" in e.name or "\0" in e.name or e.name in (".", "..") or e.name == MANIFEST_NAME:
             return f"source.extra_files[{i}].name: {e.name!r} is not a plain file name"
+    return None
+
+
+class _CutKind:
+    """The tensors sharing one (dtype, shape, dim, group size, cuts): checked once, counted for the
+    per-file tensor counts, and (rank records) placed in the rank's files once."""
+
+    __slots__ = ("count", "cuts", "placed")
+
+    def __init__(self, cuts: tuple[Cut, ...]):
+        self.count, self.cuts, self.placed = 1, cuts, None
+
+
+def _tensors_problem(m: Manifest | _RankManifest, *, raw: bool = False, kind_of: list | None = None) -> str | None:
+    """The tensors' fields and cuts, and each written file's digest count. `raw`: the cuts are JSON
+    text (rank records), decoded here once per distinct text, and only the files with digests
+    decoded are counted; `kind_of` receives each tensor's _CutKind."""
+    from tpshard.safetensors_format import DTYPE_SIZE
+
     nfiles = len(m.files)
     # The cuts' checks depend on a tensor's dtype, shape, dim, group size and cuts, which most tensors
-    # share with many others (every layer, every expert): each distinct one is checked once, and
-    # counted for the per-file tensor counts.
-    kinds: dict[tuple, int] = {}
+    # share with many others (every layer, every expert): each distinct one is checked once.
+    kinds: dict[tuple, _CutKind] = {}
+    ep, experts = m.topology.ep, m.model.num_experts
     for i, t in enumerate(m.tensors):
         size = DTYPE_SIZE.get(t.dtype)
         if size is None:
             return f"tensors[{i}] ({t.name}).dtype: {t.dtype!r} is not a safetensors dtype tpshard writes"
         if t.source == t.name:
             return f"tensors[{i}] ({t.name}).source: equal to the name (recorded only where they differ)"
-        if t.ep_slot is not None and t.ep_slot >= m.topology.ep:
-            return f"tensors[{i}] ({t.name}).ep_slot: {t.ep_slot} but --ep is {m.topology.ep}"
-        if t.expert is not None and t.expert >= m.model.num_experts:
-            return f"tensors[{i}] ({t.name}).expert: {t.expert} but the model has {m.model.num_experts} routed experts"
-        key = (t.dtype, t.shape, t.dim, t.group_size, t.cuts)
-        if key in kinds:
-            kinds[key] += 1
-            continue
-        problem = _check_cuts(t, size, nfiles)
-        if problem:
-            return f"tensors[{i}] ({t.name}){problem}"
-        kinds[key] = 1
+        if t.ep_slot is not None and t.ep_slot >= ep:
+            return f"tensors[{i}] ({t.name}).ep_slot: {t.ep_slot} but --ep is {ep}"
+        if t.expert is not None and t.expert >= experts:
+            return f"tensors[{i}] ({t.name}).expert: {t.expert} but the model has {experts} routed experts"
+        key = (t.dtype, t.shape, t.dim, t.group_size, bytes(t.cuts) if raw else t.cuts)
+        kind = kinds.get(key)
+        if kind is not None:
+            kind.count += 1
+        else:
+            cuts = t.cuts
+            if raw:
+                try:
+                    cuts = _cuts_decoder.decode(key[-1])
+                except msgspec.DecodeError as e:
+                    return _located(e, f"$.tensors[{i}].cuts")
+            problem = _check_cuts(t.shape, t.dim, t.group_size, cuts, size, nfiles)
+            if problem:
+                return f"tensors[{i}] ({t.name}){problem}"
+            kind = kinds[key] = _CutKind(cuts)
+        if kind_of is not None:
+            kind_of.append(kind)
+    if raw:
+        return None  # the digests of the rank's own files are counted by read_rank_records
     per_file = [0] * nfiles
-    for (_, _, _, _, cuts), count in kinds.items():
-        for c in cuts:
-            per_file[c.file] += count
+    for kind in kinds.values():
+        for c in kind.cuts:
+            per_file[c.file] += kind.count
     for i, f in enumerate(m.files):
         if f.digests and len(f.digests) != per_file[i]:
             return f"files[{i}].digests: {len(f.digests)} digests for the {per_file[i]} tensors of {f.name}"

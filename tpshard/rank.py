@@ -6,21 +6,27 @@ the plan gives (so no tensor is renamed, reordered, reshaped or moved), and ever
 the digest the manifest records (crc32 or sha256, `split --checksum`): another rank's file or a
 flipped byte is an OutputError naming the file and the tensor, never data. `verify=False` skips the
 digests (the size and header are still compared: they cost nothing) for callers that ran
-`tpshard check` on this output already. Only the rank's own records are built from the manifest.
+`tpshard check` on this output already.
+
+Neither builds the whole plan: tpshard.manifest.read_rank_records decodes the fields that place bytes
+and lays out the rank's own files only (a 90,000-tensor manifest is ~30 MB), and the headers are
+laid out when a file is first opened.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from tpshard.digest import new_hash
+from tpshard.digest import tensor_digest
 from tpshard.errors import OutputError
-from tpshard.manifest import Manifest, OutputFile, ShardSpec, rank_dir, read_manifest
-from tpshard.plan import spec_layout
+from tpshard.manifest import RankFile, rank_dir, read_rank_records
+from tpshard.plan import file_header
 from tpshard.safetensors_format import nbytes_of
 
 # safetensors dtype -> torch dtype name, for tensors made from raw file bytes
@@ -32,20 +38,28 @@ _TORCH_DTYPES = {
 
 
 class _RankFile:
-    """One of the rank's files: its specs in data order, offsets, planned header, open descriptor."""
+    """One of the rank's files: its tensors in data order, offsets, planned header, open descriptor."""
 
-    def __init__(self, folder: Path, rank: int, record: OutputFile, specs: list[ShardSpec], manifest: Manifest):
-        self.record, self.specs, self.rank = record, specs, rank
-        self.path = folder / record.name
-        self.header, self.offsets = spec_layout(specs)
-        self.algorithm = manifest.options.checksum
+    def __init__(self, folder: Path, rank: int, file: RankFile, algorithm: str):
+        self.record, self.members, self.rank = file.record, file.members, rank
+        self.path = folder / file.record.name
+        self.algorithm = algorithm
         self.fd = -1
-        if not record.checksum or len(record.digests) != len(specs):
-            raise OutputError(f"rank {rank}: the manifest has no digests for {record.name}")
+        self._layout: tuple[bytes, list[int]] | None = None
+        if not self.record.checksum or len(self.record.digests) != len(self.members):
+            raise OutputError(f"rank {rank}: the manifest has no digests for {self.record.name}")
+
+    @property
+    def layout(self) -> tuple[bytes, list[int]]:
+        """The planned header and each tensor's data offset (laid out when the file is first opened)."""
+        if self._layout is None:
+            self._layout = file_header(self.members)
+        return self._layout
 
     def open(self) -> int:
         """Open the file after checking it is a plain file of the right size with the planned header."""
         where = f"rank {self.rank}: {self.path}"
+        header, offsets = self.layout
         try:
             fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         except FileNotFoundError:
@@ -54,21 +68,22 @@ class _RankFile:
             raise OutputError(f"{where} cannot be opened as a plain file of the output ({e.strerror})") from None
         try:
             st = os.fstat(fd)
-            planned = len(self.header) + sum(nbytes_of(s.dtype, s.shape) for s in self.specs)
+            planned = offsets[-1] + nbytes_of(*self.members[-1][1:]) if self.members else len(header)
             if not stat.S_ISREG(st.st_mode):
                 raise OutputError(f"{where} is not a regular file")
             if st.st_size != self.record.size or planned != self.record.size:
                 raise OutputError(f"{where}: {st.st_size} bytes, the manifest says {self.record.size} and its plan {planned}")
-            head = os.pread(fd, len(self.header), 0)
-            if head != self.header:
-                raise OutputError(f"{where}: {self._header_difference(head)}")
+            head = os.pread(fd, len(header), 0)
+            if head != header:
+                raise OutputError(f"{where}: {self._header_difference(head, header)}")
         except BaseException:
             os.close(fd)
             raise
         self.fd = fd
         return fd
 
-    def _header_difference(self, head: bytes) -> str:
+    @staticmethod
+    def _header_difference(head: bytes, header: bytes) -> str:
         """Which tensor's entry first differs from the plan's (a renamed, reordered or reshaped tensor)."""
         def entries(raw: bytes) -> list:
             try:
@@ -78,25 +93,17 @@ class _RankFile:
             except (ValueError, TypeError, KeyError, AttributeError, IndexError):
                 return []
 
-        got, want = entries(head), entries(self.header)
+        got, want = entries(head), entries(header)
         for i, (w_name, w) in enumerate(want):
             if i >= len(got) or got[i] != (w_name, w):
                 held = f"holds {got[i][0]} {got[i][1]['dtype']}{got[i][1]['shape']}" if i < len(got) else "holds nothing"
                 return f"header differs from the plan at tensor {w_name} (planned {w['dtype']}{w['shape']} at data offset {w['data_offsets'][0]}; the file {held} there)"
         return "header differs from the plan (not the file the manifest describes)"
 
-    def digest_ok(self, i: int, data) -> bool:
-        h = new_hash(self.algorithm)
-        h.update(data)
-        return h.digest().hex() == self.record.digests[i]
-
     def check_digest(self, i: int, data) -> None:
-        if not self.digest_ok(i, data):
-            self.digest_error(i)
-
-    def digest_error(self, i: int):
-        raise OutputError(
-                f"rank {self.rank}: {self.path}: tensor {self.specs[i].name} does not match its {self.algorithm}"
+        if tensor_digest(self.algorithm, data).hex() != self.record.digests[i]:
+            raise OutputError(
+                f"rank {self.rank}: {self.path}: tensor {self.members[i][0]} does not match its {self.algorithm}"
                 " in the manifest (a flipped byte, or another rank's file)"
             )
 
@@ -106,44 +113,52 @@ class _RankFile:
             self.fd = -1
 
 
-def _rank_files(out_dir: Path, manifest: Manifest, rank: int) -> list[_RankFile]:
-    if rank not in manifest.written_ranks:
-        raise OutputError(f"{out_dir}: holds ranks {list(manifest.written_ranks)}, not rank {rank}")
+@contextlib.contextmanager
+def _collector_paused():
+    """The garbage collector off while a rank's records and tensors are built: it tracks tuples and
+    tensors, and ~90k of each made it walk them all again and again; they form no cycle."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _rank_files(out_dir: Path, rank: int) -> list[_RankFile]:
+    records = read_rank_records(out_dir, rank)
+    if rank not in records.written_ranks:
+        raise OutputError(f"{out_dir}: holds ranks {list(records.written_ranks)}, not rank {rank}")
     folder = out_dir / rank_dir(rank)
     if folder.is_symlink() or not folder.is_dir():
         raise OutputError(f"{folder} is missing or not a folder of the output")
-    by_file: dict[str, list[ShardSpec]] = {}
-    for s in manifest.plan.rank_shards(rank):
-        by_file.setdefault(s.file, []).append(s)
-    return [_RankFile(folder, rank, f, by_file.get(f.name, []), manifest) for f in manifest.plan.rank_files(rank)]
+    return [_RankFile(folder, rank, f, records.checksum) for f in records.files]
 
 
 class RankTensors(Mapping[str, "torch.Tensor"]):  # noqa: F821
     """HF tensor name -> this rank's tensor. Lazy: each access reads one tensor from its file
     (and, with verify, checks the file on first use and the tensor's digest on every read)."""
 
-    def __init__(self, out_dir: Path, manifest: Manifest, rank: int, *, verify: bool = True):
-        self.rank, self.manifest, self.verify = rank, manifest, verify
+    def __init__(self, out_dir: Path, rank: int, *, verify: bool = True):
+        self.rank, self.verify = rank, verify
         self.folder = Path(out_dir) / rank_dir(rank)
-        self._files = _rank_files(Path(out_dir), manifest, rank)
-        self._where = {s.name: (f, i) for f in self._files for i, s in enumerate(f.specs)}
+        self._files: list[_RankFile] = []  # for close() when the manifest or the rank is refused
+        with _collector_paused():
+            self._files = _rank_files(Path(out_dir), rank)
+            self._where = {m[0]: (f, i) for f in self._files for i, m in enumerate(f.members)}
 
     def __getitem__(self, name: str):
-        import torch  # only when tensors are read
-
         f, i = self._where[name]
         fd = f.fd if f.fd >= 0 else f.open()
-        s = f.specs[i]
-        n = nbytes_of(s.dtype, s.shape)
+        _, dtype, shape = f.members[i]
+        n, torch_dtype, view = _tensor_kind(dtype, shape)
         data = bytearray(n)
-        if n and os.preadv(fd, [data], f.offsets[i]) != n:
+        if n and os.preadv(fd, [data], f.layout[1][i]) != n:
             raise OutputError(f"rank {self.rank}: {f.path}: tensor {name} is cut short")
         if self.verify:
             f.check_digest(i, data)
-        dtype = getattr(torch, _TORCH_DTYPES[s.dtype])
-        if not n:
-            return torch.empty(s.shape, dtype=dtype)
-        return torch.frombuffer(data, dtype=dtype).reshape(s.shape)
+        return _tensor(data, torch_dtype, view)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
@@ -159,47 +174,60 @@ class RankTensors(Mapping[str, "torch.Tensor"]):  # noqa: F821
         self.close()
 
 
+def _tensor_kind(dtype: str, shape: tuple[int, ...]):
+    """(bytes, torch dtype, view arguments) of a tensor; view None: the flat buffer is the tensor."""
+    import torch  # only when tensors are read
+
+    view = None if len(shape) == 1 else shape if shape else ((),)
+    return nbytes_of(dtype, shape), getattr(torch, _TORCH_DTYPES[dtype]), view
+
+
+def _tensor(data: bytearray, torch_dtype, view):
+    """A tensor that owns `data` (nothing else views it), reinterpreted as `view` of `torch_dtype`."""
+    import torch
+
+    if not data:
+        return torch.empty(view if view is not None else (0,), dtype=torch_dtype)
+    flat = torch.frombuffer(data, dtype=torch_dtype)
+    # view(*ints) parses its arguments about twice as fast as view(tuple): a MoE rank has ~90k tensors
+    return flat if view is None else flat.view(*view)
+
+
 def open_rank(out_dir: str | Path, rank: int, *, verify: bool = True) -> RankTensors:
     """Mapping from HF tensor name to rank `rank`'s tensor, for any rank of a tpshard output.
 
     verify=False skips the per-tensor digests (for outputs `tpshard check` proved already); file
     sizes and headers are compared with the plan either way."""
-    return RankTensors(Path(out_dir), read_manifest(out_dir), rank, verify=verify)
+    return RankTensors(Path(out_dir), rank, verify=verify)
 
 
 def load_rank(out_dir: str | Path, rank: int, *, verify: bool = True) -> dict:
-    """Every tensor of rank `rank`, copied into memory the process owns, from a memory map of each
-    of the rank's files: no slicing, no reading of other ranks' bytes. Verified as open_rank."""
+    """Every tensor of rank `rank`, each in memory of its own, copied from a memory map of each of
+    the rank's files: no slicing, no reading of other ranks' bytes. Verified as open_rank."""
     import mmap
 
-    import torch
-
     tensors = {}
-    for f in _rank_files(Path(out_dir), read_manifest(out_dir), rank):
-        fd = f.open()
-        try:
-            # A copy per tensor from a private map measured fastest here: faster than read() into one
-            # buffer, whose fresh pages fault inside the kernel's copy.
-            with mmap.mmap(fd, 0, access=mmap.ACCESS_COPY) as mm:
-                view = memoryview(mm)
-                try:
-                    for i, (s, offset) in enumerate(zip(f.specs, f.offsets)):
-                        dtype = getattr(torch, _TORCH_DTYPES[s.dtype])
-                        n = nbytes_of(s.dtype, s.shape)
-                        if verify:
-                            piece = view[offset : offset + n]
-                            ok = f.digest_ok(i, piece)
-                            piece.release()  # no view may outlive the map
-                            if not ok:
-                                f.digest_error(i)
-                        t = torch.empty(s.shape, dtype=dtype)
-                        if n:
-                            mapped = torch.frombuffer(mm, dtype=torch.uint8, offset=offset, count=n)
-                            t.reshape(-1).view(torch.uint8).copy_(mapped)  # reshape of a fresh tensor is a view
-                            del mapped  # the map closes only once no tensor views it
-                        tensors[s.name] = t
-                finally:
-                    view.release()
-        finally:
-            f.close()
+    kinds: dict[tuple, tuple] = {}
+    with _collector_paused():
+        for f in _rank_files(Path(out_dir), rank):
+            fd = f.open()
+            try:
+                with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
+                    view = memoryview(mm)
+                    try:
+                        for i, ((name, dtype, shape), offset) in enumerate(zip(f.members, f.layout[1])):
+                            kind = kinds.get((dtype, shape))
+                            if kind is None:
+                                kind = kinds[(dtype, shape)] = _tensor_kind(dtype, shape)
+                            n, torch_dtype, as_view = kind
+                            # One copy per tensor, into a buffer the tensor then owns: fewer torch calls than
+                            # a copy into torch.empty, and torch calls are most of the cost of small tensors.
+                            data = bytearray(view[offset : offset + n])
+                            if verify:
+                                f.check_digest(i, data)
+                            tensors[name] = _tensor(data, torch_dtype, as_view)
+                    finally:
+                        view.release()  # no view may outlive the map
+            finally:
+                f.close()
     return tensors
