@@ -709,27 +709,38 @@ def _layout_files(entries: list[_Entry], options: Options, layouts: dict) -> tup
     Returns the files and, per entry, the file index of each of its cuts; sets each file's
     (header, offsets) in `layouts`. Tensors keep source order inside a file."""
     by_ranks: dict[tuple[int, ...], list[tuple[int, int, str, _KindCut]]] = {}
+    # Each kind's cuts go to the same rank sets: found once per kind (the sets keep the order in
+    # which the tensors first reach them).
+    buckets_of: dict[int, list[tuple[int, _KindCut, list]]] = {}
     for e, entry in enumerate(entries):
-        for j, cut in enumerate(entry.kind.cuts):
-            by_ranks.setdefault(cut.ranks, []).append((e, j, entry.name, cut))
+        buckets = buckets_of.get(id(entry.kind))
+        if buckets is None:
+            buckets = buckets_of[id(entry.kind)] = [(j, cut, by_ranks.setdefault(cut.ranks, [])) for j, cut in enumerate(entry.kind.cuts)]
+        name = entry.name
+        for j, cut, bucket in buckets:
+            bucket.append((e, j, name, cut))
     files: list[OutputFile] = []
     file_of = [[0] * len(entry.kind.cuts) for entry in entries]
     for ranks, members in by_ranks.items():
-        parts: list[list] = [[]]
-        size = 0
-        for member in members:
-            nbytes = member[3].nbytes
-            if parts[-1] and size + nbytes > options.max_file_bytes:
-                parts.append([])
-                size = 0
-            parts[-1].append(member)
-            size += nbytes
+        if sum(member[3].nbytes for member in members) <= options.max_file_bytes:
+            parts = [members]  # what the loop below gives when no part fills up
+        else:
+            parts = [[]]
+            size = 0
+            for member in members:
+                nbytes = member[3].nbytes
+                if parts[-1] and size + nbytes > options.max_file_bytes:
+                    parts.append([])
+                    size = 0
+                parts[-1].append(member)
+                size += nbytes
         for p, part in enumerate(parts):
             suffix = f"-part-{p + 1:05d}-of-{len(parts):05d}" if len(parts) > 1 else ""
             name = f"model-{members[0][3].label}{suffix}.safetensors"
             header, offsets = layouts[name] = file_header([(tensor, cut.dtype, cut.shape) for _, _, tensor, cut in part])
+            index = len(files)
             for e, j, _, _ in part:
-                file_of[e][j] = len(files)
+                file_of[e][j] = index
             # the data ends with the last tensor
             files.append(OutputFile(name=name, ranks=ranks, size=offsets[-1] + part[-1][3].nbytes))
     return files, file_of
@@ -738,15 +749,20 @@ def _layout_files(entries: list[_Entry], options: Options, layouts: dict) -> tup
 def _tensor_plans(entries: list[_Entry], file_of: list[list[int]]) -> tuple[TensorPlan, ...]:
     seen: set[str] = set()
     out = []
+    # A TensorPlan per kind, copied with each tensor's own fields: six times faster than building
+    # each from the kind's fifteen shared ones.
+    templates: dict[int, TensorPlan] = {}
+    replace = msgspec.structs.replace
     for entry, files in zip(entries, file_of):
-        if not entry.kind.cuts:
+        kind = entry.kind
+        if not kind.cuts:
             continue  # a misaligned quantized cut: refused by _QuantLayers.finish
         if entry.name in seen:
             raise PlanError(f"{entry.name}: two tensors of the checkpoint would be written under this name")
         seen.add(entry.name)
+        template = templates.get(id(kind))
+        if template is None:
+            template = templates[id(kind)] = TensorPlan(name="", layer="", cuts=(), **kind.shared)
         source = "" if entry.source == entry.name else entry.source  # recorded only where it differs
-        out.append(TensorPlan(
-            name=entry.name, source=source, layer=entry.layer, expert=entry.expert,
-            cuts=entry.kind.plan_cuts(tuple(files)), **entry.kind.shared,
-        ))  # fmt: skip
+        out.append(replace(template, name=entry.name, source=source, layer=entry.layer, expert=entry.expert, cuts=kind.plan_cuts(tuple(files))))
     return tuple(out)

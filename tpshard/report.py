@@ -44,9 +44,13 @@ def layer_index(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+_LAYER_NUMBER = re.compile(r"\.layers\.\d+\.")
+_EXPERT_NUMBER = re.compile(r"\.experts\.\d+\.")
+
+
 def generic_name(name: str) -> str:
     """model.layers.3.mlp.experts.17.up_proj.weight -> model.layers.N.mlp.experts.E.up_proj.weight"""
-    return re.sub(r"\.experts\.\d+\.", ".experts.E.", re.sub(r"\.layers\.\d+\.", ".layers.N.", name))
+    return _EXPERT_NUMBER.sub(".experts.E.", _LAYER_NUMBER.sub(".layers.N.", name))
 
 
 def kind_rows(plan: Plan) -> list[dict]:
@@ -66,7 +70,7 @@ def kind_rows(plan: Plan) -> list[dict]:
                 source_shape=list(t.shape),
                 rank_shape=list(shard_shape(t, t.cuts[0])),
                 distinct=t.group_size,
-                padding=max(c.pad for t in tensors for c in t.cuts),
+                padding=max(c.pad for cuts in {id(t.cuts): t.cuts for t in tensors}.values() for c in cuts),  # shared cuts once
             )
         )
     return rows
@@ -104,16 +108,27 @@ class _FileTotals:
 
 
 def _file_totals(plan: Plan) -> list[_FileTotals]:
-    """Per output file, summed over the plan's cuts once (a rank is the sum of its files)."""
+    """Per output file, summed over the plan's cuts once per kind of tensor (a rank is the sum of its files)."""
     totals = [_FileTotals() for _ in plan.files]
+    # Tensors of one kind share dtype, shape, dim and cuts (make_plan shares the cuts tuple itself):
+    # counted per kind, their cuts summed once. kind -> [a tensor, tensors, experts' tensors, expert ids]
+    kinds: dict[tuple, list] = {}
     for t in plan.tensors:
+        key = (t.dtype, t.shape, t.dim, id(t.cuts))
+        kind = kinds.get(key)
+        if kind is None:
+            kind = kinds[key] = [t, 0, 0, set()]
+        kind[1] += 1
+        if t.expert is not None:
+            kind[2] += 1
+            kind[3].add(t.expert)
+    for t, count, expert_count, experts in kinds.values():
         for c in t.cuts:
             f, nbytes = totals[c.file], nbytes_of(t.dtype, shard_shape(t, c))
-            f.tensors += 1
-            f.bytes += nbytes
-            if t.expert is not None:
-                f.experts.add(t.expert)
-                f.expert_bytes += nbytes
+            f.tensors += count
+            f.bytes += nbytes * count
+            f.experts |= experts
+            f.expert_bytes += nbytes * expert_count
     return totals
 
 

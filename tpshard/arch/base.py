@@ -115,23 +115,36 @@ class Matcher:
     for a module with its numbers masked is tried first, and layer templates are pre-split."""
 
     def __init__(self, rules: tuple[Rule, ...]):
-        self._rules = [(re.compile(r.module), r, _GROUP_REF.split(r.layer)) for r in rules]
+        self._rules = []
+        for r in rules:
+            pattern = re.compile(r.module)
+            # the layer template as literals and group numbers: "\\1.self_attn.qkv_proj" -> ["", 1, ".self_attn.qkv_proj"]
+            template = [part if j % 2 == 0 else int(part) for j, part in enumerate(_GROUP_REF.split(r.layer))]
+            self._rules.append((pattern, r, template, "expert" in pattern.groupindex))
         self._seen: dict[str, int] = {}
 
     def match(self, module: str) -> tuple[Rule, str, int | None] | None:
         shape = _DIGITS.sub("#", module)
         hint = self._seen.get(shape)
-        order = ([hint] if hint is not None else []) + list(range(len(self._rules)))
-        for i in order:
-            pattern, rule, template = self._rules[i]
-            m = pattern.fullmatch(module)
-            if m:
+        if hint is not None:
+            found = self._try(hint, module)
+            if found is not None:
+                return found
+        for i in range(len(self._rules)):
+            found = self._try(i, module)
+            if found is not None:
                 self._seen[shape] = i
-                # template: literal, group number, literal, ... (from splitting at \N)
-                layer = "".join(part if j % 2 == 0 else m.group(int(part)) for j, part in enumerate(template))
-                expert = m.groupdict().get("expert")
-                return rule, layer, None if expert is None else int(expert)
+                return found
         return None
+
+    def _try(self, i: int, module: str) -> tuple[Rule, str, int | None] | None:
+        pattern, rule, template, has_expert = self._rules[i]
+        m = pattern.fullmatch(module)
+        if m is None:
+            return None
+        layer = "".join([part if part.__class__ is str else m.group(part) for part in template])
+        expert = m.group("expert") if has_expert else None
+        return rule, layer, None if expert is None else int(expert)
 
 
 # ---- fragments --------------------------------------------------------------------------------
