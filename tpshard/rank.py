@@ -147,12 +147,16 @@ class RankTensors(Mapping[str, "torch.Tensor"]):  # noqa: F821
         with _collector_paused():
             self._files = _rank_files(Path(out_dir), rank)
             self._where = {m[0]: (f, i) for f in self._files for i, m in enumerate(f.members)}
+        self._kinds: dict[tuple, tuple] = {}  # (dtype, shape) -> _tensor_kind
 
     def __getitem__(self, name: str):
         f, i = self._where[name]
         fd = f.fd if f.fd >= 0 else f.open()
         _, dtype, shape = f.members[i]
-        n, torch_dtype, view = _tensor_kind(dtype, shape)
+        kind = self._kinds.get((dtype, shape))
+        if kind is None:
+            kind = self._kinds[(dtype, shape)] = _tensor_kind(dtype, shape)
+        n, torch_dtype, view = kind
         data = bytearray(n)
         if n and os.preadv(fd, [data], f.layout[1][i]) != n:
             raise OutputError(f"rank {self.rank}: {f.path}: tensor {name} is cut short")
