@@ -432,6 +432,7 @@ INTERRUPT = """
 import os, signal, sys
 import tpshard.publish as pub, tpshard.writer as writer
 from tpshard.cli import main
+import tpshard.check  # imported on first use, not with the package
 check = sys.modules["tpshard.check"]  # tpshard.check the attribute is the function
 point = sys.argv[1]
 def stop(*args):
