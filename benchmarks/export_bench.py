@@ -32,7 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from split_bench import dir_bytes, drop, measure, prepare, summary, warm  # noqa: E402
+from split_bench import dir_bytes, drop, markdown_table, measure, prepare, summary, warm  # noqa: E402
 
 
 def cases(out: Path, dest: Path, fmt: str) -> dict[str, list[str]]:
@@ -79,10 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = summary(samples)
         result[f"{layers}l"] = {"rows": rows, "samples": {k: [asdict(s) for s in v] for k, v in samples.items()}}
         print(f"\n{layers} layers, tp {args.tp}, --format {args.format}, medians of {len(samples['cp'])}:")
-        print("| case | time s | cpu s | x cp | peak RSS MiB (anon) | written GiB | load avg |")
-        print("|---|---|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['case']} | {r['time_s']} | {r['cpu_s']} | {r['x_cp']} | {r['maxrss_mib']} ({r['anon_mib']}) | {r['out_gib']} | {r['loadavg']} |")
+        print(markdown_table(rows))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     if not args.reuse:

@@ -34,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from split_bench import dir_bytes, drop, measure, prepare, summary, warm  # noqa: E402
+from split_bench import dir_bytes, drop, markdown_table, measure, prepare, summary, warm  # noqa: E402
 
 
 def cases(ckpt: Path, out: Path, dest: Path, to: list[str]) -> dict[str, list[str]]:
@@ -99,10 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     samples, same = run(ckpt, out, args.workdir, to, args.runs)
     rows = summary(samples)
     print(f"\n{args.layers} layers, tp {args.tp} -> {args.to}, medians of {len(samples['cp'])}; reshard byte-identical to split: {same}")
-    print("| case | time s | cpu s | x cp | peak RSS MiB (anon) | written GiB | load avg |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['case']} | {r['time_s']} | {r['cpu_s']} | {r['x_cp']} | {r['maxrss_mib']} ({r['anon_mib']}) | {r['out_gib']} | {r['loadavg']} |")
+    print(markdown_table(rows))
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "identical": same, "samples": {k: [asdict(s) for s in v] for k, v in samples.items()}}, indent=1))
     if not args.reuse:

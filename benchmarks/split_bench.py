@@ -352,6 +352,13 @@ def summary(samples: dict[str, list]) -> list[dict]:
     return rows
 
 
+def markdown_table(rows: list[dict]) -> str:
+    """summary()'s rows as the table docs/performance.md quotes."""
+    lines = ["| case | time s | cpu s | x cp | peak RSS MiB (anon) | written GiB | load avg |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['case']} | {r['time_s']} | {r['cpu_s']} | {r['x_cp']} | {r['maxrss_mib']} ({r['anon_mib']}) | {r['out_gib']} | {r['loadavg']} |" for r in rows]
+    return "\n".join(lines)
+
+
 def _runs_ok(cmd: list[str]) -> tuple[bool, str]:
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=str(REPO), timeout=120)

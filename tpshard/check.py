@@ -427,12 +427,11 @@ def _check_files(
             if st is not None:
                 extras.setdefault((st.st_dev, st.st_ino, extra.name), (folder / extra.name, extra, []))[2].append(r)
 
-    index_of = {f.name: i for i, f in enumerate(plan.files)}
     members = plan.file_members()
 
     def verify(unit: tuple[Path, str, list[int]]) -> list[tuple[str, str]]:
         path, name, ranks = unit
-        layout, rec, tensors = layouts[name], written.get(name), members[index_of[name]]
+        layout, rec, tensors = layouts[name], written.get(name), members[plan.file_index(name)]
         where = f"{name} of ranks {ranks}"
         if rec is None:
             return [("checksum", f"{where}: the manifest has no checksum for it")]

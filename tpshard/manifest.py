@@ -277,6 +277,12 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
     def rank_files(self, rank: int) -> list[OutputFile]:
         return [f for f in self.files if rank in f.ranks]
 
+    def file_index(self, name: str) -> int:
+        """The index in `files` of the file of this name."""
+        if "_file_index" not in self.__dict__:
+            self.__dict__["_file_index"] = {f.name: i for i, f in enumerate(self.files)}
+        return self.__dict__["_file_index"][name]
+
     def file_members(self) -> list[list[tuple[TensorPlan, Cut]]]:
         """Per file (indexing `files`): its tensors' (TensorPlan, Cut), in data order, built once.
         What the writer and check walk instead of ShardSpec views (DeepSeek-V3 at tp 8 has about
@@ -313,8 +319,7 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
 
         layouts = self.__dict__.setdefault("_layouts", {})
         if file not in layouts:
-            index = next(i for i, f in enumerate(self.files) if f.name == file)
-            layouts[file] = file_header([(t.name, t.dtype, shard_shape(t, c)) for t, c in self.file_members()[index]])
+            layouts[file] = file_header([(t.name, t.dtype, shard_shape(t, c)) for t, c in self.file_members()[self.file_index(file)]])
         return layouts[file]
 
     def share_layouts(self, other: Plan) -> None:

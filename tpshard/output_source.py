@@ -28,7 +28,6 @@ manifest was written by the split that read those source files (docs/reshard.md)
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import re
 import threading
@@ -43,7 +42,7 @@ from tpshard.digest import new_hash
 from tpshard.errors import OutputError, TpshardError
 from tpshard.inputs import read_config
 from tpshard.manifest import Manifest, ShardSpec, Source, SourceFile, rank_dir, read_manifest, shard_shape
-from tpshard.pieces import CHUNK_BYTES, read_into, scratch
+from tpshard.pieces import CHUNK_BYTES, cut_geometry, read_into, scratch
 from tpshard.safetensors_format import TensorInfo, nbytes_of
 
 VIRTUAL_FILE = "(tensors reassembled from a tpshard output)"
@@ -248,12 +247,11 @@ class OutputReader:
 
         plan = self.manifest.plan
         digests = {f.name: f.digests for f in self.manifest.files}
-        index_of = {f.name: i for i, f in enumerate(plan.files)}
 
         def one(item: tuple[str, list]) -> None:
             fname, held = item
             path = held[0][0]
-            members = plan.file_members()[index_of[fname]]
+            members = plan.file_members()[plan.file_index(fname)]
             offsets = plan.layout(fname)[1]
             todo = [k for k in range(len(members)) if (path, k) not in self.read]
             sizes = [nbytes_of(members[k][0].dtype, shard_shape(*members[k])) for k in todo]
@@ -327,7 +325,6 @@ class OutputReader:
         cuts = self.cuts.get(name)
         if not cuts:
             raise OutputError(f"{self.out}: {name} is held only as values the plan gives; its bytes cannot be rebuilt")
-        shape = info.shape or (1,)
         dim = cuts[0].spec.dim
         if dim is None:
             self._read(cuts[0], data, 1, 0)
@@ -335,8 +332,7 @@ class OutputReader:
                 if c.digest != cuts[0].digest:
                     raise OutputError(f"{self.out}: {name}: the whole copies in {cuts[0].where} and {c.where} differ")
             return
-        outer, rows = math.prod(shape[:dim]), shape[dim]
-        inner = info.nbytes // (outer * rows) if outer * rows else 0
+        outer, rows, inner = cut_geometry(info.shape, info.nbytes, dim)
         covered = 0
         seen: dict[tuple[int, int], _Cut] = {}
         for c in sorted(cuts, key=lambda c: (c.spec.start, -c.spec.length)):

@@ -34,6 +34,14 @@ def scratch(name: str, n: int) -> np.ndarray:
     return buf[:n]
 
 
+def cut_geometry(shape: tuple[int, ...], nbytes: int, dim: int) -> tuple[int, int, int]:
+    """A tensor seen as [outer, rows, inner bytes] around its cut dim: the product of the dims
+    before it, its size, and the bytes per index of it."""
+    shape = shape or (1,)
+    outer, rows = math.prod(shape[:dim]), shape[dim]
+    return outer, rows, nbytes // (outer * rows) if outer * rows else 0
+
+
 def cut_pieces(
     src_fd: int, info: TensorInfo, specs: list[ShardSpec], source_hash=None, data: np.ndarray | None = None
 ) -> Iterator[tuple[int, int, np.ndarray]]:
@@ -50,9 +58,7 @@ def cut_pieces(
     if len(dims) > 1:
         raise ValueError(f"{info}: specs cut along several dims {sorted(dims)}")
     dim = dims.pop() if dims else 0
-    outer = math.prod(shape[:dim])
-    rows = shape[dim]
-    inner = info.nbytes // (outer * rows)  # bytes per index of the cut dim
+    outer, rows, inner = cut_geometry(shape, info.nbytes, dim)
     row_bytes = rows * inner
     if data is None:
         buf = scratch("read", min(info.nbytes, max(CHUNK_BYTES, row_bytes if outer > 1 else inner)))
@@ -111,9 +117,7 @@ def shard_bytes(data: np.ndarray, shape: tuple[int, ...], dim: int | None, cut) 
     `cut` has start, length and pad (a Cut or a ShardSpec)."""
     if dim is None or not len(data):
         return data
-    shape = shape or (1,)
-    outer, rows = math.prod(shape[:dim]), shape[dim]
-    inner = len(data) // (outer * rows)
+    outer, rows, inner = cut_geometry(shape, len(data), dim)
     if outer == 1:
         piece = data[cut.start * inner : (cut.start + cut.length) * inner]
         return np.concatenate((piece, np.zeros(cut.pad * inner, np.uint8))) if cut.pad else piece
