@@ -13,7 +13,8 @@ Cases (Llama-shaped checkpoints of random bf16 bits, written straight to safeten
 Each command runs in a fresh child process, every case once per round, round-robin; `sync` before
 each, and the `sync` after it is timed and counted (dirty pages the command left behind). The source
 is read once first, so every case starts from a warm page cache. `x cp` divides by the `cp -r` of
-the checkpoint in the same run; `peak RSS` is the child's maxrss (wait4). `load` is
+the checkpoint in the same run; `peak RSS` is the child's maxrss as GNU time reports it (wait4 of
+a child forked from this process would count this process's own peak). `load` is
 `tpshard.open_rank` + reading every tensor, then `tpshard.load_rank`, of rank 0, both verifying
 (the default), timed inside the child after imports. Outputs and checkpoints go under --workdir.
 """
@@ -40,6 +41,7 @@ CASES = {
 }
 FILES = 4
 REPO = Path(__file__).resolve().parent.parent
+TIME = "/usr/bin/time"
 
 
 def tensors(c: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -122,18 +124,21 @@ def run(cmd: list[str], env: dict) -> tuple[float, float, str, float]:
     """(seconds incl. the sync after, peak RSS MiB, stdout, CPU seconds) of one child. CPU time
     (user + system) is the figure to compare when other jobs share the machine."""
     subprocess.run(["sync"], check=True)
+    use_time = os.access(TIME, os.X_OK)
     t = time.perf_counter()
-    with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe:  # files: a full pipe would block the child
-        p = subprocess.Popen(cmd, env=env, stdout=fo, stderr=fe)
+    # files: a full pipe would block the child
+    with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe, tempfile.NamedTemporaryFile("r") as tf:
+        p = subprocess.Popen([TIME, "-f", "%M", "-o", tf.name, *cmd] if use_time else cmd, env=env, stdout=fo, stderr=fe)
         _, status, usage = os.wait4(p.pid, 0)
         p.returncode = os.waitstatus_to_exitcode(status)
         subprocess.run(["sync"], check=True)
         seconds = time.perf_counter() - t
         fo.seek(0), fe.seek(0)
         out, err = fo.read().decode(), fe.read().decode()
+        maxrss_kib = int(tf.read().split()[-1]) if use_time else usage.ru_maxrss
     if p.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{err[-2000:]}")
-    return seconds, usage.ru_maxrss / 1024, out, usage.ru_utime + usage.ru_stime
+    return seconds, maxrss_kib / 1024, out, usage.ru_utime + usage.ru_stime
 
 
 def bench_case(name: str, work: Path, runs: int, tp: int, log) -> dict:
