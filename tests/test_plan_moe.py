@@ -298,3 +298,17 @@ def test_expert_id_beyond_the_config_is_refused():
     ckpt.tensors["model.layers.0.block_sparse_moe.experts.4.w1.weight"] = ckpt.tensors["model.layers.0.block_sparse_moe.experts.3.w1.weight"]
     with pytest.raises(PlanError, match="expert 4, but config.json has 4 routed experts"):
         make_plan(ckpt, Topology(tp=2))
+
+
+def test_quantized_preflight_folds_layers_and_experts(v3_tp8_dp2_ep8):
+    """plan's quantized table has one row per kind of tensor: DeepSeek-V3 has 256 experts a layer,
+    and a row per expert made the table thousands of lines long."""
+    from tpshard.quant.shards import alignment_rows
+
+    rows = alignment_rows(v3_tp8_dp2_ep8)
+    names = [r["tensor"] for r in rows]
+    assert len(names) == len(set(names))
+    assert "model.layers.N.mlp.experts.E.gate_proj.weight_scale_inv" in names
+    assert not [n for n in names if re.search(r"\d", n.replace("fp8", ""))]  # no layer or expert number left
+    experts = next(r for r in rows if r["tensor"] == "model.layers.N.mlp.experts.E.down_proj.weight_scale_inv")
+    assert (experts["format"], experts["step"], experts["atom"]) == ("fp8_block", "block_k", 128)

@@ -147,14 +147,15 @@ def engine_warnings(findings: dict[tuple, list[str]]) -> list[str]:
 
 
 def alignment_rows(plan) -> list[dict]:
-    """Pre-flight table: per quantized tensor (layers folded) the cut, atom and per-rank sizes."""
+    """Pre-flight table: per quantized tensor (layers and experts folded) the cut, atom and per-rank sizes."""
     from tpshard.manifest import shard_shape
+    from tpshard.report import generic_name
 
     rows: dict[str, dict] = {}
     for t in plan.tensors:
         if not t.quant:
             continue
-        generic = re.sub(r"\.layers\.\d+\.", ".layers.N.", t.name)
+        generic = generic_name(t.name)
         padded = any(c.logical_pad or c.pad for c in t.cuts)
         if generic in rows:
             if padded:
