@@ -25,6 +25,7 @@ import msgspec
 import numpy as np
 
 from tpshard.checkpoint import Checkpoint, open_checkpoint
+from tpshard.collector import paused
 from tpshard.digest import file_digest, new_hash, sha256_file, tensor_digest
 from tpshard.errors import TpshardError, UsageError
 from tpshard.manifest import MANIFEST_NAME, Cut, Manifest, Plan, ShardSpec, TensorPlan, rank_dir, read_manifest, shard_shape
@@ -76,6 +77,7 @@ class CheckReport(msgspec.Struct, kw_only=True):
             self.omitted += 1
 
 
+@paused()
 def check(
     out_dir: str | Path, source: str | Path | None = None, *, workers: int | None = None, pp: int | None = None,
     pp_layers: str | None = None, from_output: str | Path | None = None,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 
+from tpshard.collector import paused
 from tpshard.errors import CheckpointError
 from tpshard.inputs import check_inside, check_plain_name, read_config
 from tpshard.manifest import ModelInfo
@@ -47,6 +48,7 @@ def _is_weight_file(name: str) -> bool:
     return name.endswith((".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf"))
 
 
+@paused()
 def open_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
     if not path.is_dir():

@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from tpshard.collector import paused
 from tpshard.topology import GroupName, Topology
 
 MANIFEST_NAME = "tpshard-manifest.json"
@@ -502,6 +503,7 @@ def _manifest_bytes(out_dir: str | Path) -> tuple[bytes, str]:
     return path.read_bytes(), str(path)
 
 
+@paused()
 def read_manifest(out_dir: str | Path) -> Manifest:
     return decode_manifest(*_manifest_bytes(out_dir))
 

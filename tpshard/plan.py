@@ -18,6 +18,7 @@ import msgspec
 from tpshard.arch import SHAPES, Arch, Matcher, Rule, arch_for
 from tpshard.arch.base import DROPPED, VOCAB
 from tpshard.checkpoint import Checkpoint, model_info
+from tpshard.collector import paused
 from tpshard.completeness import check_complete
 from tpshard.errors import PlanError
 from tpshard.manifest import SPEC_DEFAULTS, TENSOR_FIELDS, Cut as ManifestCut, Kind, ModelInfo, Options, OutputFile, Plan, ShardSpec, TensorPlan
@@ -390,6 +391,7 @@ def _dense_kind(
     return kinds[key]
 
 
+@paused()
 def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = None) -> Plan:
     """Every distinct per-rank tensor of the split, and the files that will hold them."""
     options = options or Options()

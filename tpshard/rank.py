@@ -15,14 +15,13 @@ laid out when a file is first opened.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import os
 import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from tpshard.collector import paused
 from tpshard.digest import tensor_digest
 from tpshard.errors import OutputError
 from tpshard.manifest import RankFile, rank_dir, read_rank_records
@@ -113,19 +112,6 @@ class _RankFile:
             self.fd = -1
 
 
-@contextlib.contextmanager
-def _collector_paused():
-    """The garbage collector off while a rank's records and tensors are built: it tracks tuples and
-    tensors, and ~90k of each made it walk them all again and again; they form no cycle."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
-
-
 def _rank_files(out_dir: Path, rank: int) -> list[_RankFile]:
     records = read_rank_records(out_dir, rank)
     if rank not in records.written_ranks:
@@ -144,7 +130,7 @@ class RankTensors(Mapping[str, "torch.Tensor"]):  # noqa: F821
         self.rank, self.verify = rank, verify
         self.folder = Path(out_dir) / rank_dir(rank)
         self._files: list[_RankFile] = []  # for close() when the manifest or the rank is refused
-        with _collector_paused():
+        with paused():
             self._files = _rank_files(Path(out_dir), rank)
             self._where = {m[0]: (f, i) for f in self._files for i, m in enumerate(f.members)}
         self._kinds: dict[tuple, tuple] = {}  # (dtype, shape) -> _tensor_kind
@@ -212,7 +198,7 @@ def load_rank(out_dir: str | Path, rank: int, *, verify: bool = True) -> dict:
 
     tensors = {}
     kinds: dict[tuple, tuple] = {}
-    with _collector_paused():
+    with paused():
         for f in _rank_files(Path(out_dir), rank):
             fd = f.open()
             try:

@@ -31,6 +31,7 @@ import msgspec
 
 from tpshard import __version__
 from tpshard.checkpoint import Checkpoint, open_checkpoint
+from tpshard.collector import paused
 from tpshard.digest import Crc32, crc32_combine, file_digest, new_hash, sha256_file, tensor_digest
 from tpshard.errors import TopologyError, UsageError
 from tpshard.manifest import (
@@ -255,6 +256,7 @@ class _Target:
 _Slot = tuple[TensorPlan, Cut, int, int, int, int]
 
 
+@paused()
 def write_plan(
     ckpt: Checkpoint,
     plan: Plan,
