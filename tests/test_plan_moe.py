@@ -312,3 +312,11 @@ def test_quantized_preflight_folds_layers_and_experts(v3_tp8_dp2_ep8):
     assert not [n for n in names if re.search(r"\d", n.replace("fp8", ""))]  # no layer or expert number left
     experts = next(r for r in rows if r["tensor"] == "model.layers.N.mlp.experts.E.down_proj.weight_scale_inv")
     assert (experts["format"], experts["step"], experts["atom"]) == ("fp8_block", "block_k", 128)
+
+
+def test_missing_quantized_scale_is_refused():
+    ckpt = fm.deepseek_v3(layers=4)
+    del ckpt.tensors["model.layers.3.mlp.experts.5.up_proj.weight_scale_inv"]
+    del ckpt.tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"]
+    with pytest.raises(PlanError, match=r"quantized tensors missing from the checkpoint: model.layers.0.self_attn.o_proj.weight_scale_inv, model.layers.3.mlp.experts.5.up_proj.weight_scale_inv$"):
+        make_plan(ckpt, Topology(tp=8, ep=8))

@@ -122,8 +122,15 @@ class Matcher:
             template = [part if j % 2 == 0 else int(part) for j, part in enumerate(_GROUP_REF.split(r.layer))]
             self._rules.append((pattern, r, template, "expert" in pattern.groupindex))
         self._seen: dict[str, int] = {}
+        self._last: dict[str, tuple[Rule, str, int | None] | None] = {}
 
     def match(self, module: str) -> tuple[Rule, str, int | None] | None:
+        if module in self._last:  # a weight's scale, zeros or bias follow it in the same module
+            return self._last[module]
+        self._last = {module: self._find(module)}
+        return self._last[module]
+
+    def _find(self, module: str) -> tuple[Rule, str, int | None] | None:
         shape = _DIGITS.sub("#", module)
         hint = self._seen.get(shape)
         if hint is not None:
