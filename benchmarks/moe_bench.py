@@ -13,6 +13,11 @@ measures is the per-tensor cost of tpshard: plan, file layout, one read and many
 Cases, each in a fresh child after a sync (split_bench.measure: wall time plus the sync after it,
 GNU time's peak RSS, sampled anonymous RSS): `cp -r` of the checkpoint, `tpshard plan --json`
 (headers only), `tpshard split --tp 8 --attn-dp 2 --ep 8`, and `tpshard check` of that output.
+
+`--real-dims --layers 2` writes DeepSeek-V3's own dims instead (hidden 7168, 128 heads, experts of
+2048, dense MLP 18432, one shared expert) for the first `--layers` layers (one dense, the rest MoE;
+no MTP layer): ~16 GiB for 2 layers in 4 files, tensors of up to 1.8 GiB. Per-tensor cost is then
+hidden behind the bytes, as in the real model; it needs twice that much free disk.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import struct
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,18 +39,38 @@ sys.path.insert(0, str(HERE))
 
 from split_bench import drop, measure, median, warm  # noqa: E402
 
-H, NH, NOPE, ROPE, V_HD, Q_LORA, KV_LORA = 256, 16, 64, 64, 64, 256, 128
-E, I_E, N_SHARED, I_D, VOCAB, LAYERS, DENSE = 256, 128, 8, 1024, 129280, 61, 3
+class Dims(NamedTuple):
+    H: int  # hidden
+    NH: int  # heads
+    NOPE: int
+    ROPE: int
+    V_HD: int
+    Q_LORA: int
+    KV_LORA: int
+    E: int  # routed experts
+    I_E: int  # expert intermediate
+    N_SHARED: int  # shared experts
+    I_D: int  # dense MLP intermediate
+    VOCAB: int
+    LAYERS: int
+    DENSE: int  # first_k_dense_replace
+    MTP: int  # num_nextn_predict_layers
+
+
+SCALED = Dims(256, 16, 64, 64, 64, 256, 128, 256, 128, 8, 1024, 129280, 61, 3, 1)
+REAL = Dims(7168, 128, 128, 64, 128, 1536, 512, 256, 2048, 1, 18432, 129280, 61, 3, 1)  # DeepSeek-V3's config.json
 SIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
+CHUNK = 64 << 20
 
 
-def config() -> dict:
+def config(d: Dims = SCALED) -> dict:
+    H, NH, NOPE, ROPE, V_HD, Q_LORA, KV_LORA, E, I_E, N_SHARED, I_D, VOCAB, LAYERS, DENSE, MTP = d
     return {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": H,
         "num_attention_heads": NH, "num_key_value_heads": NH, "q_lora_rank": Q_LORA, "kv_lora_rank": KV_LORA,
         "qk_nope_head_dim": NOPE, "qk_rope_head_dim": ROPE, "v_head_dim": V_HD, "n_routed_experts": E,
         "moe_intermediate_size": I_E, "n_shared_experts": N_SHARED, "first_k_dense_replace": DENSE,
-        "intermediate_size": I_D, "vocab_size": VOCAB, "num_hidden_layers": LAYERS, "num_nextn_predict_layers": 1,
+        "intermediate_size": I_D, "vocab_size": VOCAB, "num_hidden_layers": LAYERS, "num_nextn_predict_layers": MTP,
         "moe_layer_freq": 1, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
         "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True, "rms_norm_eps": 1e-6,
         "torch_dtype": "bfloat16", "tie_word_embeddings": False,
@@ -52,8 +78,9 @@ def config() -> dict:
     }  # fmt: skip
 
 
-def tensors() -> list[tuple[str, str, tuple[int, ...]]]:
+def tensors(d: Dims = SCALED) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype, shape) of every tensor, layer by layer as DeepSeek-V3's files hold them."""
+    H, NH, NOPE, ROPE, V_HD, Q_LORA, KV_LORA, E, I_E, N_SHARED, I_D, VOCAB, LAYERS, DENSE, MTP = d
     out: list[tuple[str, str, tuple[int, ...]]] = []
 
     def fp8(name: str, n: int, k: int) -> None:
@@ -61,7 +88,7 @@ def tensors() -> list[tuple[str, str, tuple[int, ...]]]:
         out.append((f"{name}.weight_scale_inv", "F32", (-(-n // 128), -(-k // 128))))
 
     out.append(("model.embed_tokens.weight", "BF16", (VOCAB, H)))
-    for i in range(LAYERS + 1):
+    for i in range(LAYERS + MTP):
         p = f"model.layers.{i}"
         out.append((f"{p}.input_layernorm.weight", "BF16", (H,)))
         fp8(f"{p}.self_attn.q_a_proj", Q_LORA, H)
@@ -86,7 +113,7 @@ def tensors() -> list[tuple[str, str, tuple[int, ...]]]:
         fp8(f"{p}.mlp.shared_experts.gate_proj", N_SHARED * I_E, H)
         fp8(f"{p}.mlp.shared_experts.up_proj", N_SHARED * I_E, H)
         fp8(f"{p}.mlp.shared_experts.down_proj", H, N_SHARED * I_E)
-        if i == LAYERS:  # MTP
+        if i >= LAYERS:  # MTP
             out += [
                 (f"{p}.enorm.weight", "BF16", (H,)), (f"{p}.hnorm.weight", "BF16", (H,)),
                 (f"{p}.eh_proj.weight", "BF16", (H, 2 * H)), (f"{p}.shared_head.norm.weight", "BF16", (H,)),
@@ -100,12 +127,12 @@ def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return SIZE[dtype] * int(np.prod(shape, dtype=np.int64))
 
 
-def write_checkpoint(out: Path, files: int = 163) -> int:
+def write_checkpoint(out: Path, files: int = 163, dims: Dims = SCALED) -> int:
     """DeepSeek-V3 ships 163 files; random bytes (finite bf16 / fp32 scales do not matter to a split)."""
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    items = tensors()
+    items = tensors(dims)
     per = -(-len(items) // files)
     rng = np.random.default_rng(0)
     weight_map, total = {}, 0
@@ -124,11 +151,12 @@ def write_checkpoint(out: Path, files: int = 163) -> int:
         raw += b" " * (-len(raw) % 8)
         with open(tmp / name, "wb") as f:
             f.write(struct.pack("<Q", len(raw)) + raw)
-            f.write(rng.integers(0, 0x3F, offset, dtype=np.uint8).tobytes())  # small positive values
+            for at in range(0, offset, CHUNK):  # small positive values, in chunks: memory stays flat
+                f.write(rng.integers(0, 0x3F, min(CHUNK, offset - at), dtype=np.uint8).tobytes())
         weight_map |= {t: name for t, _, _ in group}
         total += offset
     (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    (tmp / "config.json").write_text(json.dumps(config(), indent=1))
+    (tmp / "config.json").write_text(json.dumps(config(dims), indent=1))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return len(items)
@@ -140,11 +168,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "tpshard-moe-bench")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--workers", type=int)
+    ap.add_argument("--real-dims", action="store_true", help="DeepSeek-V3's own dims, for --layers layers")
+    ap.add_argument("--layers", type=int, default=2, help="with --real-dims: decoder layers (the first dense)")
     args = ap.parse_args(argv)
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
-    model = work / "deepseek-v3-shaped"
-    count = write_checkpoint(model)
+    if args.real_dims:
+        model = work / f"deepseek-v3-real-dims-{args.layers}-layers"
+        count = write_checkpoint(model, files=4, dims=REAL._replace(LAYERS=args.layers, DENSE=1, MTP=0))
+    else:
+        model = work / "deepseek-v3-shaped"
+        count = write_checkpoint(model)
     size = sum(f.stat().st_size for f in model.iterdir())
     print(f"checkpoint: {count} tensors, {size / 2**30:.2f} GiB in {model}", file=sys.stderr)
     warm(model)

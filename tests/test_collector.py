@@ -1,0 +1,34 @@
+"""collector.paused: the cyclic collector is off inside and as it was after, also after a refusal."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from tpshard.collector import paused
+from tpshard.errors import CheckpointError
+from tpshard.checkpoint import open_checkpoint
+
+
+def test_paused_restores_the_collector_state():
+    assert gc.isenabled()
+    with paused():
+        assert not gc.isenabled()
+        with paused():  # nested: the outer one turns it back on, not the inner
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with paused():
+            pass
+        assert not gc.isenabled()  # off before: left off
+    finally:
+        gc.enable()
+
+
+def test_a_refusal_inside_a_paused_function_turns_the_collector_back_on(tmp_path):
+    with pytest.raises(CheckpointError):
+        open_checkpoint(tmp_path / "missing")
+    assert gc.isenabled()
