@@ -6,9 +6,9 @@ import gc
 
 import pytest
 
+from tpshard.checkpoint import open_checkpoint
 from tpshard.collector import paused
 from tpshard.errors import CheckpointError
-from tpshard.checkpoint import open_checkpoint
 
 
 def test_paused_restores_the_collector_state():
