@@ -61,9 +61,10 @@ def _decode_unique(text: str) -> object:
     """json.loads with duplicate names refused; a header object's values come back as msgspec.Raw
     (decoded one by one later, into their types: no generic dict or list per entry is built) when
     msgspec read the text. msgspec is ~5x faster than json but keeps the last of duplicate keys: when
-    each entry's one `"dtype"`, `"shape"` and `"data_offsets"` keys (a quote inside a name or a
-    value is escaped, so these texts occur nowhere else) are counted more often than the entries
-    decoded, or the text is not what msgspec reads, json decides and names the fault."""
+    each entry's one `"dtype"`, `"shape"` and `"data_offsets"` keys are counted more often than the
+    entries decoded, or the text is not what msgspec reads, json decides and names the fault. (A
+    quote inside a name is escaped, so these texts occur only as keys and in `__metadata__`, where
+    a count that disagrees only sends a sound header the slower way.)"""
     try:
         header = _RAW_HEADER.decode(text)
     except msgspec.DecodeError:
