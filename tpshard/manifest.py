@@ -296,14 +296,18 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
             self.__dict__["_members"] = members
         return self.__dict__["_members"]
 
-    def index_entries(self, index: int) -> list[tuple[str, str]]:
-        """(tensor name, file name) of each tensor of file `index`, sorted by name, built once: each
-        rank's model.safetensors.index.json merges its files' lists."""
-        cache = self.__dict__.setdefault("_index_entries", {})
-        if index not in cache:
-            name = self.files[index].name
-            cache[index] = sorted((t.name, name) for t, _ in self.file_members()[index])
-        return cache[index]
+    def index_names(self, index: int) -> list[str]:
+        """The names of the tensors of file `index`, sorted; every file's are built at once, by one
+        pass over the tensors: each rank's model.safetensors.index.json merges its files' lists."""
+        if "_index_names" not in self.__dict__:
+            names: list[list[str]] = [[] for _ in self.files]
+            for t in self.tensors:
+                for c in t.cuts:
+                    names[c.file].append(t.name)
+            for file_names in names:
+                file_names.sort()
+            self.__dict__["_index_names"] = names
+        return self.__dict__["_index_names"][index]
 
     def specs_by_file(self) -> dict[str, list[ShardSpec]]:
         """File name -> its tensors' specs, in data order (the files' order)."""

@@ -482,7 +482,8 @@ def rank_index_bytes(plan: Plan, rank: int) -> bytes:
     # the data follows each header, without gaps
     total = sum(plan.files[i].size - len(plan.layout(plan.files[i].name)[0]) for i in held)
     # One sorted run per file (a rank holds one piece of each tensor): sorted() merges the runs.
-    weight_map = dict(sorted(itertools.chain.from_iterable(plan.index_entries(i) for i in held)))
+    pairs = (zip(plan.index_names(i), itertools.repeat(plan.files[i].name)) for i in held)
+    weight_map = dict(sorted(itertools.chain.from_iterable(pairs)))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     if plain_json("".join(weight_map)):
         return msgspec.json.format(msgspec.json.encode(index), indent=2) + b"\n"
