@@ -15,7 +15,7 @@ attention-DP replicas, GQA kv replicas) share one cut and one file.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from functools import cached_property
 from operator import itemgetter
 from pathlib import Path
@@ -410,21 +410,34 @@ _DEFAULT_TAIL = [0, 0, 0, None]
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
-    """Compact JSON, keys sorted, defaults left out (trailing ones of each cut array too).
+    """Compact JSON, keys sorted, defaults left out (trailing ones of each cut array too)."""
+    return b"".join(manifest_pieces(manifest))
+
+
+MANIFEST_BATCH = 4096  # tensors per piece of manifest_pieces
+
+
+def manifest_pieces(manifest: Manifest) -> Iterator[bytes]:
+    """encode_manifest's bytes in pieces, MANIFEST_BATCH tensors each: a writer need not hold them
+    all (at 90k tensors the manifest is ~30 MB, and its tensors' parts as much again).
 
     Each tensor is encoded from its struct with its cuts spliced in, each distinct cuts tuple
     encoded once (make_plan shares one between the tensors of a kind): no tree of Python dicts for
     ~90k tensors. The splices are safe: inside strings JSON escapes every quote, so `"cuts":[]`
     and `"tensors":[]` occur only as the keys themselves."""
-    cuts_json: dict[int, bytes] = {}
-    tensors = []
-    for t in manifest.tensors:
-        cuts = cuts_json.get(id(t.cuts))
-        if cuts is None:
-            cuts = cuts_json[id(t.cuts)] = b'"cuts":' + _encoder.encode([_trim(msgspec.to_builtins(c)) for c in t.cuts])
-        tensors.append(_encoder.encode(msgspec.structs.replace(t, cuts=())).replace(b'"cuts":[]', cuts, 1))
     head, _, tail = _encoder.encode(msgspec.structs.replace(manifest, tensors=())).partition(b'"tensors":[]')
-    return b"".join([head, b'"tensors":[', b",".join(tensors), b"]", tail, b"\n"])
+    yield head + b'"tensors":['
+    cuts_json: dict[int, bytes] = {}
+    tensors = manifest.tensors
+    for start in range(0, len(tensors), MANIFEST_BATCH):
+        pieces = []
+        for t in tensors[start : start + MANIFEST_BATCH]:
+            cuts = cuts_json.get(id(t.cuts))
+            if cuts is None:
+                cuts = cuts_json[id(t.cuts)] = b'"cuts":' + _encoder.encode([_trim(msgspec.to_builtins(c)) for c in t.cuts])
+            pieces.append(_encoder.encode(msgspec.structs.replace(t, cuts=())).replace(b'"cuts":[]', cuts, 1))
+        yield (b"," if start else b"") + b",".join(pieces)
+    yield b"]" + tail + b"\n"
 
 
 def _trim(cut) -> list:

@@ -45,7 +45,7 @@ from tpshard.manifest import (
     Source,
     SourceFile,
     TensorPlan,
-    encode_manifest,
+    manifest_pieces,
     rank_dir,
 )
 from tpshard.pieces import cut_pieces, read_into, scratch, shard_bytes, value_bytes
@@ -359,13 +359,15 @@ def write_plan(
         written_ranks=tuple(selected),
         files=tuple(written.get(f.name, f) for f in plan.files),
     )
-    write_durably(staging / MANIFEST_NAME, encode_manifest(manifest))
+    write_durably(staging / MANIFEST_NAME, manifest_pieces(manifest))
     return manifest
 
 
-def write_durably(path: Path, data: bytes) -> None:
+def write_durably(path: Path, data: bytes | Iterable[bytes]) -> None:
+    """Write `data` (bytes, or its pieces in order) at `path` and fsync it."""
     with open(path, "wb") as f:
-        f.write(data)
+        for piece in [data] if isinstance(data, bytes) else data:
+            f.write(piece)
         f.flush()
         os.fsync(f.fileno())
 
