@@ -159,7 +159,9 @@ class CheckpointReader:
 _NOTHING = TensorInfo(file="", dtype="U8", shape=(0,), begin=0, end=0)
 WRITE_BYTES = 128 << 10
 BATCH_BYTES, BATCH_TENSORS = 8 << 20, 256
-RUN_TENSORS = 4096  # small tensors copied together: one read, and one write per output file
+# Small tensors copied together: one read, and one write per output file. Not more: at 90k tiny
+# tensors and tp 8 runs of 4096 held ~40 MB more of pieces and slots, for no time saved.
+RUN_TENSORS = 1024
 SMALL_BYTES = 1 << 20  # tensors under this are copied in runs; also the least shard sync_file_range is worth
 
 
