@@ -328,12 +328,18 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
         return layouts[file]
 
     def take_layout(self, file: str) -> tuple[bytes, list[int]]:
-        """layout(file), dropped from the cache (built again if asked for): the writer needs each
-        file's once, and make_plan lays out every file (at 90k tensors and tp 8, 50 MB of headers
-        and 17 MB of offsets)."""
+        """layout(file), dropped from the cache (built again if asked for) but for its header_size:
+        the writer needs each file's once, and make_plan lays out every file (at 90k tensors and
+        tp 8, 50 MB of headers and 17 MB of offsets)."""
         layout = self.layout(file)
+        self.__dict__.setdefault("_header_sizes", {})[file] = len(layout[0])
         del self.__dict__["_layouts"][file]
         return layout
+
+    def header_size(self, file: str) -> int:
+        """The length of a file's header: its data follows."""
+        size = self.__dict__.get("_header_sizes", {}).get(file)
+        return len(self.layout(file)[0]) if size is None else size
 
     def share_layouts(self, other: Plan) -> None:
         """Take the headers `other` has built when it holds the same tensors in files of the same

@@ -320,8 +320,6 @@ def write_plan(
     written_files = [i for i, f in enumerate(plan.files) if chosen & set(f.ranks)]
     for r in selected:
         (staging / rank_dir(r)).mkdir()
-        # Now, while the plan holds make_plan's headers: their lengths size each rank's data.
-        (staging / rank_dir(r) / "model.safetensors.index.json").write_bytes(rank_index_bytes(plan, r))
 
     # Every output file laid out from the plan: header now, data by pwrite later.
     fds: dict[int, int] = {}
@@ -336,6 +334,8 @@ def write_plan(
             checksums[i], offsets[i] = _write_header(plan, i, fds[i])
             digests[i] = digest_slots(algorithm, len(offsets[i]))
         release_freed_memory()  # the headers
+        for r in selected:
+            (staging / rank_dir(r) / "model.safetensors.index.json").write_bytes(rank_index_bytes(plan, r))
         slots = _Slots(plan, fds, offsets)
 
         with reader:
@@ -547,7 +547,7 @@ def rank_index_bytes(plan: Plan, rank: int) -> bytes:
     json.dumps(indent=2), which msgspec writes alike for names that need no escape, ~10x faster."""
     held = [i for i, f in enumerate(plan.files) if rank in f.ranks]
     # the data follows each header, without gaps
-    total = sum(plan.files[i].size - len(plan.layout(plan.files[i].name)[0]) for i in held)
+    total = sum(plan.files[i].size - plan.header_size(plan.files[i].name) for i in held)
     # One sorted run per file (a rank holds one piece of each tensor): sorted() merges the runs.
     pairs = (zip(plan.index_names(i), itertools.repeat(plan.files[i].name)) for i in held)
     weight_map = dict(sorted(itertools.chain.from_iterable(pairs)))
