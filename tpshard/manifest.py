@@ -15,7 +15,7 @@ attention-DP replicas, GQA kv replicas) share one cut and one file.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from functools import cached_property
 from operator import itemgetter
 from pathlib import Path
@@ -318,16 +318,16 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
             self.__dict__["_by_file"] = by_file
         return {name: list(specs) for name, specs in self.__dict__["_by_file"].items()}
 
-    def layout(self, file: str) -> tuple[bytes, list[int]]:
+    def layout(self, file: str) -> tuple[bytes, Sequence[int]]:
         """The header bytes and tensor data offsets of an output file, built once."""
-        from tpshard.plan import file_header
+        from tpshard.plan import plan_layout
 
         layouts = self.__dict__.setdefault("_layouts", {})
         if file not in layouts:
-            layouts[file] = file_header([(t.name, t.dtype, shard_shape(t, c)) for t, c in self.file_members()[self.file_index(file)]])
+            layouts[file] = plan_layout([(t.name, t.dtype, shard_shape(t, c)) for t, c in self.file_members()[self.file_index(file)]])
         return layouts[file]
 
-    def take_layout(self, file: str) -> tuple[bytes, list[int]]:
+    def take_layout(self, file: str) -> tuple[bytes, Sequence[int]]:
         """layout(file), dropped from the cache (built again if asked for) but for its header_size:
         the writer needs each file's once, and make_plan lays out every file (at 90k tensors and
         tp 8, 50 MB of headers and 17 MB of offsets)."""

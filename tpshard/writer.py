@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -279,7 +279,7 @@ class _Slots:
     second one) and each cut's place in its file: a file holds its tensors in plan order, so a cut's
     place counts the cuts of its file before it."""
 
-    def __init__(self, plan: Plan, fds: dict[int, int], offsets: dict[int, array]):
+    def __init__(self, plan: Plan, fds: dict[int, int], offsets: dict[int, Sequence[int]]):
         self.tensors, self.fds, self.offsets = plan.tensors, fds, offsets
         self.plans_of: dict[str, list[int]] = {}  # source name -> indexes in plan.tensors
         self.first = array("I")  # per TensorPlan: the number of its first cut, cuts numbered in plan order
@@ -326,7 +326,7 @@ def write_plan(
     # Every output file laid out from the plan: header now, data by pwrite later.
     fds: dict[int, int] = {}
     checksums = {}  # file index -> its file_hash, the header hashed
-    offsets: dict[int, array] = {}  # file index -> each tensor's data offset, in data order
+    offsets: dict[int, Sequence[int]] = {}  # file index -> each tensor's data offset, in data order
     digests: dict[int, array | list] = {}  # file index -> each tensor's digest (digest_slots), in data order
     algorithm = plan.options.checksum
     try:
@@ -410,7 +410,7 @@ def write_plan(
     return manifest
 
 
-def _write_header(plan: Plan, i: int, fd: int) -> tuple[object, array]:
+def _write_header(plan: Plan, i: int, fd: int) -> tuple[object, Sequence[int]]:
     """Write file `i`'s header into `fd` and extend it to its full size; return its file_hash and its
     tensors' data offsets. The header is taken out of the plan's cache: written and hashed, it is
     needed no more."""
@@ -418,7 +418,7 @@ def _write_header(plan: Plan, i: int, fd: int) -> tuple[object, array]:
     header, offsets = plan.take_layout(f.name)
     os.pwrite(fd, header, 0)
     os.ftruncate(fd, f.size)
-    return file_hash(header), array("Q", offsets)  # 8 bytes an offset, not a list slot and an int
+    return file_hash(header), offsets
 
 
 def write_durably(path: Path, data: bytes | Iterable[bytes]) -> None:
