@@ -38,10 +38,11 @@ import msgspec
 import numpy as np
 
 from tpshard.checkpoint import Checkpoint
+from tpshard.collector import paused
 from tpshard.digest import new_hash
 from tpshard.errors import OutputError, TpshardError
 from tpshard.inputs import read_config
-from tpshard.manifest import Manifest, ShardSpec, Source, SourceFile, rank_dir, read_manifest, shard_shape
+from tpshard.manifest import Cut, Manifest, Source, SourceFile, TensorPlan, rank_dir, read_manifest, shard_shape
 from tpshard.pieces import CHUNK_BYTES, cut_geometry, read_into, scratch
 from tpshard.safetensors_format import TensorInfo, nbytes_of
 
@@ -53,11 +54,20 @@ MIN_BUDGET = 64 << 20
 class _Cut:
     """One cut of a source tensor as the reader uses it: where one copy of its shard lies."""
 
-    __slots__ = ("spec", "path", "offset", "digest", "where", "index")
+    __slots__ = ("tensor", "cut", "copy", "offset", "digest", "file", "index")
 
-    def __init__(self, spec: ShardSpec, path: Path, offset: int, digest: str, where: str, index: int):
-        self.spec, self.path, self.offset, self.digest, self.where = spec, path, offset, digest, where
+    def __init__(self, tensor: TensorPlan, cut: Cut, copy: tuple[Path, list[int]], offset: int, digest: str, file: str, index: int):
+        self.tensor, self.cut, self.offset, self.digest = tensor, cut, offset, digest
+        self.copy, self.file = copy, file  # (path, ranks) of the copy read; the file's name
         self.index = index  # in its file
+
+    @property
+    def path(self) -> Path:
+        return self.copy[0]
+
+    @property
+    def where(self) -> str:  # for messages only: not one string per cut kept (460k at 90k tensors)
+        return f"{self.file} of ranks {self.copy[1]}"
 
 
 class OutputSource:
@@ -77,6 +87,7 @@ def verify_output(out: Path, workers: int, deferred: set[Path] = frozenset()):
     return report
 
 
+@paused()
 def open_output_source(out: str | Path, *, workers: int = 2, verified: bool = False) -> OutputSource:
     """The output at `out` as a source; OutputError (one line) when it cannot be one exactly.
     `verified`: the caller has already run tpshard.check on it and found nothing."""
@@ -204,20 +215,18 @@ class OutputReader:
         self.out, self.manifest = out, manifest
         plan = manifest.plan
         self.algorithm = plan.options.checksum
-        digests = {f.name: f.digests for f in manifest.files}
         copies = distinct_copies(out, manifest)
         self.cuts: dict[str, list[_Cut]] = defaultdict(list)
         self.unheld: dict[str, str] = {}  # source tensor -> a file of it no written rank holds
-        for fname, specs in plan.specs_by_file().items():
-            held = copies.get(fname)
-            for i, (s, offset) in enumerate(zip(specs, plan.layout(fname)[1])):
-                if s.source != s.name or s.value is not None:
+        for f, members in zip(plan.files, plan.file_members()):
+            held = copies.get(f.name)
+            for i, ((t, c), offset) in enumerate(zip(members, plan.layout(f.name)[1])):
+                if (t.source or t.name) != t.name or c.value is not None:
                     continue  # a copy of another tensor, or content the plan gives (never read)
-                if not held or not digests[fname]:
-                    self.unheld.setdefault(s.name, fname)
+                if not held or not f.digests:
+                    self.unheld.setdefault(t.name, f.name)
                     continue
-                path, ranks = held[0]
-                self.cuts[s.name].append(_Cut(s, path, offset, digests[fname][i], f"{fname} of ranks {ranks}", i))
+                self.cuts[t.name].append(_Cut(t, c, held[0], offset, f.digests[i], f.name, i))
         self.copies = copies
         self.read: set[tuple[Path, int]] = set()  # (file, tensor index) hashed while read
         self.largest = max((nbytes_of(t.dtype, t.shape) for t in manifest.tensors), default=0)
@@ -325,7 +334,7 @@ class OutputReader:
         cuts = self.cuts.get(name)
         if not cuts:
             raise OutputError(f"{self.out}: {name} is held only as values the plan gives; its bytes cannot be rebuilt")
-        dim = cuts[0].spec.dim
+        dim = cuts[0].tensor.dim
         if dim is None:
             self._read(cuts[0], data, 1, 0)
             for c in cuts[1:]:  # several whole copies must agree; the manifest's digests say so
@@ -335,13 +344,13 @@ class OutputReader:
         outer, rows, inner = cut_geometry(info.shape, info.nbytes, dim)
         covered = 0
         seen: dict[tuple[int, int], _Cut] = {}
-        for c in sorted(cuts, key=lambda c: (c.spec.start, -c.spec.length)):
-            s = c.spec
+        for c in sorted(cuts, key=lambda c: (c.cut.start, -c.cut.length)):
+            s = c.cut
             if not s.length:
                 continue
             first = seen.setdefault((s.start, s.length), c)
             if first is not c:
-                if first.digest != c.digest or first.spec.pad != s.pad:
+                if first.digest != c.digest or first.cut.pad != s.pad:
                     raise OutputError(f"{self.out}: {name}: two copies of rows [{s.start}, {s.start + s.length}) differ ({first.where}, {c.where})")
                 continue
             if s.start != covered:
@@ -353,14 +362,14 @@ class OutputReader:
 
     def _read(self, c: _Cut, data: np.ndarray, outer: int, row_bytes: int) -> None:
         """Put cut `c`'s real rows into `data` (the whole source tensor); its digest and zero padding checked."""
-        s = c.spec
+        t, s = c.tensor, c.cut
         fd = self._fd(c.path)
-        size = nbytes_of(s.dtype, s.shape)
+        size = nbytes_of(t.dtype, shard_shape(t, s))
         h = new_hash(self.algorithm)
-        if s.dim is None:
+        if t.dim is None:
             h.update(read_into(fd, data, c.offset, size))
         elif outer == 1:  # contiguous: straight into place, then the padding
-            inner = row_bytes // s.source_shape[s.dim]
+            inner = row_bytes // t.shape[t.dim]
             region = data[s.start * inner : (s.start + s.length) * inner]
             h.update(read_into(fd, region, c.offset, len(region)))
             if s.pad:
@@ -369,10 +378,10 @@ class OutputReader:
                 self._zero(tail, c)
         else:  # cut along an inner dim: whole rows of the outer dims at a time, a few MiB each
             per = s.length + s.pad
-            inner = row_bytes // s.source_shape[s.dim]
+            inner = row_bytes // t.shape[t.dim]
             shard_row = per * inner
             step = max(1, CHUNK_BYTES // max(shard_row, 1))
-            into = data.reshape(outer, s.source_shape[s.dim], inner)
+            into = data.reshape(outer, t.shape[t.dim], inner)
             for a in range(0, outer, step):
                 b = min(outer, a + step)
                 chunk = read_into(fd, scratch("shard", (b - a) * shard_row), c.offset + a * shard_row, (b - a) * shard_row)
@@ -382,13 +391,13 @@ class OutputReader:
                     self._zero(view[:, s.length :], c)
                 into[a:b, s.start : s.start + s.length] = view[:, : s.length]
         if h.digest().hex() != c.digest:
-            raise OutputError(f"{self.out}: {c.where}: tensor {s.name} does not match its {self.algorithm} in the manifest")
+            raise OutputError(f"{self.out}: {c.where}: tensor {t.name} does not match its {self.algorithm} in the manifest")
         with self.lock:
             self.read.add((c.path, c.index))
 
     def _zero(self, pad: np.ndarray, c: _Cut) -> None:
         if pad.any():
-            raise OutputError(f"{self.out}: {c.where}: the padding of {c.spec.name} is not zero; a split writes zeros there")
+            raise OutputError(f"{self.out}: {c.where}: the padding of {c.tensor.name} is not zero; a split writes zeros there")
 
 
 def _ranks_text(ranks) -> str:
