@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from tpshard.errors import PlanError
 from tpshard.export.names import ENGINES, TABLES, NameMap
-from tpshard.manifest import Plan, ShardSpec
+from tpshard.manifest import Cut, Plan, TensorPlan, shard_shape
 from tpshard.safetensors_format import nbytes_of
 from tpshard.errors import TopologyError
 from tpshard.stages import PARTITION_ENV, default_partition, layer_of, partition_value, stage_of_layer, tensor_stages
@@ -37,11 +37,33 @@ class ExportError(PlanError):
     """The tpshard output cannot become files this engine loads as they are."""
 
 
+class Part(NamedTuple):
+    """One shard of the tpshard output as a piece of an engine tensor."""
+
+    tensor: TensorPlan
+    cut: Cut
+    index: int  # its place in its file (Plan.file_members()[cut.file]): where its offset and digest are
+    shape: tuple[int, ...]  # shard_shape(tensor, cut)
+    nbytes: int
+
+    @property
+    def name(self) -> str:
+        return self.tensor.name
+
+    @property
+    def group_rank(self) -> int:
+        return self.cut.group_rank
+
+    @property
+    def dtype(self) -> str:
+        return self.tensor.dtype
+
+
 class EngineTensor(NamedTuple):
     name: str  # engine key
     dtype: str
     shape: tuple[int, ...]
-    parts: tuple[ShardSpec, ...]  # concatenated along dim 0; () for a constant
+    parts: tuple[Part, ...]  # concatenated along dim 0; () for a constant
     value: float | None = None  # constant content of a buffer
 
     @property
@@ -165,7 +187,7 @@ def refuse_unexportable(plan: Plan, engine: str, config_tied: bool) -> NameMap:
             f"--format {engine}: no {engine} name table for {arch} yet (mapped: {', '.join(sorted(TABLES[engine]))});"
             " tpshard writes no name it has not mapped exactly"
         )
-    quant = sorted({s.quant for s in plan.shards if s.quant}) or sorted({q.get("format", "?") for q in plan.quant_layers.values()})
+    quant = sorted({t.quant for t in plan.tensors if t.quant and t.cuts}) or sorted({q.get("format", "?") for q in plan.quant_layers.values()})
     if quant:
         if engine == "sglang":
             raise ExportError(
@@ -210,7 +232,7 @@ def refuse_unexportable(plan: Plan, engine: str, config_tied: bool) -> NameMap:
             f"--format {engine}: the vocabulary was padded to a multiple of {plan.options.vocab_multiple};"
             f" the engines pad it to {ENGINE_VOCAB_MULTIPLE}"
         )
-    padded = sorted({s.source for s in plan.shards if s.pad and s.kind != "vocab"})
+    padded = sorted({t.source or t.name for t in plan.tensors if t.kind != "vocab" and any(c.pad for c in t.cuts)})
     if padded:
         more = f" and {len(padded) - 3} more" if len(padded) > 3 else ""
         raise ExportError(
@@ -239,7 +261,7 @@ def refuse_router_bias(plan: Plan, engine: str, config: dict) -> None:
     """vLLM's DeepSeek gate has e_score_correction_bias only for topk_method "noaux_tc"
     (models/deepseek_v2.py L327-332): otherwise the key would be unknown to it (KeyError on load)."""
     method = config.get("topk_method")
-    biased = any(s.name.endswith(".e_score_correction_bias") for s in plan.shards)
+    biased = any(t.name.endswith(".e_score_correction_bias") and t.cuts for t in plan.tensors)
     if biased and method != "noaux_tc":
         raise ExportError(
             f"--format {engine}: the checkpoint has mlp.gate.e_score_correction_bias but config.json says topk_method"
@@ -252,44 +274,74 @@ def _layer_index(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def rank_tensors(plan: Plan, rank: int, names: NameMap) -> list[EngineTensor]:
-    """The engine state dict of one rank: fused shards and constant buffers, in state-dict order."""
+def _route(plan: Plan, names: NameMap, anchor: re.Pattern, name: str) -> tuple:
+    """Where HF tensor `name` goes in the engine model, the same on every rank: (the pipeline stages
+    whose model holds it, None at pp 1; its Piece, None when unmapped; the decoder layer whose
+    buffers it anchors, or None)."""
+    if names.table.drop_mtp and _layer_index(name) >= plan.model.num_layers:
+        return (), None, None  # DeepSeek's MTP layer: not in the target model (names.py), only in vLLM's draft model
+    held = None
+    topo = plan.topology
+    if topo.pp > 1:
+        # vLLM's target model on this stage (the MTP draft's embedding copy is not in it)
+        held = tensor_stages(name, topo.pp_layers, head="last", mtp=False, embed_last=plan.model.tie_word_embeddings)
+        if held is None:
+            raise ExportError(f"{name}: no pipeline stage of vLLM's {plan.model.architecture} holds it")
+    m = anchor.fullmatch(name)
+    return held, names.piece(name), m.group(1) if m else None
+
+
+def rank_parts(plan: Plan) -> list[list[Part]]:
+    """Each world rank's shards, in plan order; a shard several ranks hold is one Part."""
+    held: list[list[Part]] = [[] for _ in range(plan.topology.world_size)]
+    placed = [0] * len(plan.files)  # tensors of each file met so far (data order is plan order)
+    shapes: dict[tuple, tuple] = {}  # one tuple per distinct shape, shared
+    for t in plan.tensors:
+        for c in t.cuts:
+            shape = shard_shape(t, c)
+            shape = shapes.setdefault(shape, shape)
+            part = Part(t, c, placed[c.file], shape, nbytes_of(t.dtype, shape))
+            placed[c.file] += 1
+            for r in plan.files[c.file].ranks:
+                held[r].append(part)
+    return held
+
+
+def rank_tensors(plan: Plan, rank: int, names: NameMap, shards: list[Part], known: dict[str, tuple]) -> list[EngineTensor]:
+    """The engine state dict of one rank (`shards`: its shards, rank_parts): fused shards and
+    constant buffers, in state-dict order. `known`: what each HF name maps to, shared by the ranks."""
     fused: dict[str, dict[int | None, list]] = {}  # engine key -> expert id (None: not stacked) -> pieces
     layers: set[str] = set()
     anchor = re.compile(names.table.buffers_at)
     topo, tied = plan.topology, plan.model.tie_word_embeddings
     stage, last = topo.pp_rank(rank), topo.pp - 1
-    for spec in plan.rank_shards(rank):
-        if names.table.drop_mtp and _layer_index(spec.name) >= plan.model.num_layers:
-            continue  # DeepSeek's MTP layer: not in the target model (names.py), only in vLLM's draft model
-        if topo.pp > 1:
-            # vLLM's target model on this stage (the MTP draft's embedding copy is not in it)
-            held = tensor_stages(spec.name, topo.pp_layers, head="last", mtp=False, embed_last=tied)
-            if held is None:
-                raise ExportError(f"{spec.name}: no pipeline stage of vLLM's {plan.model.architecture} holds it")
-            if stage not in held:
-                continue
-        piece = names.piece(spec.name)
+    for part in shards:
+        name = part.tensor.name
+        route = known.get(name)
+        if route is None:
+            route = known[name] = _route(plan, names, anchor, name)
+        held, piece, layer = route
+        if held is not None and stage not in held:
+            continue
         if piece is None:
-            raise ExportError(f"{spec.name}: no engine name for it in the {plan.model.architecture} table")
+            raise ExportError(f"{name}: no engine name for it in the {plan.model.architecture} table")
         if not piece.engine:
             continue  # not in the engine model's state
         engine = piece.engine
         if engine == "model.embed_tokens.weight" and tied and stage == last:
             engine = names.table.tied  # the head and the embedding share storage; the loader keeps this name
-        slots = fused.setdefault(engine, {}).setdefault(spec.expert if piece.stacked else None, [None] * piece.count)
+        slots = fused.setdefault(engine, {}).setdefault(part.tensor.expert if piece.stacked else None, [None] * piece.count)
         if len(slots) != piece.count or slots[piece.position] is not None:
             raise ExportError(f"rank {rank}: two shards map to piece {piece.position} of {engine}")
-        slots[piece.position] = spec
-        m = anchor.fullmatch(spec.name)
-        if m:
-            layers.add(m.group(1))
+        slots[piece.position] = part
+        if layer is not None:
+            layers.add(layer)
     out = []
     for engine, by_expert in fused.items():
         stacked = None not in by_expert
         rows = None
-        parts: list[ShardSpec] = []
-        for expert in sorted(by_expert, key=lambda e: -1 if e is None else e):
+        parts: list[Part] = []
+        for expert in sorted(by_expert, key=lambda e: -1 if e is None else e) if len(by_expert) > 1 else by_expert:
             slots = by_expert[expert]
             if any(s is None for s in slots):
                 missing = [i for i, s in enumerate(slots) if s is None]
@@ -321,11 +373,12 @@ def split_parts(rank: int, tensors: list[EngineTensor], max_part_bytes: int, top
     parts: list[list[EngineTensor]] = [[]]
     size = 0
     for t in tensors:
-        if parts[-1] and size + t.nbytes > max_part_bytes:
+        n = t.nbytes
+        if parts[-1] and size + n > max_part_bytes:
             parts.append([])
             size = 0
         parts[-1].append(t)
-        size += t.nbytes
+        size += n
     return [PartFile(part_name(rank, p, topology), rank, tuple(ts)) for p, ts in enumerate(parts) if ts]
 
 
@@ -338,8 +391,9 @@ def export_layout(
         refuse_router_bias(plan, engine, config)
     files: list[PartFile] = []
     keys: dict[int, set[str]] = {}
-    for rank in range(plan.topology.world_size):
-        tensors = rank_tensors(plan, rank, names)
+    known: dict[str, tuple] = {}
+    for rank, shards in enumerate(rank_parts(plan)):
+        tensors = rank_tensors(plan, rank, names, shards, known)
         keys[rank] = {t.name for t in tensors}
         files += split_parts(rank, tensors, max_part_bytes, plan.topology)
     problems = stage_problems(keys, plan.topology)

@@ -190,19 +190,28 @@ TABLES: dict[str, dict[str, EngineTable]] = {
 ENGINES = tuple(TABLES)
 
 
+def _format(template: str) -> str:
+    """A table's engine template (group references \\1, \\2 and plain text) as a str.format
+    string: Match.expand parses its template again on every call, and a model of 90k tensors
+    has 90k names."""
+    if "\\" in re.sub(r"\\\d", "", template):
+        raise ValueError(f"{template!r}: an engine template holds plain text and \\N group references only")
+    return re.sub(r"\\(\d)", lambda m: "{%d}" % (int(m.group(1)) - 1), template.replace("{", "{{").replace("}", "}}"))
+
+
 class NameMap:
     """Compiled table: HF tensor name -> its Piece with the engine name filled in."""
 
     def __init__(self, table: EngineTable, q_lora_rank: int | None = None):
         self.table = table
         pieces = table.pieces + (table.q_lora[0 if q_lora_rank else 1] if table.q_lora else ())
-        self._rules = [(re.compile(pattern), piece) for pattern, piece in pieces]
+        self._rules = [(re.compile(pattern), piece, _format(piece.engine)) for pattern, piece in pieces]
 
     def piece(self, hf_name: str) -> Piece | None:
-        for pattern, piece in self._rules:
+        for pattern, piece, engine in self._rules:
             m = pattern.fullmatch(hf_name)
             if m:
-                return piece._replace(engine=m.expand(piece.engine))
+                return piece._replace(engine=engine.format(*m.groups()))
         return None
 
     def buffers(self, layer: str) -> list[Buffer]:

@@ -1,10 +1,11 @@
 """export: turn a tpshard output into the per-rank files of an engine's `sharded_state` format.
 
 No re-slicing: every engine tensor is the rank's shards, already cut by `split`, concatenated
-along dim 0 (or a constant buffer). Each shard is copied once, inside the kernel, from the tpshard
-output to its offset in the engine file, whose header is laid out before any data exists; the
-export's digests follow from the tpshard manifest's (crc32 combines), so no byte passes through
-Python and memory does not grow with the model.
+along dim 0 (or a constant buffer). Each shard is copied once from the tpshard output to its offset
+in the engine file, whose header is laid out before any data exists: a large one inside the kernel,
+small ones gathered into a buffer of at most RUN_BYTES per run of adjacent tensors and written at
+once. The export's digests follow from the tpshard manifest's (crc32 combines), so no byte is
+hashed, and memory does not grow with the model's bytes.
 
 Staged like `split` (tpshard.publish): a hidden sibling folder, data fsynced, the export manifest
 written last, then put in place of `dest` in one step.
@@ -16,15 +17,18 @@ import json
 import os
 import shutil
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
+import numpy as np
 
 from tpshard import __version__
-from tpshard.digest import crc32_combine, file_digest, new_hash, sha256_file
-from tpshard.errors import OutputError
-from tpshard.export.layout import DEFAULT_MAX_PART_BYTES, EngineTensor, PartFile, config_tied, export_layout, partition_env
+from tpshard.collector import paused
+from tpshard.digest import crc32_combine, file_digest, new_hash, sha256_file, tensor_digest
+from tpshard.errors import CheckpointError, OutputError
+from tpshard.export.layout import DEFAULT_MAX_PART_BYTES, EngineTensor, Part, PartFile, config_tied, export_layout, partition_env
 from tpshard.export.manifest import (
     EXPORT_MANIFEST_NAME,
     ExportFile,
@@ -37,12 +41,13 @@ from tpshard.manifest import MANIFEST_NAME, Manifest, rank_dir, read_manifest
 from tpshard.pieces import read_into, scratch
 from tpshard.plan import file_header
 from tpshard.publish import staged_output
-from tpshard.safetensors_format import nbytes_of
-from tpshard.writer import WRITE_BYTES, default_workers, start_writeback, write_durably
+from tpshard.writer import SMALL_BYTES, WRITE_BYTES, default_workers, start_writeback, write_durably
 
 CHUNK = 4 << 20
+RUN_BYTES, RUN_TENSORS = 8 << 20, 4096  # one run of small tensors (_tasks)
 
 
+@paused()
 def export(
     out_dir: str | Path,
     dest: str | Path,
@@ -77,17 +82,35 @@ def constant_bytes(dtype: str, value: float) -> bytes:
 
 
 class _Source:
-    """Where each shard's bytes sit in the tpshard output, and the digest its manifest holds."""
+    """The tpshard output's files, each opened once (by the first written rank holding it): where
+    each shard's bytes sit, and the digest its manifest holds."""
 
     def __init__(self, out: Path, manifest: Manifest):
         written = set(manifest.written_ranks)
-        checksums = {w.name: w.tensor_checksums for w in manifest.files}
-        self.at: dict[int, tuple[Path, int, str]] = {}
-        for name, specs in manifest.plan.specs_by_file().items():
-            _, offsets = manifest.plan.layout(name)
-            for spec, offset, digest in zip(specs, offsets, checksums[name]):
-                path = out / rank_dir(min(written & set(spec.ranks))) / name
-                self.at[id(spec)] = (path, offset, digest)
+        self.plan, self.lock = manifest.plan, threading.Lock()
+        self.paths = [out / rank_dir(min(written & set(f.ranks))) / f.name for f in self.plan.files]
+        self.offsets = [self.plan.layout(f.name)[1] for f in self.plan.files]
+        self.fds: dict[int, int] = {}
+
+    def at(self, part: Part) -> tuple[int, int]:
+        """(open file, data offset) of a shard."""
+        i = part.cut.file
+        fd = self.fds.get(i)
+        if fd is None:
+            with self.lock:
+                fd = self.fds.get(i)
+                if fd is None:
+                    fd = self.fds[i] = os.open(self.paths[i], os.O_RDONLY)
+        return fd, self.offsets[i][part.index]
+
+    def digest(self, part: Part) -> str:
+        """The shard's digest in the tpshard manifest."""
+        return self.plan.files[part.cut.file].digests[part.index]
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
 
 
 def _write(out: Path, manifest: Manifest, layout: list[PartFile], engine: str, max_part_bytes: int, staging: Path, workers: int) -> ExportManifest:
@@ -105,12 +128,16 @@ def _write(out: Path, manifest: Manifest, layout: list[PartFile], engine: str, m
             os.pwrite(fd, header, 0)
             os.ftruncate(fd, offsets[-1] + f.tensors[-1].nbytes if f.tensors else len(header))
             jobs += [(t, fd, o) for t, o in zip(f.tensors, offsets)]
-        # Largest first, so that no big tensor runs alone at the end.
-        order = sorted(range(len(jobs)), key=lambda i: -jobs[i][0].nbytes)
+        sizes = [t.nbytes for t, _, _ in jobs]
+        tasks = _tasks(jobs, sizes)
+        digests: list[bytes] = [b""] * len(jobs)
         with ThreadPoolExecutor(max(1, workers)) as pool:
-            digests = dict(zip(order, pool.map(lambda i: _copy(jobs[i], source, algorithm), order)))
+            for task, got in zip(tasks, pool.map(lambda task: _copy_task(task, jobs, sizes, source, algorithm), tasks)):
+                for i, digest in zip(task, got):
+                    digests[i] = digest
             list(pool.map(os.fsync, fds.values()))
     finally:
+        source.close()
         for fd in fds.values():
             os.close(fd)
 
@@ -146,43 +173,95 @@ def _write(out: Path, manifest: Manifest, layout: list[PartFile], engine: str, m
     return result
 
 
-def _copy(job: tuple[EngineTensor, int, int], source: _Source, algorithm: str) -> bytes:
-    """Write one engine tensor: its shards back to back. Returns the tensor's digest.
+def _tasks(jobs: list[tuple[EngineTensor, int, int]], sizes: list[int]) -> list[list[int]]:
+    """The copy's pool tasks, as job indices: each large tensor alone, largest first (one left for
+    the end would keep a worker busy while the others idle), then runs of small tensors that lie
+    back to back in one file (jobs are in file order), each gathered in memory and written at once:
+    most of a model of many tensors is shards of a few hundred bytes, and a system call or a pool
+    task per shard costs more than its bytes."""
+    large = sorted((i for i, n in enumerate(sizes) if n >= SMALL_BYTES), key=lambda i: -sizes[i])
+    tasks = [[i] for i in large]
+    run, size = [], 0
+    for i, (_, fd, offset) in enumerate(jobs):
+        n = sizes[i]
+        if n >= SMALL_BYTES:
+            continue
+        if run and (fd != jobs[run[-1]][1] or offset != jobs[run[-1]][2] + sizes[run[-1]] or size + n > RUN_BYTES or len(run) >= RUN_TENSORS):
+            tasks.append(run)
+            run, size = [], 0
+        run.append(i)
+        size += n
+    if run:
+        tasks.append(run)
+    return tasks
 
-    The digest follows from the digests the tpshard manifest holds for the shards (crc32 combines;
-    a one-shard tensor keeps its shard's digest), never from the bytes as read: the shards are
-    copied inside the kernel (copy_file_range, as `cp` does), and a shard damaged on disk since the
-    split is exported with the digest it should have, so `tpshard check` on the export names it.
-    Only a fused tensor under sha256 is read, to hash the concatenation."""
+
+def _copy_task(task: list[int], jobs: list[tuple[EngineTensor, int, int]], sizes: list[int], source: _Source, algorithm: str) -> list[bytes]:
+    """Write the tensors of one task (_tasks); returns their digests."""
+    _, fd, begin = jobs[task[0]]
+    if sizes[task[0]] >= SMALL_BYTES:
+        return [_copy(jobs[task[0]], source, algorithm)]
+    end = jobs[task[-1]][2] + sizes[task[-1]]
+    buf = scratch("export-run", end - begin)
+    digests = [_gather(jobs[i][0], buf[jobs[i][2] - begin : jobs[i][2] - begin + sizes[i]], source, algorithm) for i in task]
+    _write_all(fd, memoryview(buf), begin)
+    start_writeback(fd, begin, len(buf))
+    return digests
+
+
+def _copy(job: tuple[EngineTensor, int, int], source: _Source, algorithm: str) -> bytes:
+    """Write one large engine tensor: its shards back to back, copied inside the kernel
+    (copy_file_range, as `cp` does). Returns the tensor's digest (_digest); only a fused tensor
+    under sha256 is read, to hash the concatenation."""
     tensor, fd, offset = job
-    if tensor.value is not None:
-        data = constant_bytes(tensor.dtype, tensor.value)
-        os.pwrite(fd, data, offset)
-        h = new_hash(algorithm)
-        h.update(data)
-        return h.digest()
-    hashed = algorithm != "crc32" and len(tensor.parts) > 1
-    whole = new_hash(algorithm) if hashed else None
-    crc = 0
+    whole = new_hash(algorithm) if algorithm != "crc32" and len(tensor.parts) > 1 else None
     at = offset
-    for spec in tensor.parts:
-        path, src_offset, want = source.at[id(spec)]
-        n = nbytes_of(spec.dtype, spec.shape)
-        src = os.open(path, os.O_RDONLY)
-        try:
-            if hashed:
-                _read_write(src, src_offset, fd, at, n, whole)
-            else:
-                _kernel_copy(src, src_offset, fd, at, n)
-        finally:
-            os.close(src)
-        if algorithm == "crc32":
-            crc = crc32_combine(crc, int(want, 16), n)
+    for part in tensor.parts:
+        src, src_offset = source.at(part)
+        n = part.nbytes
+        if whole is not None:
+            _read_write(src, src_offset, fd, at, n, whole)
+        else:
+            _kernel_copy(src, src_offset, fd, at, n)
         at += n
     start_writeback(fd, offset, at - offset)
-    if whole is not None:
-        return whole.digest()
-    return crc.to_bytes(4, "big") if algorithm == "crc32" else bytes.fromhex(source.at[id(tensor.parts[0])][2])
+    return whole.digest() if whole is not None else _digest(tensor, source, algorithm)
+
+
+def _gather(tensor: EngineTensor, into: np.ndarray, source: _Source, algorithm: str) -> bytes:
+    """Put one small engine tensor's bytes into `into`; returns its digest (_digest)."""
+    if tensor.value is not None:
+        data = constant_bytes(tensor.dtype, tensor.value)
+        into[:] = np.frombuffer(data, np.uint8)
+        return tensor_digest(algorithm, data)
+    at = 0
+    for part in tensor.parts:
+        src, src_offset = source.at(part)
+        n = part.nbytes
+        try:
+            read_into(src, into[at : at + n], src_offset, n)
+        except CheckpointError:
+            raise OutputError(_ENDS_EARLY) from None
+        at += n
+    if algorithm != "crc32" and len(tensor.parts) > 1:
+        return tensor_digest(algorithm, into)
+    return _digest(tensor, source, algorithm)
+
+
+def _digest(tensor: EngineTensor, source: _Source, algorithm: str) -> bytes:
+    """An engine tensor's digest from those the tpshard manifest holds for its shards (crc32s
+    combine; a one-shard tensor keeps its shard's), never from the bytes as read: a shard damaged on
+    disk since the split is exported with the digest it should have, so `tpshard check` on the
+    export names it. A fused tensor under sha256 has none: its caller hashes it."""
+    if algorithm != "crc32":
+        return bytes.fromhex(source.digest(tensor.parts[0]))
+    crc = 0
+    for part in tensor.parts:
+        crc = crc32_combine(crc, int(source.digest(part), 16), part.nbytes)
+    return crc.to_bytes(4, "big")
+
+
+_ENDS_EARLY = "a shard file of the tpshard output ends early (truncated?); run tpshard check on it"
 
 
 def _kernel_copy(src: int, src_offset: int, dst: int, dst_offset: int, n: int) -> None:
@@ -191,7 +270,7 @@ def _kernel_copy(src: int, src_offset: int, dst: int, dst_offset: int, n: int) -
         while done < n:
             k = os.copy_file_range(src, dst, n - done, src_offset + done, dst_offset + done)
             if k == 0:
-                raise OutputError("a shard file of the tpshard output ends early (truncated?); run tpshard check on it")
+                raise OutputError(_ENDS_EARLY)
             done += k
     except OSError:  # no copy_file_range here (or across these filesystems): copy through memory
         _read_write(src, src_offset + done, dst, dst_offset + done, n - done, None)
@@ -205,10 +284,13 @@ def _read_write(src: int, src_offset: int, dst: int, dst_offset: int, n: int, h)
         chunk = read_into(src, buf, src_offset + done, k)
         if h is not None:
             h.update(chunk)
-        view = memoryview(chunk)
-        for a in range(0, k, WRITE_BYTES):  # small writes: docs/performance.md
-            piece = view[a : a + WRITE_BYTES]
-            w = 0
-            while w < len(piece):
-                w += os.pwrite(dst, piece[w:], dst_offset + done + a + w)
+        _write_all(dst, memoryview(chunk), dst_offset + done)
         done += k
+
+
+def _write_all(dst: int, view: memoryview, offset: int) -> None:
+    for a in range(0, len(view), WRITE_BYTES):  # small writes: docs/performance.md
+        piece = view[a : a + WRITE_BYTES]
+        w = 0
+        while w < len(piece):
+            w += os.pwrite(dst, piece[w:], offset + a + w)
