@@ -124,13 +124,14 @@ def _check_from_output(out: Path, old: Path, manifest: Manifest, report: CheckRe
     """check --from: `old` proven against its own manifest, then read as the source (tpshard.output_source)."""
     from tpshard.output_source import open_output_source, verify_output
 
-    old_report = verify_output(old, workers)
+    old_manifest = read_manifest(old)
+    old_report = verify_output(old, workers, manifest=old_manifest)
     for p in old_report.problems:
         report.add("from", f"{old} (resharded from): [{p.check}] {p.message}")
     if not old_report.ok:
         return
     try:
-        src = open_output_source(old, workers=workers, verified=True)
+        src = open_output_source(old, workers=workers, verified=True, manifest=old_manifest)
     except TpshardError as e:
         report.add("from", str(e))
         return
@@ -412,10 +413,8 @@ def _check_files(
 ) -> None:  # fmt: skip
     plan = manifest.plan
     algorithm = plan.options.checksum
-    written = {f.name: f for f in manifest.files if f.checksum}
-    layouts = {f.name: f for f in plan.files}
 
-    units: dict[tuple[int, int, str], tuple[Path, str, list[int]]] = {}  # (inode, name) -> (path, file, ranks)
+    units: dict[tuple[int, int, str], tuple[Path, int, list[int]]] = {}  # (inode, name) -> (path, index in plan.files, ranks)
     extras: dict[tuple[int, int, str], tuple[Path, object, list[int]]] = {}  # the same for copied files
     for r in manifest.written_ranks if ranks is None else ranks:
         folder = out / rank_dir(r)
@@ -423,7 +422,7 @@ def _check_files(
         for f in plan.rank_files(r):
             st = _plain_file(folder / f.name, r, report)
             if st is not None:  # every name is checked, also one hard-linked to another name
-                units.setdefault((st.st_dev, st.st_ino, f.name), (folder / f.name, f.name, []))[2].append(r)
+                units.setdefault((st.st_dev, st.st_ino, f.name), (folder / f.name, plan.file_index(f.name), []))[2].append(r)
         for extra in manifest.extra_files:
             st = _plain_file(folder / extra.name, r, report)
             if st is not None:
@@ -431,17 +430,18 @@ def _check_files(
 
     members = plan.file_members()
 
-    def verify(unit: tuple[Path, str, list[int]]) -> list[tuple[str, str]]:
-        path, name, ranks = unit
-        layout, rec, tensors = layouts[name], written.get(name), members[plan.file_index(name)]
+    def verify(unit: tuple[Path, int, list[int]]) -> list[tuple[str, str]]:
+        path, i, ranks = unit
+        rec, tensors = plan.files[i], members[i]
+        name = rec.name
         where = f"{name} of ranks {ranks}"
-        if rec is None:
+        if not rec.checksum:
             return [("checksum", f"{where}: the manifest has no checksum for it")]
         size = os.lstat(path).st_size
         header, offsets = plan.layout(name)
         planned = offsets[-1] + nbytes_of(tensors[-1][0].dtype, shard_shape(*tensors[-1])) if tensors else len(header)
-        if size != layout.size or planned != layout.size:
-            return [("files", f"{where}: {size} bytes, the manifest says {layout.size} and its tensors need {planned} (truncated or extended)")]
+        if size != rec.size or planned != rec.size:
+            return [("files", f"{where}: {size} bytes, the manifest says {rec.size} and its tensors need {planned} (truncated or extended)")]
         found: list[tuple[str, str]] = []
         with open(path, "rb") as fh:
             if fh.read(len(header)) != header:
@@ -452,7 +452,7 @@ def _check_files(
                 except ValueError:
                     return [("checksum", f"{where}: a tensor has no valid digest in the manifest")]
             else:
-                sizes = [b - a for a, b in zip(offsets, [*offsets[1:], layout.size])]  # tensors lie back to back
+                sizes = [b - a for a, b in zip(offsets, [*offsets[1:], rec.size])]  # tensors lie back to back
                 digests = list(range_digests(fh.fileno(), offsets, sizes, algorithm))
                 for (t, _), d, want in zip(tensors, digests, rec.digests):
                     if d.hex() != want:
@@ -464,7 +464,7 @@ def _check_files(
     with ThreadPoolExecutor(workers) as pool:
         for unit, found in zip(units.values(), pool.map(verify, units.values())):
             report.files_checked += 1
-            report.bytes_checked += layouts[unit[1]].size
+            report.bytes_checked += plan.files[unit[1]].size
             for c, m in found:
                 report.add(c, m)
     for path, extra, ranks in extras.values():

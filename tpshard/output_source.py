@@ -77,27 +77,30 @@ class OutputSource:
         self.out, self.manifest, self.checkpoint, self.reader = out, manifest, checkpoint, reader
 
 
-def verify_output(out: Path, workers: int, deferred: set[Path] = frozenset()):
+def verify_output(out: Path, workers: int, deferred: set[Path] = frozenset(), manifest: Manifest | None = None):
     """The old output's own check (no source): a CheckReport. `deferred`: files whose tensor
-    digests an OutputReader compares as it reads them (OutputReader.verify_rest for the rest)."""
+    digests an OutputReader compares as it reads them (OutputReader.verify_rest for the rest).
+    `manifest`: its manifest, when the caller has read it (its plan's file headers are then laid
+    out once, not again for the reader)."""
     from tpshard.check import CheckReport, check_output
 
     report = CheckReport(out_dir=str(out), source=None)
-    check_output(out, read_manifest(out), report, workers, deferred)
+    check_output(out, manifest or read_manifest(out), report, workers, deferred)
     return report
 
 
 @paused()
-def open_output_source(out: str | Path, *, workers: int = 2, verified: bool = False) -> OutputSource:
+def open_output_source(out: str | Path, *, workers: int = 2, verified: bool = False, manifest: Manifest | None = None) -> OutputSource:
     """The output at `out` as a source; OutputError (one line) when it cannot be one exactly.
-    `verified`: the caller has already run tpshard.check on it and found nothing."""
+    `verified`: the caller has already run tpshard.check on it and found nothing; `manifest`: its
+    manifest, when the caller has read it."""
     out = Path(out)
-    manifest = read_manifest(out)
+    manifest = manifest or read_manifest(out)
     reader = OutputReader(out, manifest)
     if not verified:
         # The files the reader reads are hashed as they are read (once, not twice): here only
         # their sizes, headers and file checksums, and every other copy in full.
-        report = verify_output(out, workers, reader.first_copies())
+        report = verify_output(out, workers, reader.first_copies(), manifest)
         if not report.ok:
             p = report.problems[0]
             more = len(report.problems) + report.omitted - 1
