@@ -21,19 +21,23 @@ def rewrite_checksums(out: Path) -> None:
 
     from tpshard.check import hash_range
 
-    specs = m.plan.specs_by_file()
     files = []
     for f in m.files:
         if not f.checksum:  # not written (split --ranks)
             files.append(f)
             continue
         path = out / rank_dir(min(set(f.ranks) & set(m.written_ranks))) / f.name
-        header, offsets = spec_layout(specs[f.name])
+        header, offsets = m.plan.layout(f.name)
         fd = os.open(path, os.O_RDONLY)
         digests = [hash_range(fd, o, e - o, m.plan.options.checksum) for o, e in zip(offsets, offsets[1:] + [f.size])]
         os.close(fd)
         files.append(msgspec.structs.replace(f, checksum=file_digest(header, digests), digests=tuple(d.hex() for d in digests)))
     (out / MANIFEST_NAME).write_bytes(encode_manifest(msgspec.structs.replace(m, files=tuple(files))))
+
+
+def file_specs(plan, name: str) -> list:
+    """The ShardSpec views of the tensors of output file `name`, in data order."""
+    return [plan.view(t, c) for t, c in plan.file_members()[plan.file_index(name)]]
 
 
 def overwrite_tensor(out: Path, rank: int, name: str, tensor: torch.Tensor) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import tpshard
+from broken import file_specs
 from tpshard.manifest import read_manifest
 from tpshard.plan import spec_layout
 from tpshard.safetensors_format import nbytes_of
@@ -117,7 +118,7 @@ def break_one_copy_behind_its_crc32(out: Path, rank: int, tensor: str) -> None:
     its crc32 (so the manifest's digests still match)."""
     m = read_manifest(out)
     spec = next(s for s in m.plan.shards if s.name == tensor and rank in s.ranks)
-    specs = m.plan.specs_by_file()[spec.file]
+    specs = file_specs(m.plan, spec.file)
     offset = spec_layout(specs)[1][specs.index(spec)]
     n = nbytes_of(spec.dtype, spec.shape)
     path = out / f"rank-{rank:05d}" / spec.file

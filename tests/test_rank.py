@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import tpshard
+from broken import file_specs
 from tpshard.errors import OutputError
 from tpshard.manifest import rank_dir, read_manifest
 from tpshard.plan import spec_layout
@@ -63,17 +64,17 @@ def test_another_ranks_file_is_refused(out):
     files = _single_rank_files(out)
     name0, name1 = files[(0,)], files[(1,)]
     shutil.copyfile(out / rank_dir(0) / name0, out / rank_dir(1) / name1)  # same header, rank 0's bytes
-    first = read_manifest(out).plan.specs_by_file()[name1][0].name  # the first tensor read differs
+    first = file_specs(read_manifest(out).plan, name1)[0].name  # the first tensor read differs
     refused(out, 1, name1, f"tensor {first} does not match")
 
 
 def test_reordered_header_is_refused(out):
     """k_proj and v_proj swapped in the header (same shapes and name lengths): the bytes stay put."""
     m = read_manifest(out)
-    f = next(f for f in m.files if 0 in f.ranks and any(s.name.endswith("k_proj.weight") for s in m.plan.specs_by_file()[f.name]))
+    f = next(f for f in m.files if 0 in f.ranks and any(s.name.endswith("k_proj.weight") for s in file_specs(m.plan, f.name)))
     path = out / rank_dir(0) / f.name
     data = path.read_bytes()
-    head = len(spec_layout(m.plan.specs_by_file()[f.name])[0])
+    head = len(spec_layout(file_specs(m.plan, f.name))[0])
     swapped = data[:head].replace(b"k_proj", b"KPROJ_").replace(b"v_proj", b"k_proj").replace(b"KPROJ_", b"v_proj")
     assert swapped != data[:head]
     path.unlink()  # it is a hard link shared with other ranks: break only this copy
@@ -84,7 +85,7 @@ def test_reordered_header_is_refused(out):
 def test_flipped_byte_is_refused_and_verify_false_is_the_opt_out(out):
     m = read_manifest(out)
     spec = next(s for s in m.plan.rank_shards(2) if s.name == "model.layers.1.mlp.down_proj.weight")
-    specs = m.plan.specs_by_file()[spec.file]
+    specs = file_specs(m.plan, spec.file)
     offset = spec_layout(specs)[1][specs.index(spec)]
     path = out / rank_dir(2) / spec.file
     with open(path, "r+b") as fh:
@@ -121,7 +122,7 @@ def _manifest_only(plan, tmp_path):
 
     from tpshard.manifest import MANIFEST_NAME, Manifest, Source, encode_manifest
 
-    counts = {f.name: len(specs) for f, specs in zip(plan.files, plan.specs_by_file().values())}
+    counts = {f.name: len(members) for f, members in zip(plan.files, plan.file_members())}
     files = tuple(
         msgspec.structs.replace(f, checksum="0" * 64, digests=tuple(f"{i:08x}" for i in range(counts[f.name])))
         for f in plan.files
@@ -146,20 +147,19 @@ LAYOUTS = [
 @pytest.mark.parametrize("fixture,topology", LAYOUTS, ids=[f"{f}-{'-'.join(f'{k}{v}' for k, v in t.items())}" for f, t in LAYOUTS])
 def test_rank_records_are_the_plans_files(request, tmp_path, fixture, topology):
     """Every rank's files, tensors in data order and digests from read_rank_records equal those of the
-    whole plan (Plan.specs_by_file), and so do the headers laid out from them."""
+    whole plan's ShardSpec views, and so do the headers laid out from them."""
     from tpshard.manifest import read_rank_records
     from tpshard.plan import file_header, make_plan
 
     plan = make_plan(tpshard.open_checkpoint(request.getfixturevalue(fixture)), Topology(**topology))
     out = _manifest_only(plan, tmp_path)
     full = read_manifest(out)
-    by_file = full.plan.specs_by_file()
     for rank in range(plan.topology.world_size):
         records = read_rank_records(out, rank)
         assert records.written_ranks == full.written_ranks and records.checksum == full.options.checksum
         assert [f.record for f in records.files] == [f for f in full.files if rank in f.ranks]
         for f in records.files:
-            specs = by_file[f.record.name]
+            specs = file_specs(full.plan, f.record.name)
             assert f.members == [(s.name, s.dtype, s.shape) for s in specs]
             assert file_header(f.members) == spec_layout(specs)
 

@@ -17,7 +17,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 import tpshard
-from broken import rewrite_checksums
+from broken import file_specs, rewrite_checksums
 from checkpoints import make_checkpoint
 from quant_fixtures import DEFAULT_SPECS, write_quant_checkpoint
 from tpshard.errors import OutputError, PlanError
@@ -308,7 +308,7 @@ def test_bytes_no_new_tensor_reads_are_compared_at_the_end(qwen2_tied, tmp_path)
     tpshard.split(qwen2_tied, old, T(tp=2, pp_layers=(1, 1)))
     m = read_manifest(old)
     spec = next(s for s in m.plan.shards if s.name == "lm_head.weight")
-    offset = m.plan.layout(spec.file)[1][m.plan.specs_by_file()[spec.file].index(spec)]
+    offset = m.plan.layout(spec.file)[1][file_specs(m.plan, spec.file).index(spec)]
     _flip(old / rank_dir(spec.ranks[0]) / spec.file, offset + 5)
     with pytest.raises(OutputError, match="lm_head.weight does not match its crc32"):
         reshard(old, tmp_path / "x", T(tp=4))

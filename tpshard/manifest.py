@@ -7,8 +7,9 @@ tensor kept, holding what all of its cuts share (layer, kind, group, dim, quanti
 one `check`, `verify` and `open_rank` read. docs/format.md describes the JSON.
 
 `ShardSpec` is the per-rank view of one (TensorPlan, Cut) with every field spelled out, built on
-demand: `Plan.rank_shards(rank)` builds one rank's, `Plan.shards` and `Plan.specs_by_file()` all of
-them. A shard's shape is derived, never stored; its world ranks are its file's `ranks`, which
+demand: `Plan.rank_shards(rank)` builds one rank's, `Plan.shards` all of them; what walks every
+shard (the writer, check, reshard's reader, export) walks `Plan.file_members()` instead. A
+shard's shape is derived, never stored; its world ranks are its file's `ranks`, which
 `make_plan` lays out from `Topology.ranks_of(group, group_rank, factor)` and `check` compares with it. Ranks that hold identical bytes (replicated tensors, attention shards shared by
 attention-DP replicas, GQA kv replicas) share one cut and one file.
 """
@@ -308,15 +309,6 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
                 file_names.sort()
             self.__dict__["_index_names"] = names
         return self.__dict__["_index_names"][index]
-
-    def specs_by_file(self) -> dict[str, list[ShardSpec]]:
-        """File name -> its tensors' specs, in data order (the files' order)."""
-        if "_by_file" not in self.__dict__:
-            by_file: dict[str, list[ShardSpec]] = {f.name: [] for f in self.files}
-            for s in self.shards:
-                by_file[s.file].append(s)
-            self.__dict__["_by_file"] = by_file
-        return {name: list(specs) for name, specs in self.__dict__["_by_file"].items()}
 
     def layout(self, file: str) -> tuple[bytes, Sequence[int]]:
         """The header bytes and tensor data offsets of an output file, built once."""
