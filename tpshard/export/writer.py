@@ -115,32 +115,7 @@ class _Source:
 
 def _write(out: Path, manifest: Manifest, layout: list[PartFile], engine: str, max_part_bytes: int, staging: Path, workers: int) -> ExportManifest:
     plan = manifest.plan
-    algorithm = plan.options.checksum
-    source = _Source(out, manifest)
-    fds: dict[str, int] = {}
-    headers: dict[str, bytes] = {}
-    jobs: list[tuple[EngineTensor, int, int]] = []  # (tensor, fd, data offset)
-    try:
-        for f in layout:
-            header, offsets = file_header([(t.name, t.dtype, t.shape) for t in f.tensors])
-            fd = os.open(staging / f.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            fds[f.name], headers[f.name] = fd, header
-            os.pwrite(fd, header, 0)
-            os.ftruncate(fd, offsets[-1] + f.tensors[-1].nbytes if f.tensors else len(header))
-            jobs += [(t, fd, o) for t, o in zip(f.tensors, offsets)]
-        sizes = [t.nbytes for t, _, _ in jobs]
-        tasks = _tasks(jobs, sizes)
-        digests: list[bytes] = [b""] * len(jobs)
-        with ThreadPoolExecutor(max(1, workers)) as pool:
-            for task, got in zip(tasks, pool.map(lambda task: _copy_task(task, jobs, sizes, source, algorithm), tasks)):
-                for i, digest in zip(task, got):
-                    digests[i] = digest
-            list(pool.map(os.fsync, fds.values()))
-    finally:
-        source.close()
-        for fd in fds.values():
-            os.close(fd)
-
+    digests, headers = _copy_all(out, manifest, layout, staging, workers)
     files, i = [], 0
     for f in layout:
         tensors = []
@@ -171,6 +146,38 @@ def _write(out: Path, manifest: Manifest, layout: list[PartFile], engine: str, m
     )
     write_durably(staging / EXPORT_MANIFEST_NAME, encode_export_manifest(result))
     return result
+
+
+def _copy_all(out: Path, manifest: Manifest, layout: list[PartFile], staging: Path, workers: int) -> tuple[list[bytes], dict[str, bytes]]:
+    """Every file of `layout` written into `staging` and fsynced: each tensor's digest, in layout
+    order, and each file's header. The copy's own lists (800k jobs at tiny90k) go when it returns,
+    before the export manifest is built."""
+    algorithm = manifest.plan.options.checksum
+    source = _Source(out, manifest)
+    fds: dict[str, int] = {}
+    headers: dict[str, bytes] = {}
+    jobs: list[tuple[EngineTensor, int, int]] = []  # (tensor, fd, data offset)
+    try:
+        for f in layout:
+            header, offsets = file_header([(t.name, t.dtype, t.shape) for t in f.tensors])
+            fd = os.open(staging / f.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fds[f.name], headers[f.name] = fd, header
+            os.pwrite(fd, header, 0)
+            os.ftruncate(fd, offsets[-1] + f.tensors[-1].nbytes if f.tensors else len(header))
+            jobs += [(t, fd, o) for t, o in zip(f.tensors, offsets)]
+        sizes = [t.nbytes for t, _, _ in jobs]
+        tasks = _tasks(jobs, sizes)
+        digests: list[bytes] = [b""] * len(jobs)
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            for task, got in zip(tasks, pool.map(lambda task: _copy_task(task, jobs, sizes, source, algorithm), tasks)):
+                for i, digest in zip(task, got):
+                    digests[i] = digest
+            list(pool.map(os.fsync, fds.values()))
+    finally:
+        source.close()
+        for fd in fds.values():
+            os.close(fd)
+    return digests, headers
 
 
 def _tasks(jobs: list[tuple[EngineTensor, int, int]], sizes: list[int]) -> list[list[int]]:
