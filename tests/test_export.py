@@ -250,6 +250,29 @@ def test_damaged_tpshard_output_is_caught_by_check_of_the_export(tmp_path, llama
     assert "model-rank-0" not in _messages(report)
 
 
+@pytest.mark.parametrize("checksum", ["crc32", "sha256"])
+@pytest.mark.parametrize("gathered", [True, False], ids=["gathered", "kernel-copied"])
+def test_both_copy_paths_are_bit_exact_and_refuse_a_truncated_shard(tmp_path, llama, monkeypatch, checksum, gathered):
+    """Small tensors are gathered run by run in memory, large ones copied inside the kernel
+    (writer.SMALL_BYTES; 0 sends every tensor the kernel way): either way the export is bit-exact
+    against the source, its digests (combined crc32s, or sha256 of a fused tensor's bytes) are what
+    check computes, and a shard file cut short stops the export in one line, leaving nothing."""
+    import tpshard.export.writer as export_writer
+
+    if not gathered:
+        monkeypatch.setattr(export_writer, "SMALL_BYTES", 0)
+    out = tmp_path / "out"
+    tpshard.split(llama, out, tpshard.Topology(tp=2), tpshard.Options(checksum=checksum))
+    export(out, tmp_path / "x", "vllm")
+    report = check(tmp_path / "x", llama)
+    assert report.ok, _messages(report)
+    victim = sorted((out / rank_dir(1)).glob("model-tp-001*.safetensors"))[0]
+    os.truncate(victim, victim.stat().st_size - 7)
+    with pytest.raises(OutputError, match="ends early"):
+        export(out, tmp_path / "y", "vllm")
+    assert not (tmp_path / "y").exists()
+
+
 # --- check catches broken exports ------------------------------------------------------------------
 
 

@@ -205,8 +205,8 @@ def _tasks(jobs: list[tuple[EngineTensor, int, int]], sizes: list[int]) -> list[
 
 def _copy_task(task: list[int], jobs: list[tuple[EngineTensor, int, int]], sizes: list[int], source: _Source, algorithm: str) -> list[bytes]:
     """Write the tensors of one task (_tasks); returns their digests."""
-    _, fd, begin = jobs[task[0]]
-    if sizes[task[0]] >= SMALL_BYTES:
+    first, fd, begin = jobs[task[0]]
+    if sizes[task[0]] >= SMALL_BYTES and first.value is None:  # a constant is written from memory
         return [_copy(jobs[task[0]], source, algorithm)]
     end = jobs[task[-1]][2] + sizes[task[-1]]
     buf = scratch("export-run", end - begin)
@@ -245,10 +245,7 @@ def _gather(tensor: EngineTensor, into: np.ndarray, source: _Source, algorithm: 
     for part in tensor.parts:
         src, src_offset = source.at(part)
         n = part.nbytes
-        try:
-            read_into(src, into[at : at + n], src_offset, n)
-        except CheckpointError:
-            raise OutputError(_ENDS_EARLY) from None
+        _read(src, into[at : at + n], src_offset, n)
         at += n
     if algorithm != "crc32" and len(tensor.parts) > 1:
         return tensor_digest(algorithm, into)
@@ -271,6 +268,13 @@ def _digest(tensor: EngineTensor, source: _Source, algorithm: str) -> bytes:
 _ENDS_EARLY = "a shard file of the tpshard output ends early (truncated?); run tpshard check on it"
 
 
+def _read(src: int, buf: np.ndarray, offset: int, n: int) -> np.ndarray:
+    try:
+        return read_into(src, buf, offset, n)
+    except CheckpointError:  # the tpshard output is what is short, not a checkpoint
+        raise OutputError(_ENDS_EARLY) from None
+
+
 def _kernel_copy(src: int, src_offset: int, dst: int, dst_offset: int, n: int) -> None:
     done = 0
     try:
@@ -288,7 +292,7 @@ def _read_write(src: int, src_offset: int, dst: int, dst_offset: int, n: int, h)
     done = 0
     while done < n:
         k = min(n - done, len(buf))
-        chunk = read_into(src, buf, src_offset + done, k)
+        chunk = _read(src, buf, src_offset + done, k)
         if h is not None:
             h.update(chunk)
         _write_all(dst, memoryview(chunk), dst_offset + done)
