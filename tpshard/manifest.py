@@ -8,7 +8,7 @@ one `check`, `verify` and `open_rank` read. docs/format.md describes the JSON.
 
 `ShardSpec` is the per-rank view of one (TensorPlan, Cut) with every field spelled out, built on
 demand: `Plan.rank_shards(rank)` builds one rank's, `Plan.shards` all of them; what walks every
-shard (the writer, check, reshard's reader, export) walks `Plan.file_members()` instead. A
+shard (the writer, check, reshard's reader, export) walks (TensorPlan, Cut) pairs instead. A
 shard's shape is derived, never stored; its world ranks are its file's `ranks`, which
 `make_plan` lays out from `Topology.ranks_of(group, group_rank, factor)` and `check` compares with it. Ranks that hold identical bytes (replicated tensors, attention shards shared by
 attention-DP replicas, GQA kv replicas) share one cut and one file.
