@@ -239,12 +239,12 @@ def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
     done = os.pwritev(fd, views, offset)
     total = sum(len(v) for v in views)
     if done < total:  # a short write: the rest piece by piece
-        _pwrite_all(fd, memoryview(b"".join(views))[done:], offset + done)
+        pwrite_all(fd, memoryview(b"".join(views))[done:], offset + done)
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    # Small writes: on this project's VMs a write of 512 KiB costs 3x the kernel time of four of
-    # 128 KiB (docs/performance.md).
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """All of `view` at `offset`, in writes of WRITE_BYTES: on this project's VMs a write of 512 KiB
+    costs 3x the kernel time of four of 128 KiB (docs/performance.md)."""
     for a in range(0, len(view), WRITE_BYTES):
         piece = view[a : a + WRITE_BYTES]
         done = 0
@@ -264,7 +264,7 @@ class _Target:
         # Hashed piece by piece while each is in the CPU cache.
         for a in range(0, len(view), WRITE_BYTES):
             piece = view[a : a + WRITE_BYTES]
-            _pwrite_all(self.fd, piece, self.offset + at + a)
+            pwrite_all(self.fd, piece, self.offset + at + a)
             self.hash.update(piece)
 
 
@@ -457,7 +457,7 @@ def _copy_large(plan: Plan, src_fd: int, info: TensorInfo, data, slots: list[_Sl
     for t, c, fd, offset, i, position in slots:
         if c.value is not None:  # content given by the plan (e.g. a rank's weight_shape)
             value = value_bytes(t.dtype, c.value)
-            _pwrite_all(fd, memoryview(value), offset)
+            pwrite_all(fd, memoryview(value), offset)
             digests[i][position] = digest_of(algorithm, value)
         else:
             targets.append((_Target(plan.view(t, c), fd, offset, algorithm), i, position))

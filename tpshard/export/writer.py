@@ -41,7 +41,7 @@ from tpshard.manifest import MANIFEST_NAME, Manifest, rank_dir, read_manifest
 from tpshard.pieces import read_into, scratch
 from tpshard.plan import file_header
 from tpshard.publish import staged_output
-from tpshard.writer import SMALL_BYTES, WRITE_BYTES, default_workers, start_writeback, write_durably
+from tpshard.writer import SMALL_BYTES, default_workers, pwrite_all, start_writeback, write_durably
 
 CHUNK = 4 << 20
 RUN_BYTES, RUN_TENSORS = 8 << 20, 4096  # one run of small tensors (_tasks)
@@ -211,7 +211,7 @@ def _copy_task(task: list[int], jobs: list[tuple[EngineTensor, int, int]], sizes
     end = jobs[task[-1]][2] + sizes[task[-1]]
     buf = scratch("export-run", end - begin)
     digests = [_gather(jobs[i][0], buf[jobs[i][2] - begin : jobs[i][2] - begin + sizes[i]], source, algorithm) for i in task]
-    _write_all(fd, memoryview(buf), begin)
+    pwrite_all(fd, memoryview(buf), begin)
     start_writeback(fd, begin, len(buf))
     return digests
 
@@ -295,13 +295,5 @@ def _read_write(src: int, src_offset: int, dst: int, dst_offset: int, n: int, h)
         chunk = _read(src, buf, src_offset + done, k)
         if h is not None:
             h.update(chunk)
-        _write_all(dst, memoryview(chunk), dst_offset + done)
+        pwrite_all(dst, memoryview(chunk), dst_offset + done)
         done += k
-
-
-def _write_all(dst: int, view: memoryview, offset: int) -> None:
-    for a in range(0, len(view), WRITE_BYTES):  # small writes: docs/performance.md
-        piece = view[a : a + WRITE_BYTES]
-        w = 0
-        while w < len(piece):
-            w += os.pwrite(dst, piece[w:], offset + a + w)
