@@ -16,6 +16,7 @@ attention-DP replicas, GQA kv replicas) share one cut and one file.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from functools import cached_property
 from operator import itemgetter
@@ -296,6 +297,17 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
                     members[c.file].append((t, c))
             self.__dict__["_members"] = members
         return self.__dict__["_members"]
+
+    def cut_places(self) -> array:
+        """Each cut's index in its file, cuts numbered in plan order: a file holds its tensors in
+        plan order, so a cut's place counts the cuts of its file before it (file_members without
+        the 460k pairs at 90k tensors and tp 8)."""
+        places, count = array("I"), [0] * len(self.files)
+        for t in self.tensors:
+            for c in t.cuts:
+                places.append(count[c.file])
+                count[c.file] += 1
+        return places
 
     def index_names(self, index: int) -> list[str]:
         """The names of the tensors of file `index`, sorted; every file's are built at once, by one

@@ -188,17 +188,27 @@ def copy_jobs(order: list[tuple[str, TensorInfo]]) -> list[tuple[bool, list[tupl
             batch, size = [], 0
     if batch:
         jobs.append((False, batch))
-    run, size = [], 0
-    for item in small:
-        info = item[1]
-        if run and (info.file != run[-1][1].file or info.begin != run[-1][1].end or size + info.nbytes > BATCH_BYTES or len(run) >= RUN_TENSORS):
-            jobs.append((True, run))
+    follows = lambda a, b: a[1].file == b[1].file and a[1].end == b[1].begin  # noqa: E731
+    return jobs + [(True, run) for run in adjacent_runs(small, lambda kv: kv[1].nbytes, follows, BATCH_BYTES, RUN_TENSORS)]
+
+
+def adjacent_runs(items: Iterable, nbytes: Callable, follows: Callable, max_bytes: int, max_items: int) -> list[list]:
+    """`items` in order, cut into runs in which each item follows the one before it
+    (`follows(before, item)`: back to back in one file), of at most max_bytes and max_items each:
+    small tensors are copied a run at a time, one read and one write for the run."""
+    runs: list[list] = []
+    run: list = []
+    size = 0
+    for item in items:
+        n = nbytes(item)
+        if run and (not follows(run[-1], item) or size + n > max_bytes or len(run) >= max_items):
+            runs.append(run)
             run, size = [], 0
         run.append(item)
-        size += info.nbytes
+        size += n
     if run:
-        jobs.append((True, run))
-    return jobs
+        runs.append(run)
+    return runs
 
 
 class _Pending:
@@ -276,21 +286,18 @@ _Slot = tuple[TensorPlan, Cut, int, int, int, int]
 class _Slots:
     """Each source tensor's slots, listed when its job runs: listed all at once they were 75 MB at
     90k tensors and tp 8. Found from the source's TensorPlans (a tied lm_head copy at pp > 1 is a
-    second one) and each cut's place in its file: a file holds its tensors in plan order, so a cut's
-    place counts the cuts of its file before it."""
+    second one) and each cut's place in its file (Plan.cut_places)."""
 
     def __init__(self, plan: Plan, fds: dict[int, int], offsets: dict[int, Sequence[int]]):
         self.tensors, self.fds, self.offsets = plan.tensors, fds, offsets
         self.plans_of: dict[str, list[int]] = {}  # source name -> indexes in plan.tensors
         self.first = array("I")  # per TensorPlan: the number of its first cut, cuts numbered in plan order
-        self.place = array("I")  # per cut: its index in its file
-        count = [0] * len(plan.files)
+        self.place = plan.cut_places()  # per cut: its index in its file
+        n = 0
         for k, t in enumerate(plan.tensors):
             self.plans_of.setdefault(t.source or t.name, []).append(k)
-            self.first.append(len(self.place))
-            for c in t.cuts:
-                self.place.append(count[c.file])
-                count[c.file] += 1
+            self.first.append(n)
+            n += len(t.cuts)
 
     def of(self, name: str) -> list[_Slot]:
         """The slots of source tensor `name` in the files being written."""

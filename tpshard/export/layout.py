@@ -294,14 +294,13 @@ def _route(plan: Plan, names: NameMap, anchor: re.Pattern, name: str) -> tuple:
 def rank_parts(plan: Plan) -> list[list[Part]]:
     """Each world rank's shards, in plan order; a shard several ranks hold is one Part."""
     held: list[list[Part]] = [[] for _ in range(plan.topology.world_size)]
-    placed = [0] * len(plan.files)  # tensors of each file met so far (data order is plan order)
+    places = iter(plan.cut_places())
     shapes: dict[tuple, tuple] = {}  # one tuple per distinct shape, shared
     for t in plan.tensors:
-        for c in t.cuts:
+        for c, place in zip(t.cuts, places):
             shape = shard_shape(t, c)
             shape = shapes.setdefault(shape, shape)
-            part = Part(t, c, placed[c.file], shape, nbytes_of(t.dtype, shape))
-            placed[c.file] += 1
+            part = Part(t, c, place, shape, nbytes_of(t.dtype, shape))
             for r in plan.files[c.file].ranks:
                 held[r].append(part)
     return held
@@ -341,7 +340,7 @@ def rank_tensors(plan: Plan, rank: int, names: NameMap, shards: list[Part], know
         stacked = None not in by_expert
         rows = None
         parts: list[Part] = []
-        for expert in sorted(by_expert, key=lambda e: -1 if e is None else e) if len(by_expert) > 1 else by_expert:
+        for expert in sorted(by_expert, key=lambda e: -1 if e is None else e):
             slots = by_expert[expert]
             if any(s is None for s in slots):
                 missing = [i for i, s in enumerate(slots) if s is None]

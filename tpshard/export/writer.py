@@ -41,7 +41,7 @@ from tpshard.manifest import MANIFEST_NAME, Manifest, rank_dir, read_manifest
 from tpshard.pieces import read_into, scratch
 from tpshard.plan import file_header
 from tpshard.publish import staged_output
-from tpshard.writer import SMALL_BYTES, default_workers, pwrite_all, start_writeback, write_durably
+from tpshard.writer import SMALL_BYTES, adjacent_runs, default_workers, pwrite_all, start_writeback, write_durably
 
 CHUNK = 4 << 20
 RUN_BYTES, RUN_TENSORS = 8 << 20, 4096  # one run of small tensors (_tasks)
@@ -187,20 +187,9 @@ def _tasks(jobs: list[tuple[EngineTensor, int, int]], sizes: list[int]) -> list[
     most of a model of many tensors is shards of a few hundred bytes, and a system call or a pool
     task per shard costs more than its bytes."""
     large = sorted((i for i, n in enumerate(sizes) if n >= SMALL_BYTES), key=lambda i: -sizes[i])
-    tasks = [[i] for i in large]
-    run, size = [], 0
-    for i, (_, fd, offset) in enumerate(jobs):
-        n = sizes[i]
-        if n >= SMALL_BYTES:
-            continue
-        if run and (fd != jobs[run[-1]][1] or offset != jobs[run[-1]][2] + sizes[run[-1]] or size + n > RUN_BYTES or len(run) >= RUN_TENSORS):
-            tasks.append(run)
-            run, size = [], 0
-        run.append(i)
-        size += n
-    if run:
-        tasks.append(run)
-    return tasks
+    small = (i for i, n in enumerate(sizes) if n < SMALL_BYTES)
+    follows = lambda a, b: jobs[a][1] == jobs[b][1] and jobs[a][2] + sizes[a] == jobs[b][2]  # noqa: E731
+    return [[i] for i in large] + adjacent_runs(small, sizes.__getitem__, follows, RUN_BYTES, RUN_TENSORS)
 
 
 def _copy_task(task: list[int], jobs: list[tuple[EngineTensor, int, int]], sizes: list[int], source: _Source, algorithm: str) -> list[bytes]:
