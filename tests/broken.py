@@ -31,7 +31,7 @@ def rewrite_checksums(out: Path) -> None:
         fd = os.open(path, os.O_RDONLY)
         digests = [hash_range(fd, o, e - o, m.plan.options.checksum) for o, e in zip(offsets, [*offsets[1:], f.size])]
         os.close(fd)
-        files.append(msgspec.structs.replace(f, checksum=file_digest(header, digests), digests=tuple(d.hex() for d in digests)))
+        files.append(msgspec.structs.replace(f, checksum=file_digest(header, digests), digests=b"".join(digests).hex()))
     (out / MANIFEST_NAME).write_bytes(encode_manifest(msgspec.structs.replace(m, files=tuple(files))))
 
 

@@ -31,7 +31,7 @@ def good(llama, tmp_path_factory) -> Path:
 def test_manifest_is_compact_and_round_trips(good):
     raw = (good / MANIFEST_NAME).read_bytes()
     data = json.loads(raw)
-    assert (data["format"], data["version"]) == ("tpshard-manifest", 2)
+    assert (data["format"], data["version"]) == ("tpshard-manifest", 3)
     assert b"\n" not in raw.rstrip(b"\n") and list(data) == sorted(data)  # compact, sorted keys
     m = read_manifest(good)
     assert len(raw) < 1024 * len(m.tensors)
@@ -124,10 +124,13 @@ CRAFTED = {
     "file rank out of world": (_set("files.0.ranks", [0, 99]), "rank 99 outside the world"),
     "written rank out of world": (_set("written_ranks", [0, 99]), "written_ranks"),
     "huge world": (_set("topology.tp", 10**9), "--tp must be an integer from 1 to 65536"),  # Topology refuses it while decoding
-    "digests miscounted": (lambda d: d["files"][0].update(digests=d["files"][0]["digests"][:-1]), "files[0].digests"),
+    "digests miscounted": (lambda d: d["files"][0].update(digests=d["files"][0]["digests"][:-8]), "files[0].digests"),
+    "digest not hex": (lambda d: d["files"][0].update(digests="z" + d["files"][0]["digests"][1:]), "files[0].digests: not lower-case hex"),
+    "digests as a list (version 2)": (lambda d: d["files"][0].update(digests=[d["files"][0]["digests"][:8]]), "files[0].digests"),
     "string for a number": (_set("files.0.size", "12"), "files[0].size"),
     "version 1": (_set("version", 1), "older tpshard"),
-    "future version": (_set("version", 3), "newer tpshard"),
+    "version 2": (lambda d: [d.update(version=2), *(f.update(digests=[f["digests"][:8]]) for f in d["files"])], "older tpshard"),
+    "future version": (_set("version", 4), "newer tpshard"),
     "another format": (_set("format", "safetensors-index"), "not 'tpshard-manifest'"),
     "missing field": (lambda d: d.pop("tensors"), "tensors"),
 }

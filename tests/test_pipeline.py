@@ -259,7 +259,7 @@ def test_check_catches_a_layer_moved_to_another_stage(llama7_pp2, copy_of, capsy
                 moved = [msgspec.structs.replace(c, file=index[m.files[c.file].name.replace("pp-000-", "pp-001-")]) for c in t.cuts]
                 t = msgspec.structs.replace(t, cuts=tuple(moved))
             tensors.append(t)
-        return msgspec.structs.replace(m, tensors=tuple(tensors), files=tuple(msgspec.structs.replace(f, digests=()) for f in m.files))
+        return msgspec.structs.replace(m, tensors=tuple(tensors), files=tuple(msgspec.structs.replace(f, digests="") for f in m.files))
 
     rewrite(out, move)
     found = stage_findings(tpshard.check(out))
@@ -274,7 +274,7 @@ def test_check_catches_a_stage_without_its_norm(llama7_pp2, copy_of):
     def drop_norm(m):
         t = next(t for t in m.tensors if t.name == "model.norm.weight")
         held = m.files[t.cuts[0].file].name
-        files = tuple(msgspec.structs.replace(f, digests=()) if f.name == held else f for f in m.files)
+        files = tuple(msgspec.structs.replace(f, digests="") if f.name == held else f for f in m.files)
         return msgspec.structs.replace(m, tensors=tuple(x for x in m.tensors if x is not t), files=files)
 
     rewrite(out, drop_norm)
@@ -295,7 +295,7 @@ def test_check_catches_a_stage_missing_a_layer_and_a_stray_norm(llama7_pp2, copy
             if t.name == "model.norm.weight":
                 t = msgspec.structs.replace(t, cuts=tuple(msgspec.structs.replace(c, file=both) for c in t.cuts))
             tensors.append(t)
-        return msgspec.structs.replace(m, tensors=tuple(tensors), files=tuple(msgspec.structs.replace(f, digests=()) for f in m.files))
+        return msgspec.structs.replace(m, tensors=tuple(tensors), files=tuple(msgspec.structs.replace(f, digests="") for f in m.files))
 
     rewrite(out, damage)
     found = stage_findings(tpshard.check(out))

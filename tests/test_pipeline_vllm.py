@@ -292,7 +292,7 @@ def test_check_catches_a_vllm_output_whose_last_stage_lost_the_tied_embedding(ll
                     cuts.append(msgspec.structs.replace(c, file=stage0.get(name, c.file)))
                 t = msgspec.structs.replace(t, cuts=tuple(cuts))
             tensors.append(t)
-        return msgspec.structs.replace(m, tensors=tuple(tensors), files=tuple(msgspec.structs.replace(f, digests=()) for f in m.files))
+        return msgspec.structs.replace(m, tensors=tuple(tensors), files=tuple(msgspec.structs.replace(f, digests="") for f in m.files))
 
     (out / MANIFEST_NAME).write_bytes(encode_manifest(drop_last(read_manifest(out))))
     found = [p.message for p in tpshard.check(out).problems if p.check == "stages"]
@@ -384,7 +384,7 @@ def test_export_refuses_a_pipeline_output_with_a_stage_gap(exports, copy_of, tmp
     m = read_manifest(out)
     m = msgspec.structs.replace(
         m, tensors=tuple(t for t in m.tensors if not t.name.startswith("model.layers.4.")),
-        files=tuple(msgspec.structs.replace(f, digests=()) for f in m.files),
+        files=tuple(msgspec.structs.replace(f, digests="") for f in m.files),
     )  # fmt: skip
     (out / MANIFEST_NAME).write_bytes(encode_manifest(m))
     with pytest.raises(TpshardError, match=re.escape("rank 2 (stage 1): no tensor of layers 4; its layers are 2-4")):

@@ -124,7 +124,7 @@ def _manifest_only(plan, tmp_path):
 
     counts = {f.name: len(members) for f, members in zip(plan.files, plan.file_members())}
     files = tuple(
-        msgspec.structs.replace(f, checksum="0" * 64, digests=tuple(f"{i:08x}" for i in range(counts[f.name])))
+        msgspec.structs.replace(f, checksum="0" * 64, digests="".join(f"{i:08x}" for i in range(counts[f.name])))
         for f in plan.files
     )
     m = Manifest.of(plan, tool_version="test", source=Source(path="model", files=()), written_ranks=tuple(range(plan.topology.world_size)), files=files)
@@ -166,7 +166,7 @@ def test_rank_records_are_the_plans_files(request, tmp_path, fixture, topology):
 
 def test_rank_records_decode_the_manifests_fields_as_the_manifest_does():
     """The rank records' schema is a subset of the manifest's, field for field (types and defaults),
-    the cuts and digests aside (JSON text, decoded as Cut and str when used)."""
+    the cuts aside (JSON text, decoded as Cut when used)."""
     import msgspec
 
     from tpshard.manifest import Manifest, OutputFile, TensorPlan, _FileRecord, _RankManifest, _TensorRecord
@@ -174,7 +174,7 @@ def test_rank_records_decode_the_manifests_fields_as_the_manifest_does():
     for part, whole in ((_TensorRecord, TensorPlan), (_FileRecord, OutputFile), (_RankManifest, Manifest)):
         fields = {f.name: f for f in msgspec.structs.fields(whole)}
         for f in msgspec.structs.fields(part):
-            if f.name in ("cuts", "digests", "format", "version", "tensors", "files"):
+            if f.name in ("cuts", "format", "version", "tensors", "files"):
                 continue  # raw text; the envelope is compared with the constants; records above
             assert (f.type, f.default) == (fields[f.name].type, fields[f.name].default), f"{part.__name__}.{f.name}"
 
@@ -216,7 +216,8 @@ def test_tampered_digest_and_moved_cut_are_refused(out):
 
     def digest(data):
         f = next(f for f in data["files"] if f["ranks"] == [2])
-        f["digests"][3] = "00000000" if f["digests"][3] != "00000000" else "00000001"
+        d = f["digests"]
+        f["digests"] = d[:24] + ("00000000" if d[24:32] != "00000000" else "00000001") + d[32:]  # tensor 3's
 
     _edit(out, digest)
     refused(out, 2, files[(2,)], "does not match its crc32")
@@ -225,7 +226,7 @@ def test_tampered_digest_and_moved_cut_are_refused(out):
         _, c = _rank_cut(data, [3])
         to, of = (next(f for f in data["files"] if f["ranks"] == [r]) for r in (0, 3))
         c[4] = data["files"].index(to)
-        to["digests"].append(of["digests"].pop())
+        to["digests"], of["digests"] = to["digests"] + of["digests"][-8:], of["digests"][:-8]
 
     _edit(out, moved)
     refused(out, 0, "rank 0", files[(0,)])
@@ -233,12 +234,15 @@ def test_tampered_digest_and_moved_cut_are_refused(out):
 
 
 @pytest.mark.parametrize("bad,needle", [
-    (["x", 1], "$.files["),  # a digest that is not a string
-    ("abc", "$.files["),
+    (lambda d: [d[:8]], "$.files["),  # a list (manifest version 2), not one string
+    (lambda d: d[:-1], "hex digits"),
+    (lambda d: "g" + d[1:], "not lower-case hex"),
+    (lambda d: "A" + d[1:], "not lower-case hex"),
 ])  # fmt: skip
 def test_rank_files_digests_are_decoded_against_the_schema(out, bad, needle):
     def edit(data):
-        next(f for f in data["files"] if f["ranks"] == [0])["digests"] = bad
+        f = next(f for f in data["files"] if f["ranks"] == [0])
+        f["digests"] = bad(f["digests"])
 
     _edit(out, edit)
     refused(out, 0, "not a valid tpshard manifest", needle, ".digests")

@@ -60,12 +60,6 @@ def packed_digests(slots: array | list) -> bytes:
     return big_endian.tobytes()
 
 
-def hex_digests(algorithm: str, packed: bytes) -> tuple[str, ...]:
-    """Each digest of `packed` (packed_digests) in hex, the manifest's form."""
-    text, width = packed.hex(), 2 * DIGEST_SIZE[algorithm]
-    return tuple(text[a : a + width] for a in range(0, len(text), width))
-
-
 class Crc32:
     """crc32 with hashlib's update/digest interface."""
 

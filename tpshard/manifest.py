@@ -1,4 +1,4 @@
-"""The plan and the manifest: the parallel and load contracts as data (manifest version 2).
+"""The plan and the manifest: the parallel and load contracts as data (manifest version 3).
 
 A `Plan` is what `tpshard plan` prints and `tpshard split` executes: one `TensorPlan` per source
 tensor kept, holding what all of its cuts share (layer, kind, group, dim, quantized layout), and one
@@ -16,6 +16,7 @@ attention-DP replicas, GQA kv replicas) share one cut and one file.
 
 from __future__ import annotations
 
+import re
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from functools import cached_property
@@ -26,11 +27,12 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from tpshard.collector import paused
+from tpshard.digest import DIGEST_SIZE
 from tpshard.topology import GroupName, Topology
 
 MANIFEST_NAME = "tpshard-manifest.json"
 MANIFEST_FORMAT = "tpshard-manifest"
-MANIFEST_VERSION = 2
+MANIFEST_VERSION = 3
 
 # Bounds on numbers read from a manifest (docs/format.md): no command may hang or allocate without
 # limit on a crafted one.
@@ -193,11 +195,14 @@ class OutputFile(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
     ranks: tuple[Rank, ...]  # world ranks holding it: the only place ranks are stored
     size: Count  # bytes, header included
     checksum: str = ""  # tpshard.digest.file_digest: sha256 of the header, then the tensor digests
-    digests: tuple[str, ...] = ()  # per tensor, in file order (Options.checksum); () = not written
+    # Each tensor's digest (Options.checksum) in hex, back to back in file order: one string, not one
+    # per tensor (460k strings were 29 MB at DeepSeek-V3's count and tp 8); "" = not written.
+    digests: str = ""
 
-    @property
-    def tensor_checksums(self) -> tuple[str, ...]:
-        return self.digests
+    def digest(self, i: int, algorithm: str) -> bytes:
+        """The digest of the file's tensor `i`, as tpshard.digest.tensor_digest gives it."""
+        width = 2 * DIGEST_SIZE[algorithm]
+        return bytes.fromhex(self.digests[i * width : (i + 1) * width])
 
 
 # The fields of a ShardSpec stored once per tensor (TensorPlan) and once per cut (Cut).
@@ -510,18 +515,40 @@ def _decode(decoder: msgspec.json.Decoder, data: bytes, where: str):
     return decoded
 
 
-_decoder = msgspec.json.Decoder(Manifest)
+def _text_twin(struct: type, **types: Any) -> type:
+    """A struct with the fields and defaults of `struct`, those named in `types` typed so instead:
+    what a manifest is decoded into before the cuts that tensors share are decoded once each."""
+    fields = []
+    for f in msgspec.structs.fields(struct):
+        typ = types.get(f.name, f.type)
+        if f.default is not msgspec.NODEFAULT:
+            fields.append((f.name, typ, f.default))
+        elif f.default_factory is not msgspec.NODEFAULT:
+            fields.append((f.name, typ, msgspec.field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, typ))
+    return msgspec.defstruct(f"_{struct.__name__}Text", fields, kw_only=True, gc=False)
+
+
+# Tensors of a kind share their cuts: decoded as text, each distinct text decoded once, each tensor
+# given the shared tuple (90k tensors at tp 8 are 460k Cut structs otherwise: 45 MB).
+_TensorText = _text_twin(TensorPlan, cuts=msgspec.Raw)
+_decoder = msgspec.json.Decoder(_text_twin(Manifest, tensors=tuple[_TensorText, ...]))
 
 
 def decode_manifest(data: bytes, where: str) -> Manifest:
-    """A manifest from JSON bytes, decoded against its schema and validated; OutputError otherwise."""
+    """A manifest from JSON bytes, decoded against its schema and validated (docs/format.md):
+    OutputError otherwise, naming the field."""
     from tpshard.errors import OutputError
 
-    manifest = _decode(_decoder, data, where)
-    problem = validate(manifest)
+    text = _decode(_decoder, data, where)
+    kinds: list[_CutKind] = []
+    problem = _frame_problem(text) or _tensors_problem(text, kinds)
     if problem:
         raise OutputError(f"{where}: not a valid tpshard manifest ({problem})")
-    return manifest
+    asdict = msgspec.structs.asdict
+    tensors = tuple(TensorPlan(**(asdict(t) | {"cuts": kind.cuts})) for t, kind in zip(text.tensors, kinds))
+    return Manifest(**(asdict(text) | {"tensors": tensors}))
 
 
 def _manifest_bytes(out_dir: str | Path) -> tuple[bytes, str]:
@@ -569,7 +596,7 @@ class _FileRecord(msgspec.Struct, kw_only=True, gc=False):
     ranks: tuple[Rank, ...]
     size: Count
     checksum: str = ""
-    digests: msgspec.Raw = msgspec.Raw(b"[]")  # decoded for the rank's own files only
+    digests: str = ""  # checked for the rank's own files only
 
 
 class _RankManifest(msgspec.Struct, kw_only=True):
@@ -586,7 +613,6 @@ class _RankManifest(msgspec.Struct, kw_only=True):
 
 _rank_decoder = msgspec.json.Decoder(_RankManifest)
 _cuts_decoder = msgspec.json.Decoder(tuple[Cut, ...])
-_digests_decoder = msgspec.json.Decoder(tuple[str, ...])
 
 
 class RankFile(msgspec.Struct, frozen=True, gc=False):
@@ -610,7 +636,7 @@ def read_rank_records(out_dir: str | Path, rank: int) -> RankRecords:
     data, where = _manifest_bytes(out_dir)
     m = _decode(_rank_decoder, data, where)
     kinds: list[_CutKind] = []
-    problem = _frame_problem(m) or _tensors_problem(m, raw=True, kind_of=kinds)
+    problem = _frame_problem(m) or _tensors_problem(m, kinds)
     if problem:
         raise OutputError(f"{where}: not a valid tpshard manifest ({problem})")
     held = {i for i, f in enumerate(m.files) if rank in f.ranks}
@@ -624,13 +650,7 @@ def read_rank_records(out_dir: str | Path, rank: int) -> RankRecords:
     files = []
     for i in sorted(held):
         f = m.files[i]
-        try:
-            digests = _digests_decoder.decode(f.digests)
-        except msgspec.DecodeError as e:
-            raise OutputError(f"{where}: not a valid tpshard manifest ({_located(e, f'$.files[{i}].digests')})") from None
-        if digests and len(digests) != len(members[i]):
-            raise OutputError(f"{where}: not a valid tpshard manifest (files[{i}].digests: {len(digests)} digests for the {len(members[i])} tensors of {f.name})")
-        record = OutputFile(name=f.name, ranks=f.ranks, size=f.size, checksum=f.checksum, digests=digests)
+        record = OutputFile(name=f.name, ranks=f.ranks, size=f.size, checksum=f.checksum, digests=f.digests)
         files.append(RankFile(record, members[i]))
     return RankRecords(m.written_ranks, m.options.checksum, files)
 
@@ -666,11 +686,6 @@ def _check_cuts(shape: tuple[int, ...], dim: int | None, group_size: int, cuts: 
         if c.value is not None and len(c.value) > 64:
             return f".cuts[{j}]: a value of {len(c.value)} numbers"
     return None
-
-
-def validate(m: Manifest) -> str | None:
-    """Cross-field facts the schema cannot say (docs/format.md); the first failure, naming its field."""
-    return _frame_problem(m) or _tensors_problem(m)
 
 
 def _frame_problem(m: Manifest | _RankManifest) -> str | None:
@@ -711,10 +726,9 @@ class _CutKind:
         self.count, self.cuts, self.placed = 1, cuts, None
 
 
-def _tensors_problem(m: Manifest | _RankManifest, *, raw: bool = False, kind_of: list | None = None) -> str | None:
-    """The tensors' fields and cuts, and each written file's digest count. `raw`: the cuts are JSON
-    text (rank records), decoded here once per distinct text, and only the files with digests
-    decoded are counted; `kind_of` receives each tensor's _CutKind."""
+def _tensors_problem(m, kind_of: list) -> str | None:
+    """The tensors' fields and cuts (JSON text, decoded here once per distinct text), and each
+    written file's digests; `kind_of` receives each tensor's _CutKind."""
     from tpshard.safetensors_format import DTYPE_SIZE
 
     nfiles = len(m.files)
@@ -732,30 +746,39 @@ def _tensors_problem(m: Manifest | _RankManifest, *, raw: bool = False, kind_of:
             return f"tensors[{i}] ({t.name}).ep_slot: {t.ep_slot} but --ep is {ep}"
         if t.expert is not None and t.expert >= experts:
             return f"tensors[{i}] ({t.name}).expert: {t.expert} but the model has {experts} routed experts"
-        key = (t.dtype, t.shape, t.dim, t.group_size, bytes(t.cuts) if raw else t.cuts)
+        key = (t.dtype, t.shape, t.dim, t.group_size, bytes(t.cuts))
         kind = kinds.get(key)
         if kind is not None:
             kind.count += 1
         else:
-            cuts = t.cuts
-            if raw:
-                try:
-                    cuts = _cuts_decoder.decode(key[-1])
-                except msgspec.DecodeError as e:
-                    return _located(e, f"$.tensors[{i}].cuts")
+            try:
+                cuts = _cuts_decoder.decode(key[-1])
+            except msgspec.DecodeError as e:
+                return _located(e, f"$.tensors[{i}].cuts")
             problem = _check_cuts(t.shape, t.dim, t.group_size, cuts, size, nfiles)
             if problem:
                 return f"tensors[{i}] ({t.name}){problem}"
             kind = kinds[key] = _CutKind(cuts)
-        if kind_of is not None:
-            kind_of.append(kind)
-    if raw:
-        return None  # the digests of the rank's own files are counted by read_rank_records
+        kind_of.append(kind)
     per_file = [0] * nfiles
     for kind in kinds.values():
         for c in kind.cuts:
             per_file[c.file] += kind.count
     for i, f in enumerate(m.files):
-        if f.digests and len(f.digests) != per_file[i]:
-            return f"files[{i}].digests: {len(f.digests)} digests for the {per_file[i]} tensors of {f.name}"
+        problem = _digests_problem(i, f, per_file[i], m.options.checksum)
+        if problem:
+            return problem
     return None
+
+
+def _digests_problem(i: int, f: OutputFile | _FileRecord, count: int, algorithm: str) -> str | None:
+    """What is wrong with files[i].digests for a file of `count` tensors, or None."""
+    width = 2 * DIGEST_SIZE[algorithm]
+    if f.digests and len(f.digests) != count * width:
+        return f"files[{i}].digests: {len(f.digests)} hex digits for the {count} tensors of {f.name} ({width} each)"
+    if not _LOWER_HEX.fullmatch(f.digests):
+        return f"files[{i}].digests: not lower-case hex"
+    return None
+
+
+_LOWER_HEX = re.compile("[0-9a-f]*")

@@ -56,7 +56,7 @@ class _Cut:
 
     __slots__ = ("tensor", "cut", "copy", "offset", "digest", "file", "index")
 
-    def __init__(self, tensor: TensorPlan, cut: Cut, copy: tuple[Path, list[int]], offset: int, digest: str, file: str, index: int):
+    def __init__(self, tensor: TensorPlan, cut: Cut, copy: tuple[Path, list[int]], offset: int, digest: bytes, file: str, index: int):
         self.tensor, self.cut, self.offset, self.digest = tensor, cut, offset, digest
         self.copy, self.file = copy, file  # (path, ranks) of the copy read; the file's name
         self.index = index  # in its file
@@ -229,7 +229,7 @@ class OutputReader:
                 if not held or not f.digests:
                     self.unheld.setdefault(t.name, f.name)
                     continue
-                self.cuts[t.name].append(_Cut(t, c, held[0], offset, f.digests[i], f.name, i))
+                self.cuts[t.name].append(_Cut(t, c, held[0], offset, f.digest(i, self.algorithm), f.name, i))
         self.copies = copies
         self.read: set[tuple[Path, int]] = set()  # (file, tensor index) hashed while read
         self.largest = max((nbytes_of(t.dtype, t.shape) for t in manifest.tensors), default=0)
@@ -258,7 +258,6 @@ class OutputReader:
         from tpshard.check import range_digests
 
         plan = self.manifest.plan
-        digests = {f.name: f.digests for f in self.manifest.files}
 
         def one(item: tuple[str, list]) -> None:
             fname, held = item
@@ -268,7 +267,7 @@ class OutputReader:
             todo = [k for k in range(len(members)) if (path, k) not in self.read]
             sizes = [nbytes_of(members[k][0].dtype, shard_shape(*members[k])) for k in todo]
             for k, got in zip(todo, range_digests(self._fd(path), [offsets[k] for k in todo], sizes, self.algorithm)):
-                if got.hex() != digests[fname][k]:
+                if got != plan.files[plan.file_index(fname)].digest(k, self.algorithm):
                     raise OutputError(f"{self.out}: {fname} of ranks {held[0][1]}: tensor {members[k][0].name} does not match its {self.algorithm} in the manifest")
 
         from concurrent.futures import ThreadPoolExecutor
@@ -393,7 +392,7 @@ class OutputReader:
                 if s.pad:
                     self._zero(view[:, s.length :], c)
                 into[a:b, s.start : s.start + s.length] = view[:, : s.length]
-        if h.digest().hex() != c.digest:
+        if h.digest() != c.digest:
             raise OutputError(f"{self.out}: {c.where}: tensor {t.name} does not match its {self.algorithm} in the manifest")
         with self.lock:
             self.read.add((c.path, c.index))

@@ -40,7 +40,6 @@ from tpshard.digest import (
     file_digest,
     file_hash,
     hash_digest,
-    hex_digests,
     new_hash,
     packed_digests,
     sha256_file,
@@ -392,7 +391,7 @@ def write_plan(
         f = plan.files[i]
         packed = packed_digests(digests.pop(i))
         checksums[i].update(packed)
-        written[f.name] = msgspec.structs.replace(f, checksum=checksums[i].hexdigest(), digests=hex_digests(algorithm, packed))
+        written[f.name] = msgspec.structs.replace(f, checksum=checksums[i].hexdigest(), digests=packed.hex())
         canonical = staging / rank_dir(min(chosen & set(f.ranks))) / f.name
         for r in sorted(chosen & set(f.ranks)):
             if (staging / rank_dir(r) / f.name) != canonical:

@@ -103,9 +103,9 @@ class _Source:
                     fd = self.fds[i] = os.open(self.paths[i], os.O_RDONLY)
         return fd, self.offsets[i][part.index]
 
-    def digest(self, part: Part) -> str:
+    def digest(self, part: Part) -> bytes:
         """The shard's digest in the tpshard manifest."""
-        return self.plan.files[part.cut.file].digests[part.index]
+        return self.plan.files[part.cut.file].digest(part.index, self.plan.options.checksum)
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -247,10 +247,10 @@ def _digest(tensor: EngineTensor, source: _Source, algorithm: str) -> bytes:
     disk since the split is exported with the digest it should have, so `tpshard check` on the
     export names it. A fused tensor under sha256 has none: its caller hashes it."""
     if algorithm != "crc32":
-        return bytes.fromhex(source.digest(tensor.parts[0]))
+        return source.digest(tensor.parts[0])
     crc = 0
     for part in tensor.parts:
-        crc = crc32_combine(crc, int(source.digest(part), 16), part.nbytes)
+        crc = crc32_combine(crc, int.from_bytes(source.digest(part), "big"), part.nbytes)
     return crc.to_bytes(4, "big")
 
 
