@@ -289,19 +289,27 @@ class _Slots:
 
     def __init__(self, plan: Plan, fds: dict[int, int], offsets: dict[int, Sequence[int]]):
         self.tensors, self.fds, self.offsets = plan.tensors, fds, offsets
-        self.plans_of: dict[str, list[int]] = {}  # source name -> indexes in plan.tensors
+        # source name -> index in plan.tensors; the rare second TensorPlan of a source in `more`
+        # (a list per name was 7 MB at 90k tensors)
+        self.plan_of: dict[str, int] = {}
+        self.more: dict[str, list[int]] = {}
         self.first = array("I")  # per TensorPlan: the number of its first cut, cuts numbered in plan order
         self.place = plan.cut_places()  # per cut: its index in its file
         n = 0
         for k, t in enumerate(plan.tensors):
-            self.plans_of.setdefault(t.source or t.name, []).append(k)
+            name = t.source or t.name
+            if name in self.plan_of:
+                self.more.setdefault(name, []).append(k)
+            else:
+                self.plan_of[name] = k
             self.first.append(n)
             n += len(t.cuts)
 
     def of(self, name: str) -> list[_Slot]:
         """The slots of source tensor `name` in the files being written."""
         slots = []
-        for k in self.plans_of.get(name, ()):
+        first = self.plan_of.get(name)
+        for k in () if first is None else (first, *self.more.get(name, ())):
             t = self.tensors[k]
             for n, c in enumerate(t.cuts, self.first[k]):
                 fd = self.fds.get(c.file)
