@@ -124,11 +124,12 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         tensors = {name: _tensor_info(path, name, _plain(entry), 8 + n, data_size) for name, entry in header.items()}
         raise AssertionError(f"{path}: header refused by its schema but by no rule")  # _tensor_info raised
     tensors = {}
+    one = {}.setdefault  # equal dtypes and shapes decoded apart made one object: 10 MB at 90k tensors
     for name, e in entries.items():
         begin, end = e.data_offsets
         if end < begin or end - begin != DTYPE_SIZE[e.dtype] * math.prod(e.shape) or end > data_size:
             _tensor_info(path, name, _plain(header[name]), 8 + n, data_size)  # raises, naming the fault
-        tensors[name] = TensorInfo(path.name, e.dtype, e.shape, 8 + n + begin, 8 + n + end)
+        tensors[name] = TensorInfo(path.name, one(e.dtype, e.dtype), one(e.shape, e.shape), 8 + n + begin, 8 + n + end)
     end = 0
     for info in sorted(tensors.values(), key=lambda i: (i.begin, i.end)):
         if info.begin - 8 - n != end:
