@@ -27,7 +27,7 @@ def rewrite_checksums(out: Path) -> None:
             files.append(f)
             continue
         path = out / rank_dir(min(set(f.ranks) & set(m.written_ranks))) / f.name
-        header, offsets = m.plan.layout(f.name)
+        header, offsets = m.plan.header(f.name), m.plan.offsets(f.name)
         fd = os.open(path, os.O_RDONLY)
         digests = [hash_range(fd, o, e - o, m.plan.options.checksum) for o, e in zip(offsets, [*offsets[1:], f.size])]
         os.close(fd)

@@ -1,11 +1,20 @@
 """Issue 12: a plan sizes its output files without building their headers. header_layout's count is
-compared with len(build_header(...)) on crafted inputs."""
+compared with len(build_header(...)) on crafted inputs; a plan's offsets with those of the header
+built; a planned size that is wrong stops the writer before any file is put in place."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+import tpshard
+from tpshard import plan as plan_module
+from tpshard.checkpoint import open_checkpoint
+from tpshard.manifest import read_manifest
+from tpshard.plan import FILE_METADATA, file_header, make_plan
 from tpshard.safetensors_format import ALIGN, DTYPE_SIZE, build_header, header_layout
+from tpshard.topology import Topology
 
 # (name, dtype, shape) lists: every dtype, 0-d and zero-size shapes, offsets that cross powers of
 # ten (a digit more in `data_offsets`), names JSON escapes, repeated names.
@@ -26,7 +35,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("metadata", [None, {"format": "pt"}, {"k": 'é"'}])
+@pytest.mark.parametrize("metadata", [None, FILE_METADATA, {"k": 'é"'}])
 @pytest.mark.parametrize("case", CASES)
 def test_header_layout_is_the_length_of_the_built_header(case, metadata):
     """The counted size and offsets are build_header's, for plain names (counted) and the others."""
@@ -39,7 +48,44 @@ def test_every_padding_of_the_header():
     paddings = set()
     for n in range(1, 3 * ALIGN):
         tensors = [("x" * n, "F32", (2, 3)), ("y", "I64", ())]
-        head, offsets = build_header(tensors, {"format": "pt"})
+        head, offsets = build_header(tensors, FILE_METADATA)
         paddings.add(len(head) - len(head.rstrip(b" ")))
-        assert header_layout(tensors, {"format": "pt"}) == (len(head), offsets)
+        assert header_layout(tensors, FILE_METADATA) == (len(head), offsets)
     assert paddings == set(range(ALIGN))
+
+
+def test_a_plan_holds_sizes_and_offsets_not_headers(llama):
+    """make_plan keeps per file its header size and offsets, no header bytes; Plan.header builds the
+    one the offsets were laid out with."""
+    plan = make_plan(open_checkpoint(llama), Topology(tp=8))
+    assert not any(isinstance(v, bytes) for layout in plan.__dict__["_layouts"].values() for v in layout)
+    for f in plan.files:
+        header = plan.header(f.name)
+        _, offsets = file_header(plan._file_tensors(f.name))
+        assert (plan.header_size(f.name), list(plan.offsets(f.name))) == (len(header), offsets)
+    assert not any(isinstance(v, bytes) for layout in plan.__dict__["_layouts"].values() for v in layout)
+
+
+def test_a_plan_read_from_a_manifest_lays_out_alike(llama, tmp_path):
+    """A manifest's plan (no sizes recorded) counts the same sizes and offsets as make_plan."""
+    tpshard.split(llama, tmp_path / "out", Topology(tp=4))
+    read = read_manifest(tmp_path / "out").plan
+    made = make_plan(open_checkpoint(llama), Topology(tp=4))
+    for f in made.files:
+        assert (read.header_size(f.name), list(read.offsets(f.name))) == (made.header_size(f.name), list(made.offsets(f.name)))
+        assert read.header(f.name) == made.header(f.name)
+
+
+def test_a_wrong_planned_header_size_is_refused_not_written(llama, tmp_path, monkeypatch):
+    """A header whose length is not the planned one would put every tensor at the wrong offset: the
+    writer raises before any output is put in place."""
+    counted = plan_module.header_layout
+
+    def eight_bytes_short(tensors, metadata=None):
+        size, offsets = counted(tensors, metadata)
+        return size - 8, [o - 8 for o in offsets]
+
+    monkeypatch.setattr(plan_module, "header_layout", eight_bytes_short)
+    with pytest.raises(AssertionError, match="the header built is .* bytes, the plan laid it out as"):
+        tpshard.split(llama, tmp_path / "out", Topology(tp=2))
+    assert [e for e in os.listdir(tmp_path) if e == "out" or e.startswith(".out.")] == []

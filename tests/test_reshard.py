@@ -190,7 +190,7 @@ def _flip(path: Path, offset: int) -> None:
 
 def _data_offset(out: Path, rank: int, file: str) -> int:
     m = read_manifest(out)
-    return m.plan.layout(file)[1][-1] + 3  # inside the file's last tensor
+    return m.plan.offsets(file)[-1] + 3  # inside the file's last tensor
 
 
 def test_check_from_catches_a_flipped_byte_in_new(pair, copy_of):
@@ -308,7 +308,7 @@ def test_bytes_no_new_tensor_reads_are_compared_at_the_end(qwen2_tied, tmp_path)
     tpshard.split(qwen2_tied, old, T(tp=2, pp_layers=(1, 1)))
     m = read_manifest(old)
     spec = next(s for s in m.plan.shards if s.name == "lm_head.weight")
-    offset = m.plan.layout(spec.file)[1][file_specs(m.plan, spec.file).index(spec)]
+    offset = m.plan.offsets(spec.file)[file_specs(m.plan, spec.file).index(spec)]
     _flip(old / rank_dir(spec.ranks[0]) / spec.file, offset + 5)
     with pytest.raises(OutputError, match="lm_head.weight does not match its crc32"):
         reshard(old, tmp_path / "x", T(tp=4))

@@ -108,8 +108,6 @@ def check(
     if source is not None:
         ckpt = open_checkpoint(source)
         expected = _rules_plan(ckpt, manifest)
-        if isinstance(expected, Plan):
-            manifest.plan.share_layouts(expected)
     check_output(out, manifest, report, workers)
     if source is not None:
         check_extras_against_source(ckpt, manifest, report)
@@ -438,7 +436,7 @@ def _check_files(
         if not rec.checksum:
             return [("checksum", f"{where}: the manifest has no checksum for it")]
         size = os.lstat(path).st_size
-        header, offsets = plan.layout(name)
+        header, offsets = plan.header(name), plan.offsets(name)
         planned = offsets[-1] + nbytes_of(tensors[-1][0].dtype, shard_shape(*tensors[-1])) if tensors else len(header)
         if size != rec.size or planned != rec.size:
             return [("files", f"{where}: {size} bytes, the manifest says {rec.size} and its tensors need {planned} (truncated or extended)")]
@@ -650,7 +648,7 @@ def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckRe
         if not written & set(f.ranks):
             continue
         held = copies.get(f.name, [])
-        for (t, c), offset in zip(plan.file_members()[i], plan.layout(f.name)[1]):
+        for (t, c), offset in zip(plan.file_members()[i], plan.offsets(f.name)):
             source = t.source or t.name
             if not held:  # every copy missing or not a plain file: reported by name, never counted as proven
                 located[source].append((t, c, None, offset, ""))

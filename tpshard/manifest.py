@@ -327,34 +327,59 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
             self.__dict__["_index_names"] = names
         return self.__dict__["_index_names"][index]
 
-    def layout(self, file: str) -> tuple[bytes, Sequence[int]]:
-        """The header bytes and tensor data offsets of an output file, built once."""
+    def header(self, file: str) -> bytes:
+        """The header bytes of an output file, built on each call and kept nowhere: the writer and
+        check need each file's once (at 90k tensors and tp 8 the headers are 48 MB in all). Its
+        length is the one the file's offsets were laid out with: anything else is a bug, never a
+        file written with its data in the wrong place."""
+        from tpshard.plan import file_header
+
+        header, offsets = file_header(self._file_tensors(file))
+        layouts = self.__dict__.setdefault("_layouts", {})
+        if file not in layouts:  # not laid out yet: this header is the layout
+            layouts[file] = (len(header), array("Q", offsets))
+        elif len(header) != layouts[file][0]:
+            raise AssertionError(f"{file}: the header built is {len(header)} bytes, the plan laid it out as {layouts[file][0]}")
+        return header
+
+    def offsets(self, file: str) -> Sequence[int]:
+        """Each tensor's absolute data offset in an output file, in data order; no header is built."""
+        return self._layout(file)[1]
+
+    def header_size(self, file: str) -> int:
+        """The length of a file's header: its data follows."""
+        return self._layout(file)[0]
+
+    def _layout(self, file: str) -> tuple[int, Sequence[int]]:
+        """(header size, data offsets) of a file: make_plan's, or counted on first use (a plan read
+        from a manifest)."""
         from tpshard.plan import plan_layout
 
         layouts = self.__dict__.setdefault("_layouts", {})
         if file not in layouts:
-            layouts[file] = plan_layout([(t.name, t.dtype, shard_shape(t, c)) for t, c in self.file_members()[self.file_index(file)]])
+            layouts[file] = plan_layout(self._file_tensors(file))
         return layouts[file]
 
-    def take_layout(self, file: str) -> tuple[bytes, Sequence[int]]:
-        """layout(file), dropped from the cache (built again if asked for) but for its header_size:
-        the writer needs each file's once, and make_plan lays out every file (at 90k tensors and
-        tp 8, 50 MB of headers and 17 MB of offsets)."""
-        layout = self.layout(file)
-        self.__dict__.setdefault("_header_sizes", {})[file] = len(layout[0])
-        del self.__dict__["_layouts"][file]
-        return layout
+    def _file_tensors(self, file: str) -> list[tuple[str, str, tuple[int, ...]]]:
+        """A file's tensors as build_header takes them, in data order."""
+        index = self.file_index(file)
+        if "_members" in self.__dict__:  # built already (check): no index of its own
+            return [(t.name, t.dtype, shard_shape(t, c)) for t, c in self.__dict__["_members"][index]]
+        tensors, held = self.tensors, self._file_cuts()[index]
+        return [(t.name, t.dtype, shard_shape(t, t.cuts[j])) for t, j in zip(map(tensors.__getitem__, held[0]), held[1])]
 
-    def header_size(self, file: str) -> int:
-        """The length of a file's header: its data follows."""
-        size = self.__dict__.get("_header_sizes", {}).get(file)
-        return len(self.layout(file)[0]) if size is None else size
-
-    def share_layouts(self, other: Plan) -> None:
-        """Take the headers `other` has built when it holds the same tensors in files of the same
-        names (check --source: the rules' plan built them all to size the files)."""
-        if other.tensors == self.tensors and [f.name for f in other.files] == [f.name for f in self.files]:
-            self.__dict__.setdefault("_layouts", {}).update(other.__dict__.get("_layouts", {}))
+    def _file_cuts(self) -> list[tuple[array, array]]:
+        """Per file: its cuts as (index in `tensors`, index in the tensor's `cuts`), in data order,
+        built once: 8 bytes a shard where file_members holds a pair (~30 MB at 90k tensors and tp 8),
+        so that the writer can lay out one file at a time."""
+        if "_cuts_of_files" not in self.__dict__:
+            held = [(array("I"), array("I")) for _ in self.files]
+            for i, t in enumerate(self.tensors):
+                for j, c in enumerate(t.cuts):
+                    held[c.file][0].append(i)
+                    held[c.file][1].append(j)
+            self.__dict__["_cuts_of_files"] = held
+        return self.__dict__["_cuts_of_files"]
 
     def with_shards(self, specs: Iterable[ShardSpec]) -> Plan:
         """This plan with its tensors rebuilt from `specs` (files kept): for tests that break a plan."""

@@ -223,7 +223,7 @@ class OutputReader:
         self.unheld: dict[str, str] = {}  # source tensor -> a file of it no written rank holds
         for f, members in zip(plan.files, plan.file_members()):
             held = copies.get(f.name)
-            for i, ((t, c), offset) in enumerate(zip(members, plan.layout(f.name)[1])):
+            for i, ((t, c), offset) in enumerate(zip(members, plan.offsets(f.name))):
                 if (t.source or t.name) != t.name or c.value is not None:
                     continue  # a copy of another tensor, or content the plan gives (never read)
                 if not held or not f.digests:
@@ -263,7 +263,7 @@ class OutputReader:
             fname, held = item
             path = held[0][0]
             members = plan.file_members()[plan.file_index(fname)]
-            offsets = plan.layout(fname)[1]
+            offsets = plan.offsets(fname)
             todo = [k for k in range(len(members)) if (path, k) not in self.read]
             sizes = [nbytes_of(members[k][0].dtype, shard_shape(*members[k])) for k in todo]
             for k, got in zip(todo, range_digests(self._fd(path), [offsets[k] for k in todo], sizes, self.algorithm)):

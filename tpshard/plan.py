@@ -26,7 +26,7 @@ from tpshard.manifest import SPEC_DEFAULTS, TENSOR_FIELDS, Cut as ManifestCut, K
 from tpshard.quant.config import read_quant_config
 from tpshard.quant.formats import QuantSpec, alignment
 from tpshard.quant import shards as qshards
-from tpshard.safetensors_format import TensorInfo, build_header, nbytes_of
+from tpshard.safetensors_format import TensorInfo, build_header, header_layout, nbytes_of
 from tpshard.stages import Placement, layer_of, placement, refuse_engine_layout, tensor_stages
 from tpshard.topology import GroupName, Topology
 
@@ -469,7 +469,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
     if pad_notes:
         warnings.append(f"zero-padded to divide: {', '.join(pad_notes)}")
 
-    layouts: dict[str, tuple[bytes, array]] = {}
+    layouts: dict[str, tuple[int, array]] = {}
     files, file_of = _layout_files(entries, options, layouts)
     plan = Plan(
         topology=topology,
@@ -480,7 +480,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
         warnings=tuple(warnings),
         quant_layers=qlayers.builtins(),
     )
-    plan.__dict__["_layouts"] = layouts  # the headers laid out below, so that Plan.layout need not redo them
+    plan.__dict__["_layouts"] = layouts  # the files laid out above, so that Plan.offsets need not redo them
     return plan
 
 
@@ -688,16 +688,20 @@ _expected_physical_shape = functools.lru_cache(maxsize=4096)(qshards.expected_ph
 _physical_cut = functools.lru_cache(maxsize=16384)(qshards.physical_cut)
 
 
+FILE_METADATA = {"format": "pt"}  # what transformers expects to find in a file's header
+
+
 def file_header(tensors: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, list[int]]:
-    """The header of an output file; {"format": "pt"} is what transformers expects to find."""
-    return build_header(tensors, {"format": "pt"})
+    """The header of an output file and its tensors' data offsets."""
+    return build_header(tensors, FILE_METADATA)
 
 
-def plan_layout(tensors: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, array]:
-    """file_header, the offsets in an array as Plan.layout keeps them: 8 bytes each (at 90k tensors
-    and tp 8 a plan holds 460k offsets: 17 MB as a list of ints, 4 MB so)."""
-    header, offsets = file_header(tensors)
-    return header, array("Q", offsets)
+def plan_layout(tensors: list[tuple[str, str, tuple[int, ...]]]) -> tuple[int, array]:
+    """The header size and data offsets of an output file, counted without building its header
+    (Plan.header builds it when it is written or checked); the offsets in an array, 8 bytes each
+    (at 90k tensors and tp 8 a plan holds 460k offsets: 17 MB as a list of ints, 4 MB so)."""
+    size, offsets = header_layout(tensors, FILE_METADATA)
+    return size, array("Q", offsets)
 
 
 def spec_layout(specs: list[ShardSpec]) -> tuple[bytes, list[int]]:
@@ -730,7 +734,7 @@ def _layout_files(entries: list[_Entry], options: Options, layouts: dict) -> tup
     """Group shards by the set of ranks holding them (one file set each), split into parts by size.
 
     Returns the files and, per entry, the file index of each of its cuts; sets each file's
-    (header, offsets) in `layouts`. Tensors keep source order inside a file."""
+    (header size, offsets) in `layouts`. Tensors keep source order inside a file."""
     # Each rank set's shards as (entry, cut) indexes in two arrays: a tuple per shard was 33 MB
     # at 90k tensors and tp 8, and all of them were alive at once.
     by_ranks: dict[tuple[int, ...], tuple[array, array]] = {}
@@ -765,7 +769,7 @@ def _layout_files(entries: list[_Entry], options: Options, layouts: dict) -> tup
         for p, part in enumerate(parts):
             suffix = f"-part-{p + 1:05d}-of-{len(parts):05d}" if len(parts) > 1 else ""
             name = f"model-{members[0][3].label}{suffix}.safetensors"
-            header, offsets = layouts[name] = plan_layout([(tensor, cut.dtype, cut.shape) for _, _, tensor, cut in part])
+            _, offsets = layouts[name] = plan_layout([(tensor, cut.dtype, cut.shape) for _, _, tensor, cut in part])
             index = len(files)
             for e, j, _, _ in part:
                 file_of[e][j] = index

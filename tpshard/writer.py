@@ -426,13 +426,13 @@ def write_plan(
 
 def _write_header(plan: Plan, i: int, fd: int) -> tuple[object, Sequence[int]]:
     """Write file `i`'s header into `fd` and extend it to its full size; return its file_hash and its
-    tensors' data offsets. The header is taken out of the plan's cache: written and hashed, it is
-    needed no more."""
+    tensors' data offsets. The header is built here and dropped once written and hashed (Plan.header
+    refuses one whose length is not the size the file was laid out with)."""
     f = plan.files[i]
-    header, offsets = plan.take_layout(f.name)
+    header = plan.header(f.name)
     os.pwrite(fd, header, 0)
     os.ftruncate(fd, f.size)
-    return file_hash(header), offsets
+    return file_hash(header), plan.offsets(f.name)
 
 
 def write_durably(path: Path, data: bytes | Iterable[bytes]) -> None:

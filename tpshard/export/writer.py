@@ -89,7 +89,7 @@ class _Source:
         written = set(manifest.written_ranks)
         self.plan, self.lock = manifest.plan, threading.Lock()
         self.paths = [out / rank_dir(min(written & set(f.ranks))) / f.name for f in self.plan.files]
-        self.offsets = [self.plan.layout(f.name)[1] for f in self.plan.files]
+        self.offsets = [self.plan.offsets(f.name) for f in self.plan.files]
         self.fds: dict[int, int] = {}
 
     def at(self, part: Part) -> tuple[int, int]:
