@@ -13,7 +13,7 @@ from tpshard import plan as plan_module
 from tpshard.checkpoint import open_checkpoint
 from tpshard.manifest import read_manifest
 from tpshard.plan import FILE_METADATA, file_header, make_plan
-from tpshard.safetensors_format import ALIGN, DTYPE_SIZE, build_header, header_layout
+from tpshard.safetensors_format import ALIGN, DTYPE_SIZE, build_header, header_layout, plain_json
 from tpshard.topology import Topology
 
 # (name, dtype, shape) lists: every dtype, 0-d and zero-size shapes, offsets that cross powers of
@@ -41,6 +41,11 @@ def test_header_layout_is_the_length_of_the_built_header(case, metadata):
     """The counted size and offsets are build_header's, for plain names (counted) and the others."""
     head, offsets = build_header(CASES[case], metadata)
     assert header_layout(CASES[case], metadata) == (len(head), offsets)
+
+
+def test_plain_json_is_printable_ascii_without_quote_or_backslash():
+    for c in map(chr, range(0x100)):
+        assert plain_json(f"a{c}b") == (c.isascii() and c.isprintable() and c not in '"\\'), repr(c)
 
 
 def test_every_padding_of_the_header():
