@@ -11,7 +11,7 @@ import pytest
 import tpshard
 from tpshard import plan as plan_module
 from tpshard.checkpoint import open_checkpoint
-from tpshard.manifest import read_manifest
+from tpshard.manifest import Options, read_manifest
 from tpshard.plan import FILE_METADATA, file_header, make_plan
 from tpshard.safetensors_format import ALIGN, DTYPE_SIZE, build_header, header_layout, plain_json
 from tpshard.topology import Topology
@@ -59,16 +59,28 @@ def test_every_padding_of_the_header():
     assert paddings == set(range(ALIGN))
 
 
-def test_a_plan_holds_sizes_and_offsets_not_headers(llama):
+@pytest.mark.parametrize("max_file_bytes", [Options().max_file_bytes, 2_000])
+def test_a_plan_holds_sizes_and_offsets_not_headers(llama, max_file_bytes):
     """make_plan keeps per file its header size and offsets, no header bytes; Plan.header builds the
-    one the offsets were laid out with."""
-    plan = make_plan(open_checkpoint(llama), Topology(tp=8))
+    one the offsets were laid out with (files in parts too)."""
+    plan = make_plan(open_checkpoint(llama), Topology(tp=8), Options(max_file_bytes=max_file_bytes))
+    assert any("-part-" in f.name for f in plan.files) == (max_file_bytes == 2_000)
     assert not any(isinstance(v, bytes) for layout in plan.__dict__["_layouts"].values() for v in layout)
     for f in plan.files:
         header = plan.header(f.name)
-        _, offsets = file_header(plan._file_tensors(f.name))
+        _, offsets = file_header([(s.name, s.dtype, s.shape) for s in plan.shards if s.file == f.name])
         assert (plan.header_size(f.name), list(plan.offsets(f.name))) == (len(header), offsets)
     assert not any(isinstance(v, bytes) for layout in plan.__dict__["_layouts"].values() for v in layout)
+
+
+def test_make_plan_lays_out_alike_both_ways(llama, monkeypatch):
+    """make_plan counts a file's header from its names' and kinds' text lengths when every name is
+    plain JSON, and else through kinds_header_layout (which builds the header of names JSON
+    escapes): the same layout."""
+    counted = make_plan(open_checkpoint(llama), Topology(tp=8))
+    monkeypatch.setattr(plan_module, "plain_json", lambda text: False)
+    built = make_plan(open_checkpoint(llama), Topology(tp=8))
+    assert built.__dict__["_layouts"] == counted.__dict__["_layouts"]
 
 
 def test_a_plan_read_from_a_manifest_lays_out_alike(llama, tmp_path):
@@ -84,13 +96,13 @@ def test_a_plan_read_from_a_manifest_lays_out_alike(llama, tmp_path):
 def test_a_wrong_planned_header_size_is_refused_not_written(llama, tmp_path, monkeypatch):
     """A header whose length is not the planned one would put every tensor at the wrong offset: the
     writer raises before any output is put in place."""
-    counted = plan_module.header_layout
+    counted = plan_module.plain_layout
 
-    def eight_bytes_short(tensors, metadata=None):
-        size, offsets = counted(tensors, metadata)
+    def eight_bytes_short(text, sizes, metadata=None):
+        size, offsets = counted(text, sizes, metadata)
         return size - 8, [o - 8 for o in offsets]
 
-    monkeypatch.setattr(plan_module, "header_layout", eight_bytes_short)
+    monkeypatch.setattr(plan_module, "plain_layout", eight_bytes_short)
     with pytest.raises(AssertionError, match="the header built is .* bytes, the plan laid it out as"):
         tpshard.split(llama, tmp_path / "out", Topology(tp=2))
     assert [e for e in os.listdir(tmp_path) if e == "out" or e.startswith(".out.")] == []

@@ -19,15 +19,16 @@ from __future__ import annotations
 import re
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
-from functools import cached_property
-from operator import itemgetter
+from functools import cached_property, lru_cache
+from operator import attrgetter, itemgetter
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
 from tpshard.collector import paused
 from tpshard.digest import DIGEST_SIZE
+from tpshard.safetensors_format import Numbering, Shapes, build_kinds_header, kinds_header_layout
 from tpshard.topology import GroupName, Topology
 
 MANIFEST_NAME = "tpshard-manifest.json"
@@ -216,7 +217,14 @@ def shard_shape(t: TensorPlan, c: Cut) -> tuple[int, ...]:
     """A shard's shape: the source shape with the cut dim replaced by length + pad."""
     if t.dim is None:
         return t.shape
-    return t.shape[: t.dim] + (c.length + c.pad,) + t.shape[t.dim + 1 :]
+    return _resized(t.shape, t.dim, c.length + c.pad)
+
+
+@lru_cache(maxsize=4096)
+def _resized(shape: tuple[int, ...], dim: int, size: int) -> tuple[int, ...]:
+    """`shape` with dim `dim` of `size`: one tuple per kind of shard, not one per shard (half the
+    time of building each, and a file's header lists ~90k shards of a few dozen shapes)."""
+    return shape[:dim] + (size,) + shape[dim + 1 :]
 
 
 def pack_tensors(specs: Iterable[ShardSpec], files: Iterable[OutputFile]) -> tuple[TensorPlan, ...]:
@@ -241,6 +249,15 @@ def pack_tensors(specs: Iterable[ShardSpec], files: Iterable[OutputFile]) -> tup
         source = "" if key[0] == name else key[0]  # recorded only where it differs from the name
         out.append(TensorPlan(name=name, source=source, shape=tuple(key[1]), cuts=tuple(cuts[name]), **dict(zip(TENSOR_FIELDS, key[2:]))))
     return tuple(out)
+
+
+class FileShards(NamedTuple):
+    """An output file's shards in data order, as a plan keeps them to build the file's header: 8
+    bytes a shard (file_members holds a pair of objects a shard, ~30 MB at 90k tensors and tp 8)."""
+
+    tensors: array  # each shard's tensor, by its index in Plan.tensors
+    kinds: array  # each shard's (dtype, shape), by its index in `shapes`
+    shapes: Shapes  # each kind's (dtype, shape): a few dozen in a file
 
 
 SPEC_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(ShardSpec) if f.default is not msgspec.NODEFAULT}
@@ -332,9 +349,9 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
         check need each file's once (at 90k tensors and tp 8 the headers are 48 MB in all). Its
         length is the one the file's offsets were laid out with: anything else is a bug, never a
         file written with its data in the wrong place."""
-        from tpshard.plan import file_header
+        from tpshard.plan import FILE_METADATA
 
-        header, offsets = file_header(self._file_tensors(file))
+        header, offsets = build_kinds_header(*self._file_kinds(file), FILE_METADATA)
         layouts = self.__dict__.setdefault("_layouts", {})
         if file not in layouts:  # not laid out yet: this header is the layout
             layouts[file] = (len(header), array("Q", offsets))
@@ -353,33 +370,35 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
     def _layout(self, file: str) -> tuple[int, Sequence[int]]:
         """(header size, data offsets) of a file: make_plan's, or counted on first use (a plan read
         from a manifest)."""
-        from tpshard.plan import plan_layout
+        from tpshard.plan import FILE_METADATA
 
         layouts = self.__dict__.setdefault("_layouts", {})
         if file not in layouts:
-            layouts[file] = plan_layout(self._file_tensors(file))
+            size, offsets = kinds_header_layout(*self._file_kinds(file), FILE_METADATA)
+            layouts[file] = (size, array("Q", offsets))
         return layouts[file]
 
-    def _file_tensors(self, file: str) -> list[tuple[str, str, tuple[int, ...]]]:
-        """A file's tensors as build_header takes them, in data order."""
+    def _file_kinds(self, file: str) -> tuple[list[str], Sequence[int], Shapes]:
+        """A file's tensors, in data order, as build_kinds_header takes them."""
         index = self.file_index(file)
-        if "_members" in self.__dict__:  # built already (check): no index of its own
-            return [(t.name, t.dtype, shard_shape(t, c)) for t, c in self.__dict__["_members"][index]]
-        tensors, held = self.tensors, self._file_cuts()[index]
-        return [(t.name, t.dtype, shard_shape(t, t.cuts[j])) for t, j in zip(map(tensors.__getitem__, held[0]), held[1])]
+        if "_members" in self.__dict__:  # built already (check): no FileShards of its own
+            members = self.__dict__["_members"][index]
+            numbers = Numbering()
+            return [t.name for t, _ in members], [numbers[(t.dtype, shard_shape(t, c))] for t, c in members], list(numbers)
+        shards = self._file_shards()[index]
+        return list(map(attrgetter("name"), map(self.tensors.__getitem__, shards.tensors))), shards.kinds, shards.shapes
 
-    def _file_cuts(self) -> list[tuple[array, array]]:
-        """Per file: its cuts as (index in `tensors`, index in the tensor's `cuts`), in data order,
-        built once: 8 bytes a shard where file_members holds a pair (~30 MB at 90k tensors and tp 8),
-        so that the writer can lay out one file at a time."""
-        if "_cuts_of_files" not in self.__dict__:
-            held = [(array("I"), array("I")) for _ in self.files]
+    def _file_shards(self) -> list[FileShards]:
+        """Per file (indexing `files`): its FileShards, make_plan's or made here in one pass."""
+        if "_shards" not in self.__dict__:
+            held = [(array("I"), array("I"), Numbering()) for _ in self.files]
             for i, t in enumerate(self.tensors):
-                for j, c in enumerate(t.cuts):
-                    held[c.file][0].append(i)
-                    held[c.file][1].append(j)
-            self.__dict__["_cuts_of_files"] = held
-        return self.__dict__["_cuts_of_files"]
+                for c in t.cuts:
+                    tensors, kinds, numbers = held[c.file]
+                    tensors.append(i)
+                    kinds.append(numbers[(t.dtype, shard_shape(t, c))])
+            self.__dict__["_shards"] = [FileShards(tensors, kinds, list(numbers)) for tensors, kinds, numbers in held]
+        return self.__dict__["_shards"]
 
     def with_shards(self, specs: Iterable[ShardSpec]) -> Plan:
         """This plan with its tensors rebuilt from `specs` (files kept): for tests that break a plan."""

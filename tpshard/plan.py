@@ -9,9 +9,12 @@ QKV with GQA replicas, merged gate/up, vocab padding and padding of non-divisibl
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 from array import array
+from collections import deque
 from collections.abc import Callable, Mapping
+from operator import attrgetter, setitem
 from typing import NamedTuple
 
 import msgspec
@@ -22,11 +25,11 @@ from tpshard.checkpoint import Checkpoint, model_info
 from tpshard.collector import paused
 from tpshard.completeness import check_complete
 from tpshard.errors import PlanError
-from tpshard.manifest import SPEC_DEFAULTS, TENSOR_FIELDS, Cut as ManifestCut, Kind, ModelInfo, Options, OutputFile, Plan, ShardSpec, TensorPlan
+from tpshard.manifest import SPEC_DEFAULTS, TENSOR_FIELDS, Cut as ManifestCut, FileShards, Kind, ModelInfo, Options, OutputFile, Plan, ShardSpec, TensorPlan
 from tpshard.quant.config import read_quant_config
 from tpshard.quant.formats import QuantSpec, alignment
 from tpshard.quant import shards as qshards
-from tpshard.safetensors_format import TensorInfo, build_header, header_layout, nbytes_of
+from tpshard.safetensors_format import Numbering, TensorInfo, build_header, entry_text, kinds_header_layout, nbytes_of, plain_json, plain_layout
 from tpshard.stages import Placement, layer_of, placement, refuse_engine_layout, tensor_stages
 from tpshard.topology import GroupName, Topology
 
@@ -315,6 +318,7 @@ class _KindCut(NamedTuple):
     dtype: str
     shape: tuple[int, ...]  # the shard's shape
     nbytes: int
+    text: int  # the length of its header entry but the name and offsets (entry_text)
     label: str  # the file-name part of its rank set (_file_label)
 
 
@@ -339,7 +343,7 @@ class _Kind:
                 logical = logical[:-1]
             self.cuts.append(_KindCut(
                 (r["group_rank"], r["start"], r["length"], r["pad"]), logical, r["ranks"], r["dtype"], tuple(r["shape"]),
-                nbytes_of(r["dtype"], r["shape"]), _file_label(r, topology),
+                nbytes_of(r["dtype"], r["shape"]), len(entry_text(r["dtype"], tuple(r["shape"]))), _file_label(r, topology),
             ))  # fmt: skip
             self.padded |= bool(r["pad"]) and r["kind"] != "vocab"
         self._cuts: dict[tuple[int, ...], tuple[ManifestCut, ...]] = {}
@@ -470,7 +474,8 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
         warnings.append(f"zero-padded to divide: {', '.join(pad_notes)}")
 
     layouts: dict[str, tuple[int, array]] = {}
-    files, file_of = _layout_files(entries, options, layouts)
+    shards: list[FileShards] = []
+    files, file_of = _layout_files(entries, options, layouts, shards)
     plan = Plan(
         topology=topology,
         options=options,
@@ -480,7 +485,12 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
         warnings=tuple(warnings),
         quant_layers=qlayers.builtins(),
     )
-    plan.__dict__["_layouts"] = layouts  # the files laid out above, so that Plan.offsets need not redo them
+    # The files laid out above, so that Plan.offsets and Plan.header need not redo it. Their shards
+    # name tensors by entry: the same index in plan.tensors when no entry was left out (every entry
+    # has cuts once _QuantLayers.finish has passed).
+    plan.__dict__["_layouts"] = layouts
+    if len(plan.tensors) == len(entries):
+        plan.__dict__["_shards"] = shards
     return plan
 
 
@@ -696,14 +706,6 @@ def file_header(tensors: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes,
     return build_header(tensors, FILE_METADATA)
 
 
-def plan_layout(tensors: list[tuple[str, str, tuple[int, ...]]]) -> tuple[int, array]:
-    """The header size and data offsets of an output file, counted without building its header
-    (Plan.header builds it when it is written or checked); the offsets in an array, 8 bytes each
-    (at 90k tensors and tp 8 a plan holds 460k offsets: 17 MB as a list of ints, 4 MB so)."""
-    size, offsets = header_layout(tensors, FILE_METADATA)
-    return size, array("Q", offsets)
-
-
 def spec_layout(specs: list[ShardSpec]) -> tuple[bytes, list[int]]:
     """Header bytes and each tensor's absolute data offset in a file holding `specs` in order."""
     return file_header([(s.name, s.dtype, s.shape) for s in specs])
@@ -730,52 +732,80 @@ def _stage_label(spec: dict, topology: Topology, stages: int) -> str:
     return f"{label}-{spec['group_rank']:03d}-of-{spec['group_size']:03d}"
 
 
-def _layout_files(entries: list[_Entry], options: Options, layouts: dict) -> tuple[list[OutputFile], list[list[int]]]:
+def _layout_files(
+    entries: list[_Entry], options: Options, layouts: dict[str, tuple[int, array]], shards: list[FileShards]
+) -> tuple[list[OutputFile], list[list[int]]]:
     """Group shards by the set of ranks holding them (one file set each), split into parts by size.
 
     Returns the files and, per entry, the file index of each of its cuts; sets each file's
-    (header size, offsets) in `layouts`. Tensors keep source order inside a file."""
-    # Each rank set's shards as (entry, cut) indexes in two arrays: a tuple per shard was 33 MB
-    # at 90k tensors and tp 8, and all of them were alive at once.
-    by_ranks: dict[tuple[int, ...], tuple[array, array]] = {}
+    (header size, offsets) in `layouts` and appends its FileShards (tensors by their entry's
+    index) to `shards`. Tensors keep source order inside a file."""
+    # Each rank set's shards as (entry, cut, kind cut) indexes in three arrays: a tuple per shard
+    # was 33 MB at 90k tensors and tp 8, and all of them were alive at once.
+    by_ranks: dict[tuple[int, ...], tuple[array, array, array]] = {}
+    kind_cuts: list[_KindCut] = []  # every kind's cuts, numbered
     # Each kind's cuts go to the same rank sets: found once per kind (the sets keep the order in
     # which the tensors first reach them).
-    buckets_of: dict[int, list[tuple[int, tuple[array, array]]]] = {}
+    buckets_of: dict[int, list[tuple[int, int, tuple[array, array, array]]]] = {}
     for e, entry in enumerate(entries):
         buckets = buckets_of.get(id(entry.kind))
         if buckets is None:
-            buckets = buckets_of[id(entry.kind)] = [
-                (j, by_ranks.setdefault(cut.ranks, (array("I"), array("I")))) for j, cut in enumerate(entry.kind.cuts)
-            ]  # fmt: skip
-        for j, (bucket_entries, bucket_cuts) in buckets:
+            buckets = buckets_of[id(entry.kind)] = []
+            for j, cut in enumerate(entry.kind.cuts):
+                buckets.append((j, len(kind_cuts), by_ranks.setdefault(cut.ranks, (array("I"), array("I"), array("I")))))
+                kind_cuts.append(cut)
+        for j, k, (bucket_entries, bucket_cuts, bucket_kinds) in buckets:
             bucket_entries.append(e)
             bucket_cuts.append(j)
+            bucket_kinds.append(k)
     files: list[OutputFile] = []
     file_of = [[0] * len(entry.kind.cuts) for entry in entries]
-    for ranks, indexes in by_ranks.items():
-        members = [(e, j, entries[e].name, entries[e].kind.cuts[j]) for e, j in zip(*indexes)]  # one rank set's at a time
-        if sum(member[3].nbytes for member in members) <= options.max_file_bytes:
-            parts = [members]  # what the loop below gives when no part fills up
-        else:
-            parts = [[]]
-            size = 0
-            for member in members:
-                nbytes = member[3].nbytes
-                if parts[-1] and size + nbytes > options.max_file_bytes:
-                    parts.append([])
-                    size = 0
-                parts[-1].append(member)
-                size += nbytes
-        for p, part in enumerate(parts):
-            suffix = f"-part-{p + 1:05d}-of-{len(parts):05d}" if len(parts) > 1 else ""
-            name = f"model-{members[0][3].label}{suffix}.safetensors"
-            _, offsets = layouts[name] = plan_layout([(tensor, cut.dtype, cut.shape) for _, _, tensor, cut in part])
-            index = len(files)
-            for e, j, _, _ in part:
-                file_of[e][j] = index
+    # Names that JSON writes as they are, none twice (a repeated one is refused by _tensor_plans):
+    # a file's header is sized from the lengths of its names and of its kinds' entry texts.
+    names = [entry.name for entry in entries]
+    unique = set(names)
+    plain = plain_json("".join(names)) and len(unique) == len(names) and "__metadata__" not in unique
+    name_sizes = array("I", map(len, names))
+    del names, unique
+    sizes_of, texts_of = [cut.nbytes for cut in kind_cuts], [cut.text for cut in kind_cuts]
+    # The shards of a rank set are walked in C loops (map) over these arrays: a tuple per shard
+    # cost 0.2 s at 90k tensors.
+    for ranks, (held, cut_index, kind_index) in by_ranks.items():
+        sizes = list(map(sizes_of.__getitem__, kind_index))
+        bounds = _part_bounds(sizes, options.max_file_bytes)
+        for p, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            suffix = f"-part-{p + 1:05d}-of-{len(bounds) - 1:05d}" if len(bounds) > 2 else ""
+            name = f"model-{kind_cuts[kind_index[a]].label}{suffix}.safetensors"
+            numbers = Numbering()  # kind cut -> its index in this file's shapes
+            kinds = array("I", map(numbers.__getitem__, kind_index[a:b]))
+            shard = FileShards(held[a:b], kinds, [(kind_cuts[k].dtype, kind_cuts[k].shape) for k in numbers])
+            if plain:  # what an entry adds up to is its name's length and its kind's
+                text = sum(map(name_sizes.__getitem__, held[a:b])) + sum(map(texts_of.__getitem__, kind_index[a:b]))
+                size, offsets = plain_layout(text, sizes[a:b], FILE_METADATA)
+            else:
+                tensors = list(map(attrgetter("name"), map(entries.__getitem__, held[a:b])))
+                size, offsets = kinds_header_layout(tensors, shard.kinds, shard.shapes, FILE_METADATA)
+            layouts[name] = size, array("Q", offsets)
+            shards.append(shard)
+            # file_of[e][j] = this file, for each of its shards (consumed by a zero-length deque: a C loop)
+            deque(map(setitem, map(file_of.__getitem__, held[a:b]), cut_index[a:b], itertools.repeat(len(files))), maxlen=0)
             # the data ends with the last tensor
-            files.append(OutputFile(name=name, ranks=ranks, size=offsets[-1] + part[-1][3].nbytes))
+            files.append(OutputFile(name=name, ranks=ranks, size=offsets[-1] + sizes[b - 1]))
     return files, file_of
+
+
+def _part_bounds(sizes: list[int], max_bytes: int) -> list[int]:
+    """Where a rank set's shards are cut into files of at most `max_bytes` each (a larger shard
+    alone): the index each file starts at, then len(sizes)."""
+    if sum(sizes) <= max_bytes:
+        return [0, len(sizes)]  # what the loop below gives when no part fills up
+    bounds, size = [0], 0
+    for k, nbytes in enumerate(sizes):
+        if k > bounds[-1] and size + nbytes > max_bytes:
+            bounds.append(k)
+            size = 0
+        size += nbytes
+    return [*bounds, len(sizes)]
 
 
 def _tensor_plans(entries: list[_Entry], file_of: list[list[int]]) -> tuple[TensorPlan, ...]:
