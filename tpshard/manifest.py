@@ -380,12 +380,7 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
 
     def _file_kinds(self, file: str) -> tuple[list[str], Sequence[int], Shapes]:
         """A file's tensors, in data order, as build_kinds_header takes them."""
-        index = self.file_index(file)
-        if "_members" in self.__dict__:  # built already (check): no FileShards of its own
-            members = self.__dict__["_members"][index]
-            numbers = Numbering()
-            return [t.name for t, _ in members], [numbers[(t.dtype, shard_shape(t, c))] for t, c in members], list(numbers)
-        shards = self._file_shards()[index]
+        shards = self._file_shards()[self.file_index(file)]
         return list(map(attrgetter("name"), map(self.tensors.__getitem__, shards.tensors))), shards.kinds, shards.shapes
 
     def _file_shards(self) -> list[FileShards]:
