@@ -328,6 +328,20 @@ def test_load_rank_reads_what_open_rank_reads(llama, tmp_path):
             assert t.dtype == lazy[name].dtype and torch.equal(t, lazy[name]), (rank, name)
 
 
+def test_rank_index_is_json_dumps_indent_2(llama, tmp_path):
+    """Each rank's model.safetensors.index.json, written line by line, is byte for byte
+    json.dumps(indent=2) of its content, names sorted, every tensor of the rank's files listed."""
+    out = tmp_path / "out"
+    tpshard.split(llama, out, Topology(tp=4, attn_dp=2))
+    plan = read_manifest(out).plan
+    for r in range(4):
+        raw = (out / rank_dir(r) / "model.safetensors.index.json").read_bytes()
+        index = json.loads(raw)
+        assert raw == (json.dumps(index, indent=2) + "\n").encode()
+        assert list(index["weight_map"]) == sorted(index["weight_map"])
+        assert index["weight_map"] == {s.name: s.file for s in plan.rank_shards(r)}
+
+
 def test_sha256_tensor_digests_on_request(llama, tmp_path):
     import msgspec
 

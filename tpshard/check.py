@@ -46,7 +46,7 @@ from tpshard.stages import (
     tensor_stages,
 )
 from tpshard.safetensors_format import DTYPE_SIZE, TensorInfo, nbytes_of
-from tpshard.writer import CheckpointReader, check_workers, copy_jobs, rank_index_bytes
+from tpshard.writer import CheckpointReader, check_workers, copy_jobs, rank_index_pieces
 
 MAX_PROBLEMS = 50
 
@@ -472,7 +472,7 @@ def check_index(folder: Path, plan: Plan, rank: int, report: CheckReport) -> Non
     path = folder / "model.safetensors.index.json"
     if _plain_file(path, rank, report) is None:
         return
-    expected = rank_index_bytes(plan, rank)
+    expected = b"".join(rank_index_pieces(plan, rank))
     try:
         held = path.read_bytes()
     except OSError as e:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import msgspec
 
-from tpshard.collector import paused
+from tpshard.collector import paused, release_freed_memory
 from tpshard.errors import CheckpointError
 from tpshard.inputs import check_inside, check_plain_name, read_config
 from tpshard.manifest import ModelInfo
@@ -104,6 +104,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             f"{path}: {INDEX_NAME} maps {t} to {weight_map[t]}, but that file has no such tensor"
             + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else "")
         )
+    release_freed_memory()  # the header texts
     return Checkpoint(path=path, config=config, weight_files=tuple(files), tensors=tensors, index_file=index_file)
 
 
