@@ -32,7 +32,7 @@ import msgspec
 
 from tpshard import __version__
 from tpshard.checkpoint import Checkpoint, open_checkpoint
-from tpshard.collector import paused
+from tpshard.collector import libc, paused, release_freed_memory
 from tpshard.digest import (
     Crc32,
     crc32_combine,
@@ -522,29 +522,7 @@ def _combined_crc(info: TensorInfo, tiles: list[_Slot], digests: dict[int, array
     return crc.to_bytes(4, "big")
 
 
-def _libc(name: str, *argtypes: str):
-    """A function of the C library, or None where it has none (not Linux, not glibc)."""
-    try:
-        import ctypes
-
-        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [getattr(ctypes, t) for t in argtypes]
-    return fn
-
-
-_sync_file_range = _libc("sync_file_range", "c_int", "c_int64", "c_int64", "c_uint")
-_malloc_trim = _libc("malloc_trim", "c_size_t")
-
-
-def release_freed_memory() -> None:
-    """Give the free memory of the C heap back to the system (glibc malloc_trim). Large objects
-    freed inside the heap stay resident otherwise, and Python's small objects, which have arenas
-    of their own, never reuse it: make_plan's file headers, freed once written, are 50 MB at 90k
-    tensors and tp 8."""
-    if _malloc_trim is not None:
-        _malloc_trim(0)
+_sync_file_range = libc("sync_file_range", "c_int", "c_int64", "c_int64", "c_uint")
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
