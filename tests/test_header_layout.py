@@ -78,7 +78,7 @@ def test_make_plan_lays_out_alike_both_ways(llama, monkeypatch):
     plain JSON, and else through kinds_header_layout (which builds the header of names JSON
     escapes): the same layout."""
     counted = make_plan(open_checkpoint(llama), Topology(tp=8))
-    monkeypatch.setattr(plan_module, "plain_json", lambda text: False)
+    monkeypatch.setattr(plan_module, "plain_names", lambda names, metadata: False)
     built = make_plan(open_checkpoint(llama), Topology(tp=8))
     assert built.__dict__["_layouts"] == counted.__dict__["_layouts"]
 

@@ -562,8 +562,9 @@ def _text_twin(struct: type, **types: Any) -> type:
     return msgspec.defstruct(f"_{struct.__name__}Text", fields, kw_only=True, gc=False)
 
 
-# Tensors of a kind share their cuts: decoded as text, each distinct text decoded once, each tensor
-# given the shared tuple (90k tensors at tp 8 are 460k Cut structs otherwise: 45 MB).
+# Tensors of a kind share their cuts: decoded as text, decoded and checked once per kind (dtype,
+# shape, dim, group size and text: _tensors_problem), each tensor given the kind's tuple (90k tensors
+# at tp 8 are 460k Cut structs otherwise: 45 MB).
 _TensorText = _text_twin(TensorPlan, cuts=msgspec.Raw)
 _decoder = msgspec.json.Decoder(_text_twin(Manifest, tensors=tuple[_TensorText, ...]))
 
@@ -626,7 +627,7 @@ class _TensorRecord(msgspec.Struct, kw_only=True, gc=False):
     dim: Annotated[int, msgspec.Meta(ge=0)] | None = None
     ep_slot: Annotated[int, msgspec.Meta(ge=0)] | None = None
     expert: Annotated[int, msgspec.Meta(ge=0)] | None = None
-    cuts: msgspec.Raw  # decoded once per distinct text: tensors of a kind share it
+    cuts: msgspec.Raw  # decoded once per kind (_tensors_problem): tensors of a kind share it
 
 
 class _FileRecord(msgspec.Struct, kw_only=True, gc=False):
@@ -765,8 +766,8 @@ class _CutKind:
 
 
 def _tensors_problem(m, kind_of: list) -> str | None:
-    """The tensors' fields and cuts (JSON text, decoded here once per distinct text), and each
-    written file's digests; `kind_of` receives each tensor's _CutKind."""
+    """The tensors' fields and cuts (JSON text, decoded here once per kind), and each written
+    file's digests; `kind_of` receives each tensor's _CutKind."""
     from tpshard.safetensors_format import DTYPE_SIZE
 
     nfiles = len(m.files)

@@ -262,12 +262,13 @@ class OutputReader:
         def one(item: tuple[str, list]) -> None:
             fname, held = item
             path = held[0][0]
-            members = plan.file_members()[plan.file_index(fname)]
+            index = plan.file_index(fname)
+            record, members = plan.files[index], plan.file_members()[index]
             offsets = plan.offsets(fname)
             todo = [k for k in range(len(members)) if (path, k) not in self.read]
             sizes = [nbytes_of(members[k][0].dtype, shard_shape(*members[k])) for k in todo]
             for k, got in zip(todo, range_digests(self._fd(path), [offsets[k] for k in todo], sizes, self.algorithm)):
-                if got != plan.files[plan.file_index(fname)].digest(k, self.algorithm):
+                if got != record.digest(k, self.algorithm):
                     raise OutputError(f"{self.out}: {fname} of ranks {held[0][1]}: tensor {members[k][0].name} does not match its {self.algorithm} in the manifest")
 
         from concurrent.futures import ThreadPoolExecutor

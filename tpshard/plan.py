@@ -9,12 +9,10 @@ QKV with GQA replicas, merged gate/up, vocab padding and padding of non-divisibl
 from __future__ import annotations
 
 import functools
-import itertools
 import re
 from array import array
-from collections import deque
 from collections.abc import Callable, Mapping
-from operator import attrgetter, setitem
+from operator import attrgetter
 from typing import NamedTuple
 
 import msgspec
@@ -29,7 +27,7 @@ from tpshard.manifest import SPEC_DEFAULTS, TENSOR_FIELDS, Cut as ManifestCut, F
 from tpshard.quant.config import read_quant_config
 from tpshard.quant.formats import QuantSpec, alignment
 from tpshard.quant import shards as qshards
-from tpshard.safetensors_format import Numbering, TensorInfo, build_header, entry_text, kinds_header_layout, nbytes_of, plain_json, plain_layout
+from tpshard.safetensors_format import Numbering, TensorInfo, build_header, entry_text, kinds_header_layout, nbytes_of, plain_layout, plain_names
 from tpshard.stages import Placement, layer_of, placement, refuse_engine_layout, tensor_stages
 from tpshard.topology import GroupName, Topology
 
@@ -763,10 +761,9 @@ def _layout_files(
     # Names that JSON writes as they are, none twice (a repeated one is refused by _tensor_plans):
     # a file's header is sized from the lengths of its names and of its kinds' entry texts.
     names = [entry.name for entry in entries]
-    unique = set(names)
-    plain = plain_json("".join(names)) and len(unique) == len(names) and "__metadata__" not in unique
+    plain = plain_names(names, FILE_METADATA)
     name_sizes = array("I", map(len, names))
-    del names, unique
+    del names
     sizes_of, texts_of = [cut.nbytes for cut in kind_cuts], [cut.text for cut in kind_cuts]
     # The shards of a rank set are walked in C loops (map) over these arrays: a tuple per shard
     # cost 0.2 s at 90k tensors.
@@ -787,8 +784,8 @@ def _layout_files(
                 size, offsets = kinds_header_layout(tensors, shard.kinds, shard.shapes, FILE_METADATA)
             layouts[name] = size, array("Q", offsets)
             shards.append(shard)
-            # file_of[e][j] = this file, for each of its shards (consumed by a zero-length deque: a C loop)
-            deque(map(setitem, map(file_of.__getitem__, held[a:b]), cut_index[a:b], itertools.repeat(len(files))), maxlen=0)
+            for e, j in zip(held[a:b], cut_index[a:b]):
+                file_of[e][j] = len(files)
             # the data ends with the last tensor
             files.append(OutputFile(name=name, ranks=ranks, size=offsets[-1] + sizes[b - 1]))
     return files, file_of

@@ -128,12 +128,12 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         tensors = {name: _tensor_info(path, name, _plain(entry), 8 + n, data_size) for name, entry in header.items()}
         raise AssertionError(f"{path}: header refused by its schema but by no rule")  # _tensor_info raised
     tensors = {}
-    one = {}.setdefault  # equal dtypes and shapes decoded apart made one object: 10 MB at 90k tensors
+    shapes = {}  # equal shapes decoded apart made one tuple (a Literal dtype is one object already)
     for name, e in entries.items():
         begin, end = e.data_offsets
         if end < begin or end - begin != DTYPE_SIZE[e.dtype] * math.prod(e.shape) or end > data_size:
             _tensor_info(path, name, _plain(header[name]), 8 + n, data_size)  # raises, naming the fault
-        tensors[name] = TensorInfo(path.name, one(e.dtype, e.dtype), one(e.shape, e.shape), 8 + n + begin, 8 + n + end)
+        tensors[name] = TensorInfo(path.name, e.dtype, shapes.setdefault(e.shape, e.shape), 8 + n + begin, 8 + n + end)
     end = 0
     for info in sorted(tensors.values(), key=lambda i: (i.begin, i.end)):
         if info.begin - 8 - n != end:
@@ -204,7 +204,7 @@ def build_kinds_header(names: list[str], kinds: Sequence[int], shapes: Shapes, m
     """build_header of tensors given by kind (by_kind): their names and each one's (dtype, shape)
     as an index in `shapes`. DeepSeek-V3's rank files hold ~90k tensors of a few dozen kinds: each
     kind's text is made once, and no shape is hashed per tensor."""
-    if _plain_names(names, metadata):
+    if plain_names(names, metadata):
         head, relative = _plain_header(names, kinds, shapes, metadata)
     else:
         body, relative = _escaped_body([(name, *shapes[k]) for name, k in zip(names, kinds)], metadata)
@@ -225,7 +225,7 @@ def header_layout(
 def kinds_header_layout(names: list[str], kinds: Sequence[int], shapes: Shapes, metadata: dict[str, str] | None = None) -> tuple[int, list[int]]:
     """header_layout of tensors given by kind (build_kinds_header). Names that JSON escapes (or
     that repeat) are measured by building the header."""
-    if not _plain_names(names, metadata):
+    if not plain_names(names, metadata):
         head, offsets = build_kinds_header(names, kinds, shapes, metadata)
         return len(head), offsets
     texts = [len(entry_text(*shape)) for shape in shapes]
@@ -300,7 +300,7 @@ def plain_json(text: str) -> bool:
 _PLAIN_BYTES = bytes(c for c in range(0x20, 0x7F) if chr(c) not in '"\\')
 
 
-def _plain_names(names: list[str], metadata: dict[str, str] | None) -> bool:
+def plain_names(names: list[str], metadata: dict[str, str] | None) -> bool:
     """Whether the header can be written directly: names JSON writes as they are, none twice
     (json.dumps of a dict keeps the last)."""
     unique = set(names)
