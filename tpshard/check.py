@@ -18,7 +18,7 @@ import stat
 import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import msgspec
@@ -747,20 +747,23 @@ def reassemble(ckpt: Checkpoint, plan: Plan, located: dict[str, list[Place]], re
                     k = j
         return same
 
-    def job(task: tuple[bool, list[tuple[str, TensorInfo]]]) -> list[list[tuple[str, str]]]:
-        run, sources = task
+    def job(task: tuple[bool, Sequence[int]]) -> list[list[tuple[str, str]]]:
+        run, positions = task
+        sources = [(names[p], infos[p]) for p in positions]
         # A run is compared in one go when each of its places is a readable copy of source bytes.
         fast = [(name, info) for name, info in sources if all(path is not None and c.value is None for _, c, path, _, _ in located[name])]
         same = run_same(fast) if run and fast else set()
         return [[] if name in same else rebuild(name) for name, _ in sources]
 
+    names = list(located)
+    infos = [ckpt.tensors[name] for name in names]
     runs = reader if reader is not None else CheckpointReader(ckpt)
     try:
         with contextlib.ExitStack() as stack:
             if reader is None:
                 stack.enter_context(runs)
             with ThreadPoolExecutor(workers) as pool:
-                results = [found for done in pool.map(job, copy_jobs([(name, ckpt.tensors[name]) for name in located])) for found in done]
+                results = [found for done in pool.map(job, copy_jobs(infos)) for found in done]
     finally:
         for fd in fds_open.values():
             os.close(fd)

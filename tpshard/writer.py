@@ -123,7 +123,8 @@ class CheckpointReader:
     The interface the writer reads through (tpshard.output_source.OutputReader is the other one):
     `job(tensors, run)`, a context giving, for each (name, info, needed) of one pool task, the
     (fd, TensorInfo, bytes or None) to cut it from, in order; `source(digests)`, the manifest's
-    source path and files; `reads_every_tensor`, whether tensors no target needs are read too."""
+    source path and files, given each source tensor's crc32 (4 bytes each, in the checkpoint's
+    tensor order); `reads_every_tensor`, whether tensors no target needs are read too."""
 
     reads_every_tensor = True  # the source checksums cover every byte of the checkpoint
 
@@ -152,7 +153,7 @@ class CheckpointReader:
         data = read_into(fd, scratch("run", n), begin, n)
         yield ((fd, info, data[info.begin - begin : info.end - begin]) for _, info, _ in tensors)
 
-    def source(self, digests: dict[str, bytes]) -> tuple[str, tuple[SourceFile, ...]]:
+    def source(self, digests: bytearray) -> tuple[str, tuple[SourceFile, ...]]:
         return str(self.ckpt.path.resolve()), _source_files(self.ckpt, digests)
 
 
@@ -162,13 +163,15 @@ WRITE_BYTES = 128 << 10
 # each worker holds about twice this (8 MiB: DeepSeek-V3's count peaked ~25 MiB higher, no faster).
 BATCH_BYTES, BATCH_TENSORS = 4 << 20, 256
 # Small tensors copied together: one read, and one write per output file. Not more: at 90k tiny
-# tensors and tp 8 runs of 4096 held ~40 MB more of pieces and slots, for no time saved.
-RUN_TENSORS = 1024
+# tensors and tp 8, runs of 1024 held ~6 MiB more of pieces and slots than 256 (the split's peak),
+# runs of 4096 ~40 MB more, for no time saved.
+RUN_TENSORS = 256
 SMALL_BYTES = 1 << 20  # tensors under this are copied in runs; also the least shard sync_file_range is worth
 
 
-def copy_jobs(order: list[tuple[str, TensorInfo]]) -> list[tuple[bool, list[tuple[str, TensorInfo]]]]:
-    """The copy's pool tasks, as (run, tensors).
+def copy_jobs(infos: Sequence[TensorInfo]) -> list[tuple[bool, array]]:
+    """The copy's pool tasks, as (run, positions in `infos`): positions, not (name, info) pairs,
+    which were 6 MB at 90k tensors for the whole copy.
 
     Large tensors go first, largest first (one left for the end would keep a worker busy while the
     others idle), in tasks of about BATCH_BYTES. Small ones follow as runs: tensors adjacent in one
@@ -176,20 +179,21 @@ def copy_jobs(order: list[tuple[str, TensorInfo]]) -> list[tuple[bool, list[tupl
     shards land next to each other too, and each output file gets one write per run instead of one
     per shard (DeepSeek-V3: 92k tensors, most of them small; a system call costs tens of
     microseconds on some VMs)."""
-    large = sorted((kv for kv in order if kv[1].nbytes >= SMALL_BYTES), key=lambda kv: (-kv[1].nbytes, kv[1].file, kv[1].begin))
-    small = sorted((kv for kv in order if kv[1].nbytes < SMALL_BYTES), key=lambda kv: (kv[1].file, kv[1].begin))
-    jobs: list[tuple[bool, list]] = []
-    batch, size = [], 0
-    for item in large:
-        batch.append(item)
-        size += item[1].nbytes
+    large = sorted((p for p, i in enumerate(infos) if i.nbytes >= SMALL_BYTES), key=lambda p: (-infos[p].nbytes, infos[p].file, infos[p].begin))
+    jobs: list[tuple[bool, array]] = []
+    batch, size = array("I"), 0
+    for p in large:
+        batch.append(p)
+        size += infos[p].nbytes
         if size >= BATCH_BYTES or len(batch) >= BATCH_TENSORS:
             jobs.append((False, batch))
-            batch, size = [], 0
+            batch, size = array("I"), 0
     if batch:
         jobs.append((False, batch))
-    follows = lambda a, b: a[1].file == b[1].file and a[1].end == b[1].begin  # noqa: E731
-    return jobs + [(True, run) for run in adjacent_runs(small, lambda kv: kv[1].nbytes, follows, BATCH_BYTES, RUN_TENSORS)]
+    small = sorted((p for p, i in enumerate(infos) if i.nbytes < SMALL_BYTES), key=lambda p: (infos[p].file, infos[p].begin))
+    follows = lambda a, b: infos[a].file == infos[b].file and infos[a].end == infos[b].begin  # noqa: E731
+    runs = adjacent_runs(small, lambda p: infos[p].nbytes, follows, BATCH_BYTES, RUN_TENSORS)
+    return jobs + [(True, array("I", run)) for run in runs]
 
 
 def adjacent_runs(items: Iterable, nbytes: Callable, follows: Callable, max_bytes: int, max_items: int) -> list[list]:
@@ -218,7 +222,7 @@ class _Pending:
     def __init__(self) -> None:
         self.runs: dict[int, list[list]] = {}  # fd -> [start, end, pieces] of each run of adjacent pieces
 
-    def add(self, fd: int, offset: int, view: memoryview) -> None:
+    def add(self, fd: int, offset: int, view) -> None:  # bytes or a uint8 array: no memoryview of each (2.7 MB a run)
         runs = self.runs.setdefault(fd, [])
         if runs and runs[-1][1] == offset:
             runs[-1][1] += len(view)
@@ -288,29 +292,28 @@ class _Slots:
     90k tensors and tp 8. Found from the source's TensorPlans (a tied lm_head copy at pp > 1 is a
     second one) and each cut's place in its file (Plan.cut_places)."""
 
-    def __init__(self, plan: Plan, fds: dict[int, int], offsets: dict[int, Sequence[int]]):
+    def __init__(self, plan: Plan, names: Sequence[str], fds: dict[int, int], offsets: dict[int, Sequence[int]]):
         self.tensors, self.fds, self.offsets = plan.tensors, fds, offsets
-        # source name -> index in plan.tensors; the rare second TensorPlan of a source in `more`
-        # (a list per name was 7 MB at 90k tensors)
-        self.plan_of: dict[str, int] = {}
-        self.more: dict[str, list[int]] = {}
         self.first = array("I")  # per TensorPlan: the number of its first cut, cuts numbered in plan order
         self.place = plan.cut_places()  # per cut: its index in its file
+        plan_of: dict[str, int] = {}  # source name -> its first TensorPlan: only while the arrays are made
+        others: dict[str, list[int]] = {}  # source name -> its other TensorPlans (rare)
         n = 0
         for k, t in enumerate(plan.tensors):
             name = t.source or t.name
-            if name in self.plan_of:
-                self.more.setdefault(name, []).append(k)
-            else:
-                self.plan_of[name] = k
+            if plan_of.setdefault(name, k) != k:
+                others.setdefault(name, []).append(k)
             self.first.append(n)
             n += len(t.cuts)
+        # by source position (a dict by name held 6 MB at 90k tensors for the whole copy)
+        self.plan_at = array("i", [plan_of.get(name, -1) for name in names])  # -1: no TensorPlan
+        self.more = {p: others[name] for p, name in enumerate(names) if name in others}
 
-    def of(self, name: str) -> list[_Slot]:
-        """The slots of source tensor `name` in the files being written."""
+    def of(self, position: int) -> list[_Slot]:
+        """The slots of the source tensor at `position` (the checkpoint's order) in the files being written."""
         slots = []
-        first = self.plan_of.get(name)
-        for k in () if first is None else (first, *self.more.get(name, ())):
+        first = self.plan_at[position]
+        for k in () if first < 0 else (first, *self.more.get(position, ())):
             t = self.tensors[k]
             for n, c in enumerate(t.cuts, self.first[k]):
                 fd = self.fds.get(c.file)
@@ -354,38 +357,42 @@ def write_plan(
         for r in selected:
             with open(staging / rank_dir(r) / "model.safetensors.index.json", "wb") as f:
                 f.writelines(rank_index_pieces(plan, r))
-        slots = _Slots(plan, fds, offsets)
-        # each source tensor's digest, set by the jobs as they go (no list of results per job)
-        source_digests: dict[str, bytes] = {}
+        names, infos = list(ckpt.tensors), list(ckpt.tensors.values())  # the copy names tensors by position
+        slots = _Slots(plan, names, fds, offsets)
+        release_freed_memory()  # the name lookup _Slots made its arrays from (~12 MB at 90k tensors)
+        # each source tensor's crc32 by position, set by the jobs as they go
+        source_digests = bytearray(4 * len(names))
 
         with reader:
             # Every source tensor is read (also those no selected rank needs) so that the source
             # checksums cover the whole checkpoint; a reshard (reads_every_tensor false) reads only
             # tensors some shard needs bytes of.
-            def job(task: tuple[bool, list[tuple[str, TensorInfo]]]) -> None:
-                run, tensors = task
+            def job(task: tuple[bool, array]) -> None:
+                run, positions = task
                 digest = reader.reads_every_tensor
-                slots_each = [slots.of(name) for name, _ in tensors]
+                slots_each = [slots.of(p) for p in positions]
                 wanted = [
-                    (name, info, digest or any(slot[1].value is None for slot in tensor_slots))
-                    for (name, info), tensor_slots in zip(tensors, slots_each)
+                    (names[p], infos[p], digest or any(slot[1].value is None for slot in tensor_slots))
+                    for p, tensor_slots in zip(positions, slots_each)
                 ]  # fmt: skip
                 pending = _Pending() if run else None
                 with reader.job(wanted, run) as sources:
-                    for (name, info, needed), tensor_slots, (src, src_info, data) in zip(wanted, slots_each, sources):
+                    for p, (_, info, needed), tensor_slots, (src, src_info, data) in zip(positions, wanted, slots_each, sources):
                         if not needed:  # only planned values to write: nothing to read
                             src, src_info, data = -1, _NOTHING, None
                         if pending is not None:
-                            source_digests[name] = _copy_small(src_info, data, tensor_slots, pending, digests, algorithm, digest)
+                            crc = _copy_small(src_info, data, tensor_slots, pending, digests, algorithm, digest)
                         else:
-                            source_digests[name] = _copy_large(plan, src, src_info, data, tensor_slots, digests, digest)
+                            crc = _copy_large(plan, src, src_info, data, tensor_slots, digests, digest)
+                        if digest:  # b"" otherwise
+                            source_digests[4 * p : 4 * p + 4] = crc
                         if on_tensor:
                             on_tensor(info.nbytes)
                     if pending is not None:  # its pieces are views of the reader's bytes: written while they live
                         pending.flush()
 
             with ThreadPoolExecutor(max(1, workers)) as pool:
-                list(pool.map(job, copy_jobs(list(ckpt.tensors.items()))))
+                list(pool.map(job, copy_jobs(infos)))
                 # On disk before the manifest says the output is complete.
                 list(pool.map(os.fsync, fds.values()))
     finally:
@@ -457,7 +464,7 @@ def _copy_small(
         piece = shard_bytes(data, info.shape, t.dim, c) if c.value is None else value_bytes(t.dtype, c.value)
         digests[i][position] = digest_of(algorithm, piece)
         if len(piece):
-            pending.add(fd, offset, memoryview(piece))
+            pending.add(fd, offset, piece)
     if not digest:
         return b""
     # Combining costs about a microsecond a shard, crc32 about as much a KB.
@@ -563,21 +570,18 @@ def rank_index_pieces(plan: Plan, rank: int) -> Iterator[bytes]:
     yield b"\n  }\n}\n"
 
 
-def _source_files(ckpt: Checkpoint, digests: dict[str, bytes]) -> tuple[SourceFile, ...]:
+def _source_files(ckpt: Checkpoint, digests: bytearray) -> tuple[SourceFile, ...]:
+    """The checkpoint's files as the manifest records them; `digests`: each tensor's crc32, by position."""
     files = []
-    by_file: dict[str, list[tuple[int, str]]] = {name: [] for name in ckpt.weight_files}
-    for t, i in ckpt.tensors.items():  # one pass: DeepSeek-V3 has 163 files and 91k tensors
-        by_file[i.file].append((i.begin, t))
+    names, infos = list(ckpt.tensors), list(ckpt.tensors.values())
+    by_file: dict[str, array] = {name: array("I") for name in ckpt.weight_files}
+    for p, info in enumerate(infos):  # one pass: DeepSeek-V3 has 163 files and 91k tensors
+        by_file[info.file].append(p)
     for name in ckpt.weight_files:
         path = ckpt.path / name
-        tensors = sorted(by_file[name])
-        files.append(
-            SourceFile(
-                name=name,
-                size=path.stat().st_size,
-                checksum=file_digest(read_header_bytes(path), [digests[t] for _, t in tensors]),
-            )
-        )
+        order = sorted(by_file.pop(name), key=lambda p: (infos[p].begin, names[p]))  # data order, empty tensors by name
+        crcs = [digests[4 * p : 4 * p + 4] for p in order]
+        files.append(SourceFile(name=name, size=path.stat().st_size, checksum=file_digest(read_header_bytes(path), crcs)))
     if ckpt.index_file:
         path = ckpt.path / ckpt.index_file
         files.append(SourceFile(name=ckpt.index_file, size=path.stat().st_size, checksum=sha256_file(path)))
