@@ -4,6 +4,7 @@ built; a planned size that is wrong stops the writer before any file is put in p
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -13,7 +14,8 @@ from tpshard import plan as plan_module
 from tpshard.checkpoint import open_checkpoint
 from tpshard.manifest import Options, read_manifest
 from tpshard.plan import FILE_METADATA, file_header, make_plan
-from tpshard.safetensors_format import ALIGN, DTYPE_SIZE, build_header, header_layout, plain_json
+from tpshard import safetensors_format
+from tpshard.safetensors_format import ALIGN, DTYPE_SIZE, build_header, by_kind, header_layout, kinds_header_pieces, nbytes_of, plain_json
 from tpshard.topology import Topology
 
 # (name, dtype, shape) lists: every dtype, 0-d and zero-size shapes, offsets that cross powers of
@@ -41,6 +43,36 @@ def test_header_layout_is_the_length_of_the_built_header(case, metadata):
     """The counted size and offsets are build_header's, for plain names (counted) and the others."""
     head, offsets = build_header(CASES[case], metadata)
     assert header_layout(CASES[case], metadata) == (len(head), offsets)
+
+
+@pytest.mark.parametrize("metadata", [None, FILE_METADATA])
+@pytest.mark.parametrize("batch", [1, 2, 7])
+@pytest.mark.parametrize("case", ["empty", "every dtype", "powers of ten", "one kind, many tensors", "0-d and zero dims"])
+def test_a_header_in_pieces_is_json_dumps(case, batch, metadata, monkeypatch):
+    """The writer's header comes HEADER_BATCH entries a piece (a commas at each seam): the pieces
+    joined are json.dumps's text of the whole header, as long as counted, the offsets its own."""
+    monkeypatch.setattr(safetensors_format, "HEADER_BATCH", batch)
+    entries, offset, starts = dict({"__metadata__": metadata} if metadata else {}), 0, []
+    for name, dtype, shape in CASES[case]:
+        entries[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes_of(dtype, shape)]}
+        starts.append(offset)
+        offset += nbytes_of(dtype, shape)
+    size, relative, pieces = kinds_header_pieces(*by_kind(CASES[case]), metadata)
+    pieces = list(pieces)
+    head = b"".join(pieces)
+    assert head[8:].rstrip(b" ") == json.dumps(entries, separators=(",", ":")).encode()
+    assert (len(head), relative) == (size, starts)
+    assert len(pieces) == 2 + -(-len(CASES[case]) // batch)  # opening, the batches, closing
+
+
+def test_a_header_text_longer_than_counted_is_refused(monkeypatch):
+    """The length prefix is written first, from the count: a text that turns out another length
+    raises at its last piece (the writer then publishes nothing: the test below)."""
+    counted = safetensors_format._unpadded_size
+    monkeypatch.setattr(safetensors_format, "_unpadded_size", lambda *a: counted(*a) - 8)
+    _, _, pieces = kinds_header_pieces(*by_kind(CASES["every dtype"]), FILE_METADATA)
+    with pytest.raises(AssertionError, match="a header counted as"):
+        list(pieces)
 
 
 def test_plain_json_is_printable_ascii_without_quote_or_backslash():

@@ -28,7 +28,7 @@ import msgspec
 
 from tpshard.collector import paused
 from tpshard.digest import DIGEST_SIZE
-from tpshard.safetensors_format import Numbering, Shapes, build_kinds_header, kinds_header_layout
+from tpshard.safetensors_format import Numbering, Shapes, kinds_header_layout, kinds_header_pieces
 from tpshard.topology import GroupName, Topology
 
 MANIFEST_NAME = "tpshard-manifest.json"
@@ -338,19 +338,23 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
         return sorted(map(attrgetter("name"), map(self.tensors.__getitem__, self._file_shards()[index].tensors)))
 
     def header(self, file: str) -> bytes:
-        """The header bytes of an output file, built on each call and kept nowhere: the writer and
-        check need each file's once (at 90k tensors and tp 8 the headers are 48 MB in all). Its
-        length is the one the file's offsets were laid out with: anything else is a bug, never a
-        file written with its data in the wrong place."""
+        """The header bytes of an output file (header_pieces joined)."""
+        return b"".join(self.header_pieces(file))
+
+    def header_pieces(self, file: str) -> Iterator[bytes]:
+        """The header bytes of an output file, in pieces built as they are asked for and kept
+        nowhere: the writer and check need each file's once (at 90k tensors and tp 8 the headers are
+        48 MB in all). Its length is the one the file's offsets were laid out with: anything else is
+        a bug, never a file written with its data in the wrong place."""
         from tpshard.plan import FILE_METADATA
 
-        header, offsets = build_kinds_header(*self._file_kinds(file), FILE_METADATA)
+        size, relative, pieces = kinds_header_pieces(*self._file_kinds(file), FILE_METADATA)
         layouts = self.__dict__.setdefault("_layouts", {})
         if file not in layouts:  # not laid out yet: this header is the layout
-            layouts[file] = (len(header), array("Q", offsets))
-        elif len(header) != layouts[file][0]:
-            raise AssertionError(f"{file}: the header built is {len(header)} bytes, the plan laid it out as {layouts[file][0]}")
-        return header
+            layouts[file] = (size, array("Q", map(size.__add__, relative)))
+        elif size != layouts[file][0]:
+            raise AssertionError(f"{file}: the header built is {size} bytes, the plan laid it out as {layouts[file][0]}")
+        return pieces
 
     def offsets(self, file: str) -> Sequence[int]:
         """Each tensor's absolute data offset in an output file, in data order; no header is built."""

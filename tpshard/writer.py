@@ -435,13 +435,16 @@ def write_plan(
 
 def _write_header(plan: Plan, i: int, fd: int) -> tuple[object, Sequence[int]]:
     """Write file `i`'s header into `fd` and extend it to its full size; return its file_hash and its
-    tensors' data offsets. The header is built here and dropped once written and hashed (Plan.header
-    refuses one whose length is not the size the file was laid out with)."""
+    tensors' data offsets. The header is built here a piece at a time, each dropped once written and
+    hashed (Plan.header_pieces refuses one whose length is not the size the file was laid out with)."""
     f = plan.files[i]
-    header = plan.header(f.name)
-    os.pwrite(fd, header, 0)
+    h, at = file_hash(b""), 0
+    for piece in plan.header_pieces(f.name):
+        pwrite_all(fd, memoryview(piece), at)
+        h.update(piece)
+        at += len(piece)
     os.ftruncate(fd, f.size)
-    return file_hash(header), plan.offsets(f.name)
+    return h, plan.offsets(f.name)
 
 
 def write_durably(path: Path, data: bytes | Iterable[bytes]) -> None:
