@@ -88,7 +88,7 @@ def file_digest(header: bytes, tensor_digests: list[bytes]) -> str:
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(8 << 20):
+        while block := f.read(1 << 20):
             h.update(block)
     return h.hexdigest()
 
