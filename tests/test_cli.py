@@ -27,6 +27,28 @@ def test_plan_json_and_table(llama):
     assert human.stdout == "" and "Per rank" in human.stderr
 
 
+@pytest.mark.parametrize("batch", [1, 3, 4096])
+@pytest.mark.parametrize("case", ["llama tp 8", "deepseek-v3 ep 2"])
+def test_plan_json_in_pieces_is_the_whole_text(llama, deepseek_v3, case, batch, monkeypatch):
+    """plan --json writes the plan's tensors a batch at a time, indented into their place: the
+    text is byte for byte the whole output indented at once, at every seam between batches."""
+    import msgspec
+
+    from tpshard import cli
+    from tpshard.checkpoint import open_checkpoint
+    from tpshard.plan import make_plan
+    from tpshard.report import kind_rows, rank_rows
+    from tpshard.topology import Topology
+
+    model, topology = {"llama tp 8": (llama, Topology(tp=8, attn_dp=2)), "deepseek-v3 ep 2": (deepseek_v3, Topology(tp=4, ep=2))}[case]
+    p = make_plan(open_checkpoint(model), topology)
+    out = {"plan": p, "by_kind": kind_rows(p), "by_rank": rank_rows(p), "alignment": [{"tensors": []}]}
+    monkeypatch.setattr(cli, "PLAN_JSON_BATCH", batch)
+    assert b"".join(cli.plan_json_pieces(out, p)) == msgspec.json.format(msgspec.json.encode(out), indent=1) + b"\n"
+    del out["alignment"]
+    assert b"".join(cli.plan_json_pieces(out, p)) == msgspec.json.format(msgspec.json.encode(out), indent=1) + b"\n"
+
+
 def test_explain_layer(llama, qwen3):
     rows = json.loads(run("explain", qwen3, "--tp", 8, "--attn-dp", 2, "--layer", 1, "--json").stdout)
     k = [r for r in rows if r["tensor"] == "model.layers.1.self_attn.k_proj.weight"]
