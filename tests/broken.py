@@ -37,7 +37,7 @@ def rewrite_checksums(out: Path) -> None:
 
 def file_specs(plan, name: str) -> list:
     """The ShardSpec views of the tensors of output file `name`, in data order."""
-    return [plan.view(t, c) for t, c in plan.file_members()[plan.file_index(name)]]
+    return [plan.view(t, c) for t, c in plan.members(plan.file_index(name))]
 
 
 def overwrite_tensor(out: Path, rank: int, name: str, tensor: torch.Tensor) -> None:

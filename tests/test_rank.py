@@ -122,7 +122,7 @@ def _manifest_only(plan, tmp_path):
 
     from tpshard.manifest import MANIFEST_NAME, Manifest, Source, encode_manifest
 
-    counts = {f.name: len(members) for f, members in zip(plan.files, plan.file_members())}
+    counts = {f.name: len(plan.members(i)) for i, f in enumerate(plan.files)}
     files = tuple(
         msgspec.structs.replace(f, checksum="0" * 64, digests="".join(f"{i:08x}" for i in range(counts[f.name])))
         for f in plan.files

@@ -426,11 +426,9 @@ def _check_files(
             if st is not None:
                 extras.setdefault((st.st_dev, st.st_ino, extra.name), (folder / extra.name, extra, []))[2].append(r)
 
-    members = plan.file_members()
-
     def verify(unit: tuple[Path, int, list[int]]) -> list[tuple[str, str]]:
         path, i, ranks = unit
-        rec, tensors = plan.files[i], members[i]
+        rec, tensors = plan.files[i], plan.members(i)
         name = rec.name
         where = f"{name} of ranks {ranks}"
         if not rec.checksum:
@@ -648,7 +646,7 @@ def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckRe
         if not written & set(f.ranks):
             continue
         held = copies.get(f.name, [])
-        for (t, c), offset in zip(plan.file_members()[i], plan.offsets(f.name)):
+        for (t, c), offset in zip(plan.members(i), plan.offsets(f.name)):
             source = t.source or t.name
             if not held:  # every copy missing or not a plain file: reported by name, never counted as proven
                 located[source].append((t, c, None, offset, ""))

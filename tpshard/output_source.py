@@ -221,9 +221,9 @@ class OutputReader:
         copies = distinct_copies(out, manifest)
         self.cuts: dict[str, list[_Cut]] = defaultdict(list)
         self.unheld: dict[str, str] = {}  # source tensor -> a file of it no written rank holds
-        for f, members in zip(plan.files, plan.file_members()):
+        for index, f in enumerate(plan.files):
             held = copies.get(f.name)
-            for i, ((t, c), offset) in enumerate(zip(members, plan.offsets(f.name))):
+            for i, ((t, c), offset) in enumerate(zip(plan.members(index), plan.offsets(f.name))):
                 if (t.source or t.name) != t.name or c.value is not None:
                     continue  # a copy of another tensor, or content the plan gives (never read)
                 if not held or not f.digests:
@@ -263,7 +263,7 @@ class OutputReader:
             fname, held = item
             path = held[0][0]
             index = plan.file_index(fname)
-            record, members = plan.files[index], plan.file_members()[index]
+            record, members = plan.files[index], plan.members(index)
             offsets = plan.offsets(fname)
             todo = [k for k in range(len(members)) if (path, k) not in self.read]
             sizes = [nbytes_of(members[k][0].dtype, shard_shape(*members[k])) for k in todo]

@@ -778,7 +778,7 @@ def _layout_files(
             name = f"model-{kind_cuts[kind_index[a]].label}{suffix}.safetensors"
             numbers = Numbering()  # kind cut -> its index in this file's shapes
             kinds = array("I", map(numbers.__getitem__, kind_index[a:b]))
-            shard = FileShards(held[a:b], kinds, [(kind_cuts[k].dtype, kind_cuts[k].shape) for k in numbers])
+            shard = FileShards(held[a:b], cut_index[a:b], kinds, [(kind_cuts[k].dtype, kind_cuts[k].shape) for k in numbers])
             if plain:  # what an entry adds up to is its name's length and its kind's
                 text = sum(map(name_sizes.__getitem__, held[a:b])) + sum(map(texts_of.__getitem__, kind_index[a:b]))
                 size, offsets = plain_layout(text, sizes[a:b], FILE_METADATA)

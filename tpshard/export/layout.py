@@ -42,7 +42,7 @@ class Part(NamedTuple):
 
     tensor: TensorPlan
     cut: Cut
-    index: int  # its place in its file (Plan.file_members()[cut.file]): where its offset and digest are
+    index: int  # its place in its file (Plan.members(cut.file)): where its offset and digest are
     shape: tuple[int, ...]  # shard_shape(tensor, cut)
     nbytes: int
 
