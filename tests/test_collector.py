@@ -7,7 +7,7 @@ import gc
 import pytest
 
 from tpshard.checkpoint import open_checkpoint
-from tpshard.collector import paused
+from tpshard.collector import one_arena, paused
 from tpshard.errors import CheckpointError
 
 
@@ -32,3 +32,15 @@ def test_a_refusal_inside_a_paused_function_turns_the_collector_back_on(tmp_path
     with pytest.raises(CheckpointError):
         open_checkpoint(tmp_path / "missing")
     assert gc.isenabled()
+
+
+def test_one_arena_is_set_where_glibc_is():
+    """The command keeps worker threads to one C heap (glibc); elsewhere it asks nothing."""
+    import ctypes
+    import sys
+
+    try:
+        glibc = bool(ctypes.CDLL(None).gnu_get_libc_version)
+    except (OSError, AttributeError):
+        glibc = False
+    assert one_arena() == (glibc and sys.platform == "linux")

@@ -604,6 +604,9 @@ EXIT_INTERRUPTED = 130
 
 
 def main() -> None:
+    from tpshard.collector import one_arena
+
+    one_arena()
     try:
         code = app(standalone_mode=False)
     except TpshardError as e:
