@@ -25,7 +25,8 @@ from tpshard.checkpoint import open_checkpoint
 from tpshard.manifest import encode_manifest
 from tpshard.plan import make_plan
 from tpshard.topology import Topology
-from tpshard.writer import default_workers, rank_index_bytes, write_plan
+from tpshard.workers import default_workers
+from tpshard.writer import rank_index_bytes, write_plan
 
 
 def timed(label: str, rows: list, fn):

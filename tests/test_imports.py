@@ -35,3 +35,13 @@ else:
     raise AssertionError("no AttributeError")
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_check_without_a_source_imports_neither_numpy_nor_the_writer(llama, tmp_path):
+    """Their imports were a sixth of `tpshard check OUT` at 9k tensors; only --source reads with them."""
+    import tpshard
+    from tpshard.topology import Topology
+
+    tpshard.split(llama, tmp_path / "out", Topology(tp=2))
+    loaded = _modules_after(f"import tpshard, tpshard.cli\nassert tpshard.check({str(tmp_path / 'out')!r}).ok")
+    assert not loaded & {"numpy", "torch", "tpshard.writer", "tpshard.plan", "tpshard.pieces", "tpshard.checkpoint"}, loaded

@@ -20,18 +20,16 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
-import numpy as np
 
-from tpshard.checkpoint import Checkpoint, open_checkpoint
+# numpy, the checkpoint reader, the planner and the writer are imported where the source is read:
+# check without a source needs none of them (their imports were a sixth of it at 9k tensors).
 from tpshard.collector import paused
 from tpshard.digest import file_digest, new_hash, sha256_file, tensor_digest
 from tpshard.errors import TpshardError, UsageError
-from tpshard.manifest import MANIFEST_NAME, Cut, Manifest, Plan, ShardSpec, TensorPlan, rank_dir, read_manifest, shard_shape
-from tpshard.pieces import VALUE_DTYPES, cut_pieces, read_into, scratch, shard_bytes, value_bytes
-from tpshard.arch import arch_for
-from tpshard.plan import make_plan
+from tpshard.manifest import MANIFEST_NAME, Cut, Manifest, Plan, ShardSpec, TensorPlan, rank_dir, rank_index_pieces, read_manifest, shard_shape
 from tpshard.stages import (
     ENGINE_NAME,
     PARTITION_ENV,
@@ -45,8 +43,13 @@ from tpshard.stages import (
     stage_ranges,
     tensor_stages,
 )
-from tpshard.safetensors_format import DTYPE_SIZE, TensorInfo, nbytes_of
-from tpshard.writer import CheckpointReader, check_workers, copy_jobs, rank_index_pieces
+from tpshard.safetensors_format import DTYPE_SIZE, TensorInfo, nbytes_of, read_exact
+from tpshard.workers import check_workers
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from tpshard.checkpoint import Checkpoint
 
 MAX_PROBLEMS = 50
 
@@ -106,6 +109,8 @@ def check(
     if pp is not None or pp_layers is not None:
         check_pipeline_request(manifest.plan, pp, pp_layers, report)
     if source is not None:
+        from tpshard.checkpoint import open_checkpoint
+
         ckpt = open_checkpoint(source)
         expected = _rules_plan(ckpt, manifest)
     check_output(out, manifest, report, workers)
@@ -268,6 +273,8 @@ def check_stages(plan: Plan, report: CheckReport) -> dict[str, tuple[int, ...]]:
     topo, model = plan.topology, plan.model
     if topo.pp == 1:
         return {}
+    from tpshard.arch import arch_for
+
     try:
         arch = arch_for(model)
     except TpshardError as e:
@@ -548,6 +555,7 @@ def range_digests(fd: int, offsets: list[int], sizes: list[int], algorithm: str)
     ranges (a file's tensors lie back to back) come from one read: DeepSeek-V3 at tp 8 has about
     460k shards, most of them a few KB."""
     i, n = 0, len(offsets)
+    buf = None  # for the runs: one per call, of at most RUN_BYTES
     while i < n:
         if sizes[i] >= RUN_BYTES:
             yield hash_range(fd, offsets[i], sizes[i], algorithm)
@@ -557,7 +565,9 @@ def range_digests(fd: int, offsets: list[int], sizes: list[int], algorithm: str)
         while j < n and offsets[j] == end and sizes[j] < RUN_BYTES and end + sizes[j] - offsets[i] <= RUN_BYTES:
             end += sizes[j]
             j += 1
-        data = read_into(fd, scratch("digests", end - offsets[i]), offsets[i], end - offsets[i])
+        if buf is None:
+            buf = memoryview(bytearray(min(RUN_BYTES, sum(sizes[i:]))))
+        data = read_exact(fd, buf[: end - offsets[i]], offsets[i])
         for k in range(i, j):
             a = offsets[k] - offsets[i]
             yield tensor_digest(algorithm, data[a : a + sizes[k]])
@@ -566,10 +576,10 @@ def range_digests(fd: int, offsets: list[int], sizes: list[int], algorithm: str)
 
 def hash_range(fd: int, offset: int, n: int, algorithm: str = "sha256") -> bytes:
     h = new_hash(algorithm)
-    buf = np.empty(min(n, 16 << 20), np.uint8)
+    buf = memoryview(bytearray(min(n, 16 << 20)))
     while n > 0:
         k = min(n, len(buf))
-        h.update(read_into(fd, buf, offset, k))
+        h.update(read_exact(fd, buf[:k], offset))
         offset, n = offset + k, n - k
     return h.digest()
 
@@ -585,6 +595,8 @@ def check_source_sizes(ckpt: Checkpoint, recorded, report: CheckReport, done: st
 
 def _rules_plan(ckpt: Checkpoint, manifest: Manifest) -> Plan | TpshardError:
     """The plan the rules give for this source and the manifest's topology and options, or why not."""
+    from tpshard.plan import make_plan
+
     try:
         return make_plan(ckpt, manifest.plan.topology, manifest.plan.options)
     except TpshardError as e:
@@ -668,6 +680,11 @@ def reassemble(ckpt: Checkpoint, plan: Plan, located: dict[str, list[Place]], re
     Small tensors go in runs, as the writer copies them (tpshard.writer.copy_jobs): one read of the
     source run, one read per file of the shards it holds, compared in one go; a run that differs
     anywhere, and every large tensor, is compared tensor by tensor, which names what differs."""
+    import numpy as np
+
+    from tpshard.pieces import cut_pieces, read_into, scratch, shard_bytes
+    from tpshard.writer import CheckpointReader, copy_jobs
+
     fds_open: dict[Path, int] = {}  # each file opened once, shared by the threads (pread only)
     lock = threading.Lock()
 
@@ -774,6 +791,10 @@ def reassemble(ckpt: Checkpoint, plan: Plan, located: dict[str, list[Place]], re
 
 def _read_value(path: Path, offset: int, spec: ShardSpec) -> list[int]:
     """The content of a value spec as written (to compare with `spec.value`)."""
+    import numpy as np
+
+    from tpshard.pieces import VALUE_DTYPES, value_bytes
+
     n = len(value_bytes(spec.dtype, spec.value))
     with open(path, "rb") as fh:
         fh.seek(offset)
@@ -783,6 +804,8 @@ def _read_value(path: Path, offset: int, spec: ShardSpec) -> list[int]:
 
 def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     """Byte equality of two uint8 arrays, compared 8 bytes at a time (5x faster than bytewise)."""
+    import numpy as np
+
     n = len(a) - len(a) % 8
     if len(a) != len(b) or not np.array_equal(a[n:], b[n:]):
         return False
@@ -791,6 +814,10 @@ def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
 
 def _diagnose(src_fd: int, info, specs: list[ShardSpec], i: int, fd: int, offset: int, byte: int, tensor=None) -> str:
     """Say what rank `specs[i]` holds instead: another group rank's slice, or where it first differs."""
+    import numpy as np
+
+    from tpshard.pieces import cut_pieces
+
     spec = specs[i]
     size = nbytes_of(spec.dtype, spec.shape)
     actual = hash_range(fd, offset, size)

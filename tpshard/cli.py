@@ -294,7 +294,7 @@ def reshard(
     from tpshard.publish import check_output_path
     from tpshard.report import human_bytes
     from tpshard.reshard import reshard as do_reshard
-    from tpshard.writer import check_workers
+    from tpshard.workers import check_workers
 
     start = time.perf_counter()
     check_output_path(out, [old])  # before OLD is read through

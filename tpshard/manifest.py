@@ -16,6 +16,9 @@ attention-DP replicas, GQA kv replicas) share one cut and one file.
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import json
 import re
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
@@ -28,7 +31,7 @@ import msgspec
 
 from tpshard.collector import paused
 from tpshard.digest import DIGEST_SIZE
-from tpshard.safetensors_format import Numbering, Shapes, kinds_header_layout, kinds_header_pieces
+from tpshard.safetensors_format import Numbering, Shapes, kinds_header_layout, kinds_header_pieces, plain_json
 from tpshard.topology import GroupName, Topology
 
 MANIFEST_NAME = "tpshard-manifest.json"
@@ -40,6 +43,7 @@ MANIFEST_VERSION = 3
 MAX_BYTES = 1 << 50  # one tensor or one file
 MAX_WORLD = 1 << 16  # ranks
 MAX_MANIFEST_BYTES = 1 << 31
+FILE_METADATA = {"format": "pt"}  # what transformers expects to find in an output file's header
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_BYTES)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_WORLD)]
 Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_WORLD)]
@@ -341,8 +345,6 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
         nowhere: the writer and check need each file's once (at 90k tensors and tp 8 the headers are
         48 MB in all). Its length is the one the file's offsets were laid out with: anything else is
         a bug, never a file written with its data in the wrong place."""
-        from tpshard.plan import FILE_METADATA
-
         size, relative, pieces = kinds_header_pieces(*self._file_kinds(file), FILE_METADATA)
         layouts = self.__dict__.setdefault("_layouts", {})
         if file not in layouts:  # not laid out yet: this header is the layout
@@ -362,8 +364,6 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
     def _layout(self, file: str) -> tuple[int, Sequence[int]]:
         """(header size, data offsets) of a file: make_plan's, or counted on first use (a plan read
         from a manifest)."""
-        from tpshard.plan import FILE_METADATA
-
         layouts = self.__dict__.setdefault("_layouts", {})
         if file not in layouts:
             size, offsets = kinds_header_layout(*self._file_kinds(file), FILE_METADATA)
@@ -458,6 +458,29 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True, dict=True):
 
 def rank_dir(rank: int) -> str:
     return f"rank-{rank:05d}"
+
+
+def rank_index_pieces(plan: Plan, rank: int) -> Iterator[bytes]:
+    """The model.safetensors.index.json of rank `rank`, byte for byte (check compares it so), in
+    pieces: json.dumps(indent=2) of {"metadata": {"total_size"}, "weight_map"}, written line by line
+    where names need no escape (a rank's index at 90k tensors and tp 8 is 7 MB, and a dict, its JSON
+    and its indented copy held ~25 MB at once)."""
+    held = [i for i, f in enumerate(plan.files) if rank in f.ranks]
+    # the data follows each header, without gaps
+    total = sum(plan.files[i].size - plan.header_size(plan.files[i].name) for i in held)
+    # One sorted run per file (a rank holds one piece of each tensor): merged, they are the sorted map.
+    runs = [plan.index_names(i) for i in held]
+    pairs = heapq.merge(*(zip(names, itertools.repeat(plan.files[i].name)) for i, names in zip(held, runs)))
+    if not runs or not all(plain_json("".join(names)) for names in runs):
+        yield (json.dumps({"metadata": {"total_size": total}, "weight_map": dict(pairs)}, indent=2) + "\n").encode()
+        return
+    yield f'{{\n  "metadata": {{\n    "total_size": {total}\n  }},\n  "weight_map": {{\n'.encode()
+    lines = (f'    "{name}": "{file}"' for name, file in pairs)
+    first = True
+    while batch := list(itertools.islice(lines, 4096)):
+        yield ("" if first else ",\n").encode() + ",\n".join(batch).encode()
+        first = False
+    yield b"\n  }\n}\n"
 
 
 _encoder = msgspec.json.Encoder(order="sorted")

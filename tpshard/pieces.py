@@ -8,16 +8,13 @@ compares them with what the output holds. Neither knows how a tensor is cut.
 from __future__ import annotations
 
 import math
-
-import os
 import threading
 from collections.abc import Iterator
 
 import numpy as np
 
-from tpshard.errors import CheckpointError
 from tpshard.manifest import ShardSpec
-from tpshard.safetensors_format import TensorInfo
+from tpshard.safetensors_format import TensorInfo, read_exact
 
 CHUNK_BYTES = 4 << 20  # read granularity; bounds memory per worker (4 MiB measured best of 1-32)
 
@@ -129,13 +126,7 @@ def shard_bytes(data: np.ndarray, shape: tuple[int, ...], dim: int | None, cut) 
 
 def read_into(fd: int, buf: np.ndarray, offset: int, n: int) -> np.ndarray:
     """pread exactly n bytes at offset into buf; returns buf[:n]."""
-    view = memoryview(buf)[:n]
-    done = 0
-    while done < n:
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got == 0:
-            raise CheckpointError(f"file ended early at byte {offset + done} (truncated?)")
-        done += got
+    read_exact(fd, memoryview(buf)[:n], offset)
     return buf[:n]
 
 

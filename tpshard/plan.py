@@ -24,7 +24,7 @@ from tpshard.checkpoint import Checkpoint, model_info
 from tpshard.collector import paused
 from tpshard.completeness import check_complete
 from tpshard.errors import PlanError
-from tpshard.manifest import SPEC_DEFAULTS, TENSOR_FIELDS, Cut as ManifestCut, FileShards, Kind, ModelInfo, Options, OutputFile, Plan, ShardSpec, TensorPlan
+from tpshard.manifest import FILE_METADATA, SPEC_DEFAULTS, TENSOR_FIELDS, Cut as ManifestCut, FileShards, Kind, ModelInfo, Options, OutputFile, Plan, ShardSpec, TensorPlan
 from tpshard.quant.config import read_quant_config
 from tpshard.quant.formats import QuantSpec, alignment
 from tpshard.quant import shards as qshards
@@ -695,9 +695,6 @@ class _QuantLayers:
 # The same quantized cut recurs for every expert and layer; Fraction arithmetic is worth caching.
 _expected_physical_shape = functools.lru_cache(maxsize=4096)(qshards.expected_physical_shape)
 _physical_cut = functools.lru_cache(maxsize=16384)(qshards.physical_cut)
-
-
-FILE_METADATA = {"format": "pt"}  # what transformers expects to find in a file's header
 
 
 def file_header(tensors: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, list[int]]:

@@ -18,7 +18,8 @@ from tpshard.output_source import OutputSource, open_output_source
 from tpshard.plan import make_plan
 from tpshard.publish import check_output_path, staged_output
 from tpshard.topology import Topology
-from tpshard.writer import check_workers, select_ranks, write_plan
+from tpshard.workers import check_workers
+from tpshard.writer import select_ranks, write_plan
 
 
 def reshard(

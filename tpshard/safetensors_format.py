@@ -22,6 +22,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from tpshard.errors import CheckpointError
+
 # Bytes per element of each safetensors dtype tpshard moves. Sub-byte types are stored packed in
 # U8/I32 containers by the quantized formats, so they never appear here.
 DTYPE_SIZE = {
@@ -385,3 +387,14 @@ def read_header_bytes(path: Path) -> bytes:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         return struct.pack("<Q", n) + f.read(n)
+
+
+def read_exact(fd: int, view: memoryview, offset: int) -> memoryview:
+    """pread len(view) bytes at `offset` into `view` (threads share one fd: no seek); returns it."""
+    done, n = 0, len(view)
+    while done < n:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise CheckpointError(f"file ended early at byte {offset + done} (truncated?)")
+        done += got
+    return view

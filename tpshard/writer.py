@@ -18,13 +18,10 @@ manifest is complete, and an old output stays whole until the new one replaces i
 from __future__ import annotations
 
 import contextlib
-import heapq
-import itertools
-import json
 import os
 import shutil
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -46,7 +43,7 @@ from tpshard.digest import (
     sha256_file,
     tensor_digest,
 )
-from tpshard.errors import TopologyError, UsageError
+from tpshard.errors import TopologyError
 from tpshard.manifest import (
     MANIFEST_NAME,
     Cut,
@@ -60,27 +57,14 @@ from tpshard.manifest import (
     TensorPlan,
     manifest_pieces,
     rank_dir,
+    rank_index_pieces,
 )
 from tpshard.pieces import cut_pieces, read_into, scratch, shard_bytes, value_bytes
 from tpshard.plan import make_plan
 from tpshard.publish import staged_output
-from tpshard.safetensors_format import TensorInfo, nbytes_of, plain_json, read_header_bytes
+from tpshard.safetensors_format import TensorInfo, nbytes_of, read_header_bytes
 from tpshard.topology import Topology
-
-MAX_WORKERS = 256
-
-
-def default_workers() -> int:
-    return min(8, max(2, os.cpu_count() or 2))
-
-
-def check_workers(workers: int | None) -> int:
-    """The I/O thread count to use: `workers` if given (1..MAX_WORKERS), else from the CPU count."""
-    if workers is None:
-        return default_workers()
-    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
-        raise UsageError(f"--workers {workers!r}: must be an integer from 1 to {MAX_WORKERS}")
-    return workers
+from tpshard.workers import check_workers
 
 
 def split(
@@ -548,29 +532,6 @@ def link_or_copy(src: Path, dst: Path) -> None:
         os.link(src, dst)
     except OSError:  # a filesystem without hard links: a copy holds the same bytes
         shutil.copyfile(src, dst)
-
-
-def rank_index_pieces(plan: Plan, rank: int) -> Iterator[bytes]:
-    """The model.safetensors.index.json of rank `rank`, byte for byte (check compares it so), in
-    pieces: json.dumps(indent=2) of {"metadata": {"total_size"}, "weight_map"}, written line by line
-    where names need no escape (a rank's index at 90k tensors and tp 8 is 7 MB, and a dict, its JSON
-    and its indented copy held ~25 MB at once)."""
-    held = [i for i, f in enumerate(plan.files) if rank in f.ranks]
-    # the data follows each header, without gaps
-    total = sum(plan.files[i].size - plan.header_size(plan.files[i].name) for i in held)
-    # One sorted run per file (a rank holds one piece of each tensor): merged, they are the sorted map.
-    runs = [plan.index_names(i) for i in held]
-    pairs = heapq.merge(*(zip(names, itertools.repeat(plan.files[i].name)) for i, names in zip(held, runs)))
-    if not runs or not all(plain_json("".join(names)) for names in runs):
-        yield (json.dumps({"metadata": {"total_size": total}, "weight_map": dict(pairs)}, indent=2) + "\n").encode()
-        return
-    yield f'{{\n  "metadata": {{\n    "total_size": {total}\n  }},\n  "weight_map": {{\n'.encode()
-    lines = (f'    "{name}": "{file}"' for name, file in pairs)
-    first = True
-    while batch := list(itertools.islice(lines, 4096)):
-        yield ("" if first else ",\n").encode() + ",\n".join(batch).encode()
-        first = False
-    yield b"\n  }\n}\n"
 
 
 def _source_files(ckpt: Checkpoint, digests: bytearray) -> tuple[SourceFile, ...]:

@@ -8,9 +8,27 @@ names.py holds the engines' names, layout.py what each rank's files hold (and wh
 writer.py writes them, check.py proves them.
 """
 
-from tpshard.export.layout import DEFAULT_MAX_PART_BYTES, ExportError, export_layout
-from tpshard.export.manifest import EXPORT_MANIFEST_NAME, read_export_manifest
-from tpshard.export.names import ENGINES
-from tpshard.export.writer import export
+from __future__ import annotations
+
+import importlib
+
+# Imported on first use: `tpshard check` looks for tpshard-export.json in every output it checks,
+# and the writer would bring in the split's writer and numpy.
+_EXPORTS = {
+    "DEFAULT_MAX_PART_BYTES": "tpshard.export.layout", "ExportError": "tpshard.export.layout",
+    "export_layout": "tpshard.export.layout", "EXPORT_MANIFEST_NAME": "tpshard.export.manifest",
+    "read_export_manifest": "tpshard.export.manifest", "ENGINES": "tpshard.export.names", "export": "tpshard.export.writer",
+}  # fmt: skip
 
 __all__ = ["DEFAULT_MAX_PART_BYTES", "ENGINES", "EXPORT_MANIFEST_NAME", "ExportError", "export", "export_layout", "read_export_manifest"]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

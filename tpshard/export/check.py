@@ -31,7 +31,7 @@ from tpshard.export.writer import constant_bytes
 from tpshard.manifest import shard_shape
 from tpshard.plan import file_header, make_plan
 from tpshard.safetensors_format import nbytes_of
-from tpshard.writer import default_workers
+from tpshard.workers import default_workers
 
 
 def check_export(folder: str | Path, source: str | Path | None = None, *, workers: int | None = None) -> CheckReport:
