@@ -215,6 +215,29 @@ def test_flipped_byte_is_caught_by_checksums(good, copy_of):
     assert any("model-tp-003-of-008" in p and "does not match its crc32" in p for p in found), found
 
 
+def test_with_the_source_the_checksums_come_from_the_reassembly_reads(good, qwen3, copy_of, monkeypatch):
+    """check --source reads each output byte once: the reassembly hashes what it compares, and the
+    checksum findings are the ones check without the source makes, reported before the source's."""
+    import importlib
+
+    check_module = importlib.import_module("tpshard.check")  # tpshard.check is the function
+    out = copy_of(good)
+    path = out / rank_dir(3) / "model-tp-003-of-008.safetensors"
+    with open(path, "r+b") as f:  # the middle of a tensor, not its padding
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    without = problems(out, None)
+    assert len(without) == 2 and "does not match its crc32" in without[0] and "file checksum differs" in without[1], without
+    read = []
+    monkeypatch.setattr(check_module, "range_digests", lambda *a: read.append(a) or [])
+    found = problems(out, qwen3)
+    assert not read, "the output's files were read a second time to hash them"
+    assert found[:2] == without and len(found) == 3 and found[2].startswith("[reassembly]") and "model-tp-003" not in found[2], found
+    assert tpshard.check(good, qwen3).ok
+
+
 def test_flipped_padding_byte_is_caught_by_reassembly(good, qwen3, copy_of):
     out = copy_of(good)
     lm = tpshard.open_rank(out, 7)["lm_head.weight"].clone()

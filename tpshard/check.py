@@ -10,12 +10,14 @@ the tensor, the ranks and what differs; a piece that equals another rank's slice
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import json
 import os
 import stat
 import threading
+from array import array
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Sequence
@@ -27,7 +29,7 @@ import msgspec
 # numpy, the checkpoint reader, the planner and the writer are imported where the source is read:
 # check without a source needs none of them (their imports were a sixth of it at 9k tensors).
 from tpshard.collector import paused
-from tpshard.digest import file_digest, new_hash, sha256_file, tensor_digest
+from tpshard.digest import DIGEST_SIZE, digest_of, digest_slots, file_digest, hash_digest, new_hash, packed_digests, sha256_file, tensor_digest
 from tpshard.errors import TpshardError, UsageError
 from tpshard.manifest import MANIFEST_NAME, Cut, Manifest, Plan, ShardSpec, TensorPlan, rank_dir, rank_index_pieces, read_manifest, shard_shape
 from tpshard.stages import (
@@ -112,15 +114,82 @@ def check(
         from tpshard.checkpoint import open_checkpoint
 
         ckpt = open_checkpoint(source)
-        expected = _rules_plan(ckpt, manifest)
+        _check_against_source(out, ckpt, manifest, report, workers, _rules_plan(ckpt, manifest))
+        return report
     check_output(out, manifest, report, workers)
-    if source is not None:
-        check_extras_against_source(ckpt, manifest, report)
-        if _check_rules(ckpt, manifest, report, expected):
-            _reassemble(out, ckpt, manifest, report, workers)
-    elif from_output is not None:
+    if from_output is not None:
         _check_from_output(out, Path(from_output), manifest, report, workers)
     return report
+
+
+def _check_against_source(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckReport, workers: int, expected: Plan | TpshardError) -> None:
+    """check_output, the copied files and the rules against the source, then the reassembly;
+    `expected`: _rules_plan's answer.
+
+    The output's files are read once: the reassembly hashes each tensor it compares, and
+    check_output takes those digests instead of reading the files again (half the bytes read).
+    The findings are reported in the order above: those against the source are made first, held,
+    and added after check_output's. When the rules refuse the manifest, nothing is reassembled,
+    and the checks run in that order."""
+    held = CheckReport(out_dir=report.out_dir, source=report.source)
+    check_extras_against_source(ckpt, manifest, held)
+    if _check_rules(ckpt, manifest, held, expected) and not held.omitted:
+        hashed = _Hashed(manifest.plan)
+        reassembled = CheckReport(out_dir=report.out_dir, source=report.source)
+        _reassemble(out, ckpt, manifest, reassembled, workers, hashed=hashed)
+        check_output(out, manifest, report, workers, hashed=hashed)
+        for found in (held, reassembled):
+            for p in found.problems:
+                report.add(p.check, p.message)
+            report.omitted += found.omitted  # past MAX_PROBLEMS there too: past it here
+        report.tensors_reassembled = reassembled.tensors_reassembled
+        return
+    check_output(out, manifest, report, workers)
+    check_extras_against_source(ckpt, manifest, report)
+    if _check_rules(ckpt, manifest, report, expected):
+        _reassemble(out, ckpt, manifest, report, workers)
+
+
+class _Hashed:
+    """Each tensor's digest in each copy of an output file, set as the reassembly reads it (from
+    the pool's threads) for check_output to compare with the manifest. A copy of which some tensor
+    was not read whole (a value set by the plan, a read that failed) is hashed by check_output."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan, self.algorithm = plan, plan.options.checksum
+        self.copies: dict[Path, tuple[int, Sequence[int], array | list, bytearray]] = {}  # path -> (file index, offsets, digests, set)
+
+    def expect(self, path: Path, index: int) -> None:
+        offsets = self.plan.offsets(self.plan.files[index].name)  # one per tensor
+        self.copies[path] = (index, offsets, digest_slots(self.algorithm, len(offsets)), bytearray(len(offsets)))
+
+    def put(self, path: Path, offset: int, nbytes: int, digest: int | bytes) -> None:
+        """The digest (as digest_slots holds it) of the `nbytes` at `offset` of the copy at `path`."""
+        index, offsets, digests, done = self.copies[path]
+        k = bisect.bisect_left(offsets, offset)
+        if k < len(offsets) and offsets[k] == offset and self._end(index, offsets, k) - offset == nbytes:  # the tensor, whole
+            digests[k], done[k] = digest, 1
+
+    def put_read(self, path: Path, begin: int, data) -> None:
+        """The digests of the tensors that lie whole in `data`, the bytes read at `begin` of the copy at `path`."""
+        index, offsets, digests, done = self.copies[path]
+        k, end = bisect.bisect_left(offsets, begin), begin + len(data)
+        while k < len(offsets) and (stop := self._end(index, offsets, k)) <= end:
+            digests[k], done[k] = digest_of(self.algorithm, data[offsets[k] - begin : stop - begin]), 1
+            k += 1
+
+    def _end(self, index: int, offsets: Sequence[int], k: int) -> int:
+        """Where tensor k of file `index` ends: its data lie back to back."""
+        return offsets[k + 1] if k + 1 < len(offsets) else self.plan.files[index].size
+
+    def of(self, path: Path, index: int) -> list[bytes] | None:
+        """The digests of every tensor of the copy at `path` of file `index`, in file order (as
+        range_digests gives them), or None when some tensor was not read."""
+        copy = self.copies.get(path)
+        if copy is None or copy[0] != index or 0 in copy[3]:
+            return None
+        packed, width = packed_digests(copy[2]), DIGEST_SIZE[self.algorithm]
+        return [packed[a : a + width] for a in range(0, len(packed), width)]
 
 
 def _check_from_output(out: Path, old: Path, manifest: Manifest, report: CheckReport, workers: int) -> None:
@@ -146,13 +215,16 @@ def _check_from_output(out: Path, old: Path, manifest: Manifest, report: CheckRe
             _reassemble(out, src.checkpoint, manifest, report, workers, reader=src.reader)
 
 
-def check_output(out: Path, manifest: Manifest, report: CheckReport, workers: int, deferred: set[Path] = frozenset()) -> None:
+def check_output(
+    out: Path, manifest: Manifest, report: CheckReport, workers: int, deferred: set[Path] = frozenset(), hashed: _Hashed | None = None
+) -> None:  # fmt: skip
     """The checks without a source: the plan's, the folder's layout, every file of every rank.
     `deferred`: files whose tensor digests the caller compares as it reads them (tpshard.output_source);
-    their size, header and file checksum are checked here."""
+    their size, header and file checksum are checked here. `hashed`: tensor digests the
+    reassembly took as it read the files, used instead of reading them again."""
     check_plan(manifest.plan, report)
     check_layout(out, manifest, report)
-    _check_files(out, manifest, report, workers, deferred=deferred)
+    _check_files(out, manifest, report, workers, deferred=deferred, hashed=hashed)
 
 
 def _rel(spec: ShardSpec) -> str:
@@ -414,7 +486,8 @@ def check_rank_files(out_dir: str | Path, manifest: Manifest, ranks: list[int], 
 
 
 def _check_files(
-    out: Path, manifest: Manifest, report: CheckReport, workers: int, ranks: list[int] | None = None, deferred: set[Path] = frozenset()
+    out: Path, manifest: Manifest, report: CheckReport, workers: int, ranks: list[int] | None = None, deferred: set[Path] = frozenset(),
+    hashed: _Hashed | None = None,
 ) -> None:  # fmt: skip
     plan = manifest.plan
     algorithm = plan.options.checksum
@@ -456,8 +529,10 @@ def _check_files(
             if path in deferred:  # compared by the caller as it reads: the manifest's own here
                 digests = [rec.digest(k, algorithm) for k in range(len(tensors))]
             else:
-                sizes = [b - a for a, b in zip(offsets, [*offsets[1:], rec.size])]  # tensors lie back to back
-                digests = list(range_digests(fh.fileno(), offsets, sizes, algorithm))
+                digests = hashed.of(path, i) if hashed is not None else None
+                if digests is None:
+                    sizes = [b - a for a, b in zip(offsets, [*offsets[1:], rec.size])]  # tensors lie back to back
+                    digests = list(range_digests(fh.fileno(), offsets, sizes, algorithm))
                 if b"".join(digests).hex() != rec.digests:  # all at once; one by one to name those that differ
                     for k, ((t, _), d) in enumerate(zip(tensors, digests)):
                         if d != rec.digest(k, algorithm):
@@ -670,9 +745,10 @@ def distinct_copies(out: Path, manifest: Manifest) -> dict[str, list[tuple[Path,
     return {name: list(by_inode.values()) for name, by_inode in copies.items()}
 
 
-def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckReport, workers: int, reader=None) -> None:
+def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckReport, workers: int, reader=None, hashed: _Hashed | None = None) -> None:
     """Every source tensor, rebuilt from the shards, equals the source bit for bit, in every copy
-    of every file that holds a piece of it (a copy that replaced a hard link is proven on its own)."""
+    of every file that holds a piece of it (a copy that replaced a hard link is proven on its own).
+    `hashed`: where to put the digest of each tensor read, per copy."""
     plan = manifest.plan
     written = set(manifest.written_ranks)
     copies = distinct_copies(out, manifest)
@@ -681,24 +757,30 @@ def _reassemble(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckRe
         if not written & set(f.ranks):
             continue
         held = copies.get(f.name, [])
+        for path, _ in held if hashed is not None else ():
+            hashed.expect(path, i)
         for (t, c), offset in zip(plan.members(i), plan.offsets(f.name)):
             source = t.source or t.name
             if not held:  # every copy missing or not a plain file: reported by name, never counted as proven
                 located[source].append((t, c, None, offset, ""))
             for path, ranks in held:
                 located[source].append((t, c, path, offset, f" (the copy of ranks {ranks})" if len(held) > 1 else ""))
-    reassemble(ckpt, plan, located, report, workers, reader)
+    reassemble(ckpt, plan, located, report, workers, reader, hashed)
 
 
 # (tensor, cut, file holding it or None when no copy is readable, data offset, where: appended to a finding)
 Place = tuple[TensorPlan, Cut, "Path | None", int, str]
 
 
-def reassemble(ckpt: Checkpoint, plan: Plan, located: dict[str, list[Place]], report: CheckReport, workers: int, reader=None) -> None:
+def reassemble(
+    ckpt: Checkpoint, plan: Plan, located: dict[str, list[Place]], report: CheckReport, workers: int, reader=None, hashed: _Hashed | None = None
+) -> None:  # fmt: skip
     """Compare every place a shard is written (a shard may be listed at several: copies) with the
     bytes its cut takes from its source tensor, reading each source tensor once. Only tensors
     proven bit-exact in every place are counted. `reader`: where source tensors are read
-    (tpshard.writer.CheckpointReader's interface); default: the checkpoint's files.
+    (tpshard.writer.CheckpointReader's interface); default: the checkpoint's files. `hashed`:
+    where to put the digest of every shard read whole (_Hashed), the held bytes hashed as they are
+    compared.
 
     Small tensors go in runs, as the writer copies them (tpshard.writer.copy_jobs): one read of the
     source run, one read per file of the shards it holds, compared in one go; a run that differs
@@ -752,12 +834,19 @@ def reassemble(ckpt: Checkpoint, plan: Plan, located: dict[str, list[Place]], re
         fds = [fd_of(path) for _, path, _, _ in places]
         bad: dict[int, int] = {}  # place index -> first differing byte
         buf = np.empty(0, np.uint8)
+        hashes = [new_hash(plan.options.checksum) for _ in places] if hashed is not None else []  # of what each place holds
+        hashed_bytes = [0] * len(hashes)
         for i, at, data in cut_pieces(src_fd, info, specs, None, tensor):
             if len(buf) < len(data):
                 buf = np.empty(len(data), np.uint8)
             actual = read_into(fds[i], buf, offsets[i] + at, len(data))
+            if hashes:
+                hashes[i].update(actual)
+                hashed_bytes[i] += len(actual)
             if not same_bytes(actual, data):
                 bad[i] = at + int(np.argmax(actual != data)) if len(actual) == len(data) else at
+        for (_, path, offset, _), h, nbytes in zip(places, hashes, hashed_bytes):
+            hashed.put(path, offset, nbytes, hash_digest(h))
         return [
             ("reassembly", _diagnose(src_fd, info, specs, i, fds[i], offsets[i], byte, tensor) + places[i][3]) for i, byte in bad.items()
         ]
@@ -780,6 +869,8 @@ def reassemble(ckpt: Checkpoint, plan: Plan, located: dict[str, list[Place]], re
                         j += 1
                     begin = items[k][0]
                     held = read_into(fd_of(path), scratch("held", end - begin), begin, end - begin)
+                    if hashed is not None:
+                        hashed.put_read(path, begin, held)
                     if not same_bytes(held, np.concatenate([piece for _, piece, _ in items[k:j]])):
                         same -= {name for _, _, name in items[k:j]}
                     k = j
