@@ -181,3 +181,9 @@ def test_an_index_is_checked_byte_for_byte(broken):
     assert any("index.json differs from the one the plan gives" in f for f in findings(broken))
     path.write_text("[1]")
     assert any("index.json differs" in f for f in findings(broken))
+    # compared a piece at a time: a byte more or less at the end, or in the middle, is still seen
+    for edited in (text + " ", text[:-1], text[: len(text) // 2] + "x" + text[len(text) // 2 + 1 :], ""):
+        path.write_text(edited)
+        assert any("index.json differs" in f for f in findings(broken)), repr(edited[-20:])
+    path.write_text(text)
+    assert not any("index.json" in f for f in findings(broken))
