@@ -320,6 +320,12 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
         shards = self._file_shards()[index]
         return [(t, t.cuts[j]) for t, j in zip(map(self.tensors.__getitem__, shards.tensors), shards.cuts)]
 
+    def member(self, index: int, k: int) -> tuple[TensorPlan, Cut]:
+        """Tensor k of file `index` as (TensorPlan, Cut): members(index)[k] without the list."""
+        shards = self._file_shards()[index]
+        t = self.tensors[shards.tensors[k]]
+        return t, t.cuts[shards.cuts[k]]
+
     def cut_places(self) -> array:
         """Each cut's index in its file, cuts numbered in plan order: a file holds its tensors in
         plan order, so a cut's place counts the cuts of its file before it."""
