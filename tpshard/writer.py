@@ -55,6 +55,7 @@ from tpshard.manifest import (
     Source,
     SourceFile,
     TensorPlan,
+    SourceCuts,
     manifest_pieces,
     rank_dir,
     rank_index_pieces,
@@ -272,39 +273,14 @@ _Slot = tuple[TensorPlan, Cut, int, int, int, int]
 
 
 class _Slots:
-    """Each source tensor's slots, listed when its job runs: listed all at once they were 75 MB at
-    90k tensors and tp 8. Found from the source's TensorPlans (a tied lm_head copy at pp > 1 is a
-    second one) and each cut's place in its file (Plan.cut_places)."""
+    """Each source tensor's slots, listed when its job runs (tpshard.manifest.SourceCuts)."""
 
     def __init__(self, plan: Plan, names: Sequence[str], fds: dict[int, int], offsets: dict[int, Sequence[int]]):
-        self.tensors, self.fds, self.offsets = plan.tensors, fds, offsets
-        self.first = array("I")  # per TensorPlan: the number of its first cut, cuts numbered in plan order
-        self.place = plan.cut_places()  # per cut: its index in its file
-        plan_of: dict[str, int] = {}  # source name -> its first TensorPlan: only while the arrays are made
-        others: dict[str, list[int]] = {}  # source name -> its other TensorPlans (rare)
-        n = 0
-        for k, t in enumerate(plan.tensors):
-            name = t.source or t.name
-            if plan_of.setdefault(name, k) != k:
-                others.setdefault(name, []).append(k)
-            self.first.append(n)
-            n += len(t.cuts)
-        # by source position (a dict by name held 6 MB at 90k tensors for the whole copy)
-        self.plan_at = array("i", [plan_of.get(name, -1) for name in names])  # -1: no TensorPlan
-        self.more = {p: others[name] for p, name in enumerate(names) if name in others}
+        self.cuts, self.fds, self.offsets = SourceCuts(plan, names), fds, offsets
 
     def of(self, position: int) -> list[_Slot]:
         """The slots of the source tensor at `position` (the checkpoint's order) in the files being written."""
-        slots = []
-        first = self.plan_at[position]
-        for k in () if first < 0 else (first, *self.more.get(position, ())):
-            t = self.tensors[k]
-            for n, c in enumerate(t.cuts, self.first[k]):
-                fd = self.fds.get(c.file)
-                if fd is not None:
-                    p = self.place[n]
-                    slots.append((t, c, fd, self.offsets[c.file][p], c.file, p))
-        return slots
+        return [(t, c, fd, self.offsets[c.file][p], c.file, p) for t, c, p in self.cuts.of(position) if (fd := self.fds.get(c.file)) is not None]
 
 
 @paused()

@@ -155,4 +155,5 @@ def _check_against_source(folder: Path, m: ExportManifest, source: Path, report:
                 tensor, cut = cut_of[(name, group_rank)]
                 located[tensor.source or tensor.name].append((tensor, cut, folder / f.name, at, f" [{f.name}]"))
                 at += nbytes_of(tensor.dtype, shard_shape(tensor, cut))
-    reassemble(ckpt, plan, located, report, workers)
+    names = list(located)
+    reassemble(ckpt, plan, names, lambda p: located[names[p]], report, workers)
