@@ -632,7 +632,7 @@ def _text_twin(struct: type, **types: Any) -> type:
 # shape, dim, group size and text: _tensors_problem), each tensor given the kind's tuple (90k tensors
 # at tp 8 are 460k Cut structs otherwise: 45 MB).
 _TensorText = _text_twin(TensorPlan, cuts=msgspec.Raw)
-_decoder = msgspec.json.Decoder(_text_twin(Manifest, tensors=tuple[_TensorText, ...]))
+_decoder = msgspec.json.Decoder(_text_twin(Manifest, tensors=list[_TensorText]))  # a list: replaced in place
 
 
 def decode_manifest(data: bytes, where: str) -> Manifest:
@@ -649,11 +649,12 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
     # Equal values decoded apart become one object: 90k tensors have a few dtypes, layer classes and
     # shapes (16 MB of copies at tp 8).
     one = {}.setdefault
-    tensors = tuple(
-        TensorPlan(**(asdict(t) | {"cuts": kind.cuts, "dtype": one(t.dtype, t.dtype), "layer_class": one(t.layer_class, t.layer_class), "shape": one(t.shape, t.shape)}))
-        for t, kind in zip(text.tensors, kinds)
-    )  # fmt: skip
-    return Manifest(**(asdict(text) | {"tensors": tensors}))
+    tensors = text.tensors
+    # Each decoded record replaced by its TensorPlan as it is made: the two sets (~35 MB each at
+    # 90k tensors) are not held at once.
+    for i, (t, kind) in enumerate(zip(tensors, kinds)):
+        tensors[i] = TensorPlan(**(asdict(t) | {"cuts": kind.cuts, "dtype": one(t.dtype, t.dtype), "layer_class": one(t.layer_class, t.layer_class), "shape": one(t.shape, t.shape)}))  # fmt: skip
+    return Manifest(**(asdict(text) | {"tensors": tuple(tensors)}))
 
 
 def _manifest_bytes(out_dir: str | Path) -> tuple[bytes, str]:
