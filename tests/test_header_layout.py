@@ -138,3 +138,16 @@ def test_a_wrong_planned_header_size_is_refused_not_written(llama, tmp_path, mon
     with pytest.raises(AssertionError, match="the header built is .* bytes, the plan laid it out as"):
         tpshard.split(llama, tmp_path / "out", Topology(tp=2))
     assert [e for e in os.listdir(tmp_path) if e == "out" or e.startswith(".out.")] == []
+
+
+def test_headers_built_by_json_write_the_same_output(llama, tmp_path, monkeypatch):
+    """Names JSON escapes take json.dumps's way (the header built whole, written in two pieces):
+    forced for plain names, it writes the very bytes of the direct way, and check finds them right."""
+    tpshard.split(llama, tmp_path / "direct", Topology(tp=4))
+    monkeypatch.setattr(safetensors_format, "plain_names", lambda names, metadata: False)
+    monkeypatch.setattr(plan_module, "plain_names", lambda names, metadata: False)
+    tpshard.split(llama, tmp_path / "by-json", Topology(tp=4))
+    for path in sorted((tmp_path / "direct").rglob("*")):
+        if path.is_file():
+            assert path.read_bytes() == (tmp_path / "by-json" / path.relative_to(tmp_path / "direct")).read_bytes(), path.name
+    assert tpshard.check(tmp_path / "by-json", llama).ok
