@@ -21,7 +21,7 @@ import itertools
 import json
 import re
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import cached_property, lru_cache
 from operator import attrgetter, itemgetter
 from pathlib import Path
@@ -633,11 +633,55 @@ def _text_twin(struct: type, **types: Any) -> type:
 # at tp 8 are 460k Cut structs otherwise: 45 MB).
 _TensorText = _text_twin(TensorPlan, cuts=msgspec.Raw)
 _decoder = msgspec.json.Decoder(_text_twin(Manifest, tensors=list[_TensorText]))  # a list: replaced in place
+# The lean way: the tensors left as text, then decoded DECODE_BATCH at a time.
+_frame_decoder = msgspec.json.Decoder(_text_twin(Manifest, tensors=msgspec.Raw))
+_items_decoder = msgspec.json.Decoder(list[msgspec.Raw])
+_batch_decoder = msgspec.json.Decoder(list[_TensorText])
+DECODE_BATCH = 4096
 
 
 def decode_manifest(data: bytes, where: str) -> Manifest:
     """A manifest from JSON bytes, decoded against its schema and validated (docs/format.md):
-    OutputError otherwise, naming the field."""
+    OutputError otherwise, naming the field.
+
+    Its tensors are decoded DECODE_BATCH at a time, each batch's records made TensorPlans before
+    the next is decoded: the records of all of them at once were ~50 MB at DeepSeek-V3's count, the
+    peak of every reader of a manifest. At the first fault the whole document is decoded and
+    checked at once (_decode_whole), which names the first fault as it always has: the same
+    schema and checks, in the order of the document."""
+    text = _decode(_frame_decoder, data, where)
+    tensors = None if _frame_problem(text) else _tensor_plans(text)
+    if tensors is None:
+        return _decode_whole(data, where)
+    return Manifest(**(msgspec.structs.asdict(text) | {"tensors": tensors}))
+
+
+def _tensor_plans(text) -> tuple[TensorPlan, ...] | None:
+    """The TensorPlans of a manifest whose tensors are text (_frame_decoder), validated as
+    _tensors_problem does; None at the first fault."""
+    checks, out, one = _TensorChecks(text), [], {}.setdefault
+    try:
+        items = _items_decoder.decode(text.tensors)
+        for start in range(0, len(items), DECODE_BATCH):
+            for i, t in enumerate(_batch_decoder.decode(b"[" + b",".join(items[start : start + DECODE_BATCH]) + b"]"), start):
+                problem, kind = checks.tensor(i, t)
+                if problem:
+                    return None
+                out.append(_tensor_plan(t, kind, one))
+    except msgspec.DecodeError:
+        return None
+    return None if checks.files(text) else tuple(out)
+
+
+def _tensor_plan(t, kind: _CutKind, one: Callable) -> TensorPlan:
+    """A decoded tensor record as the TensorPlan it describes, with its kind's cuts. `one`: a
+    dict's setdefault, through which equal values decoded apart become one object (90k tensors
+    have a few dtypes, layer classes and shapes: 16 MB of copies at tp 8)."""
+    return TensorPlan(**(msgspec.structs.asdict(t) | {"cuts": kind.cuts, "dtype": one(t.dtype, t.dtype), "layer_class": one(t.layer_class, t.layer_class), "shape": one(t.shape, t.shape)}))  # fmt: skip
+
+
+def _decode_whole(data: bytes, where: str) -> Manifest:
+    """decode_manifest in one piece: the first fault named, or the manifest."""
     from tpshard.errors import OutputError
 
     text = _decode(_decoder, data, where)
@@ -645,16 +689,10 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
     problem = _frame_problem(text) or _tensors_problem(text, kinds)
     if problem:
         raise OutputError(f"{where}: not a valid tpshard manifest ({problem})")
-    asdict = msgspec.structs.asdict
-    # Equal values decoded apart become one object: 90k tensors have a few dtypes, layer classes and
-    # shapes (16 MB of copies at tp 8).
-    one = {}.setdefault
-    tensors = text.tensors
-    # Each decoded record replaced by its TensorPlan as it is made: the two sets (~35 MB each at
-    # 90k tensors) are not held at once.
-    for i, (t, kind) in enumerate(zip(tensors, kinds)):
-        tensors[i] = TensorPlan(**(asdict(t) | {"cuts": kind.cuts, "dtype": one(t.dtype, t.dtype), "layer_class": one(t.layer_class, t.layer_class), "shape": one(t.shape, t.shape)}))  # fmt: skip
-    return Manifest(**(asdict(text) | {"tensors": tuple(tensors)}))
+    tensors, one = text.tensors, {}.setdefault
+    for i, (t, kind) in enumerate(zip(tensors, kinds)):  # each record replaced as its TensorPlan is made
+        tensors[i] = _tensor_plan(t, kind, one)
+    return Manifest(**(msgspec.structs.asdict(text) | {"tensors": tuple(tensors)}))
 
 
 def _manifest_bytes(out_dir: str | Path) -> tuple[bytes, str]:
@@ -835,46 +873,64 @@ class _CutKind:
 def _tensors_problem(m, kind_of: list) -> str | None:
     """The tensors' fields and cuts (JSON text, decoded here once per kind), and each written
     file's digests; `kind_of` receives each tensor's _CutKind."""
-    from tpshard.safetensors_format import DTYPE_SIZE
-
-    nfiles = len(m.files)
-    # The cuts' checks depend on a tensor's dtype, shape, dim, group size and cuts, which most tensors
-    # share with many others (every layer, every expert): each distinct one is checked once.
-    kinds: dict[tuple, _CutKind] = {}
-    ep, experts = m.topology.ep, m.model.num_experts
+    checks = _TensorChecks(m)
     for i, t in enumerate(m.tensors):
-        size = DTYPE_SIZE.get(t.dtype)
-        if size is None:
-            return f"tensors[{i}] ({t.name}).dtype: {t.dtype!r} is not a safetensors dtype tpshard writes"
-        if t.source == t.name:
-            return f"tensors[{i}] ({t.name}).source: equal to the name (recorded only where they differ)"
-        if t.ep_slot is not None and t.ep_slot >= ep:
-            return f"tensors[{i}] ({t.name}).ep_slot: {t.ep_slot} but --ep is {ep}"
-        if t.expert is not None and t.expert >= experts:
-            return f"tensors[{i}] ({t.name}).expert: {t.expert} but the model has {experts} routed experts"
-        key = (t.dtype, t.shape, t.dim, t.group_size, bytes(t.cuts))
-        kind = kinds.get(key)
-        if kind is not None:
-            kind.count += 1
-        else:
-            try:
-                cuts = _cuts_decoder.decode(key[-1])
-            except msgspec.DecodeError as e:
-                return _located(e, f"$.tensors[{i}].cuts")
-            problem = _check_cuts(t.shape, t.dim, t.group_size, cuts, size, nfiles)
-            if problem:
-                return f"tensors[{i}] ({t.name}){problem}"
-            kind = kinds[key] = _CutKind(cuts)
-        kind_of.append(kind)
-    per_file = [0] * nfiles
-    for kind in kinds.values():
-        for c in kind.cuts:
-            per_file[c.file] += kind.count
-    for i, f in enumerate(m.files):
-        problem = _digests_problem(i, f, per_file[i], m.options.checksum)
+        problem, kind = checks.tensor(i, t)
         if problem:
             return problem
-    return None
+        kind_of.append(kind)
+    return checks.files(m)
+
+
+class _TensorChecks:
+    """_tensors_problem's checks, a tensor at a time, then the files' digests."""
+
+    def __init__(self, m) -> None:
+        from tpshard.safetensors_format import DTYPE_SIZE
+
+        self.size_of = DTYPE_SIZE.get
+        self.nfiles, self.ep, self.experts = len(m.files), m.topology.ep, m.model.num_experts
+        # The cuts' checks depend on a tensor's dtype, shape, dim, group size and cuts, which most
+        # tensors share with many others (every layer, every expert): each distinct one is checked once.
+        self.kinds: dict[tuple, _CutKind] = {}
+
+    def tensor(self, i: int, t) -> tuple[str | None, _CutKind | None]:
+        """(the problem of tensors[i], None) or (None, its _CutKind)."""
+        size = self.size_of(t.dtype)
+        if size is None:
+            return f"tensors[{i}] ({t.name}).dtype: {t.dtype!r} is not a safetensors dtype tpshard writes", None
+        if t.source == t.name:
+            return f"tensors[{i}] ({t.name}).source: equal to the name (recorded only where they differ)", None
+        if t.ep_slot is not None and t.ep_slot >= self.ep:
+            return f"tensors[{i}] ({t.name}).ep_slot: {t.ep_slot} but --ep is {self.ep}", None
+        if t.expert is not None and t.expert >= self.experts:
+            return f"tensors[{i}] ({t.name}).expert: {t.expert} but the model has {self.experts} routed experts", None
+        key = (t.dtype, t.shape, t.dim, t.group_size, bytes(t.cuts))
+        kind = self.kinds.get(key)
+        if kind is not None:
+            kind.count += 1
+            return None, kind
+        try:
+            cuts = _cuts_decoder.decode(key[-1])
+        except msgspec.DecodeError as e:
+            return _located(e, f"$.tensors[{i}].cuts"), None
+        problem = _check_cuts(t.shape, t.dim, t.group_size, cuts, size, self.nfiles)
+        if problem:
+            return f"tensors[{i}] ({t.name}){problem}", None
+        kind = self.kinds[key] = _CutKind(cuts)
+        return None, kind
+
+    def files(self, m) -> str | None:
+        """The first written file whose digests are not one per tensor it holds."""
+        per_file = [0] * self.nfiles
+        for kind in self.kinds.values():
+            for c in kind.cuts:
+                per_file[c.file] += kind.count
+        for i, f in enumerate(m.files):
+            problem = _digests_problem(i, f, per_file[i], m.options.checksum)
+            if problem:
+                return problem
+        return None
 
 
 def _digests_problem(i: int, f: OutputFile | _FileRecord, count: int, algorithm: str) -> str | None:
