@@ -540,8 +540,8 @@ def _split_then_export(model, out, topology_args, options, checksum, workers, fo
     import tempfile
 
     from tpshard.checkpoint import open_checkpoint
-    from tpshard.export import export, export_layout
-    from tpshard.export.layout import config_tied
+    from tpshard.export import export
+    from tpshard.export.layout import config_tied, rank_layouts
     from tpshard.plan import make_plan
     from tpshard.publish import check_output_path
     from tpshard.writer import split as do_split
@@ -549,7 +549,8 @@ def _split_then_export(model, out, topology_args, options, checksum, workers, fo
     max_bytes = parse_size(max_part_size)
     ckpt = open_checkpoint(model)
     topology = _topology(*topology_args, ckpt=ckpt)
-    export_layout(make_plan(ckpt, topology, options), format, config_tied(ckpt.config), max_bytes, ckpt.config)  # refuse before writing
+    for _ in rank_layouts(make_plan(ckpt, topology, options), format, config_tied(ckpt.config), max_bytes, ckpt.config):
+        pass  # refuse before writing: every rank laid out, none kept
     check_output_path(out, [ckpt.path])
     if os.path.lexists(out) and not force:
         raise TpshardError(f"{out} already exists; pass --force to replace it")
