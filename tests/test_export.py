@@ -286,8 +286,7 @@ def rewrite_export_checksums(dest: Path) -> None:
         ends = offsets[1:] + [os.path.getsize(dest / f.name)]
         digests = [hash_range(fd, a, b - a, m.from_.options.checksum) for a, b in zip(offsets, ends)]
         os.close(fd)
-        tensors = tuple(msgspec.structs.replace(t, digest=d.hex()) for t, d in zip(f.tensors, digests))
-        files.append(msgspec.structs.replace(f, tensors=tensors, checksum=file_digest(header, digests)))
+        files.append(msgspec.structs.replace(f, digests=b"".join(digests).hex(), checksum=file_digest(header, digests)))
     (dest / EXPORT_MANIFEST_NAME).write_bytes(encode_export_manifest(msgspec.structs.replace(m, files=tuple(files))))
 
 
@@ -359,6 +358,48 @@ def test_check_refuses_a_manifest_with_a_path_outside(export_tp2, copy_of):
     (dest / EXPORT_MANIFEST_NAME).write_text(json.dumps(raw))
     with pytest.raises(TpshardError, match="is not a unique model-rank-0-part-N.safetensors name"):
         check(dest)
+
+
+def test_manifest_lists_a_stages_tensors_once_and_no_shards(export_tp2):
+    """Version 3: rank 1's file leaves out the tensors rank 0's lists (the reader shares the tuple),
+    digests are one hex string per file, and no tensor records the shards the rules derive."""
+    raw = json.loads((export_tp2 / EXPORT_MANIFEST_NAME).read_text())
+    first, second = raw["files"]
+    assert raw["version"] == 3 and "tensors" not in second and first["tensors"]
+    assert all(set(t) <= {"name", "dtype", "shape", "value"} for t in first["tensors"])
+    m = read_export_manifest(export_tp2)
+    assert m.files[1].tensors is m.files[0].tensors
+    for f in m.files:
+        assert len(f.digests) == 8 * len(f.tensors)
+
+
+def test_a_rank_whose_tensors_differ_is_listed_in_full_and_caught(export_tp2, copy_of):
+    dest = copy_of(export_tp2)
+    m = read_export_manifest(dest)
+    f1 = m.files[1]
+    renamed = tuple(msgspec.structs.replace(t, name=t.name.replace("o_proj", "out_proj")) for t in f1.tensors)
+    path = dest / f1.name
+    save_file({k.replace("o_proj", "out_proj"): v for k, v in load_file(path).items()}, path, metadata={"format": "pt"})
+    (dest / EXPORT_MANIFEST_NAME).write_bytes(encode_export_manifest(msgspec.structs.replace(m, files=(m.files[0], msgspec.structs.replace(f1, tensors=renamed)))))
+    rewrite_export_checksums(dest)
+    assert json.loads((dest / EXPORT_MANIFEST_NAME).read_text())["files"][1]["tensors"]
+    assert "[files] rank 1: tensors differ from rank 0's in name, dtype or shape" in _messages(check(dest))
+
+
+def test_check_refuses_an_older_manifest_and_broken_digests(export_tp2, copy_of):
+    dest = copy_of(export_tp2)
+    path = dest / EXPORT_MANIFEST_NAME
+    raw = json.loads(path.read_text())
+    path.write_text(json.dumps(raw | {"version": 2}))
+    with pytest.raises(OutputError, match=r"version 2, this tpshard reads version 3; written by an older tpshard, re-export$"):
+        check(dest)
+    r = run_cli("check", str(dest))
+    assert r.returncode == 2 and "re-export" in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+    for digests, why in ((raw["files"][1]["digests"][:-8], "hex digits for the"), ("", "missing for the"), (raw["files"][1]["digests"].upper(), "not lower-case hex")):
+        raw["files"][1]["digests"] = digests
+        path.write_text(json.dumps(raw))
+        with pytest.raises(OutputError, match=f"files\\[1\\].digests: .*{why}"):
+            check(dest)
 
 
 # --- CLI ------------------------------------------------------------------------------------------

@@ -318,15 +318,17 @@ def rewrite_export(folder: Path, change) -> None:
         entries = list(tensors.values())
         header, offsets = file_header([(t.name, t.dtype, t.shape) for t, _ in entries])
         blob = bytearray(header)
-        out_tensors = []
+        digests = []
         for (t, raw), offset in zip(entries, offsets):
             blob[len(blob):] = b"\0" * (offset - len(blob)) + raw
             h = Crc32()
             h.update(raw)
-            out_tensors.append(msgspec.structs.replace(t, digest=h.digest().hex()))
+            digests.append(h.digest())
         (folder / name).write_bytes(bytes(blob))
-        digests = [bytes.fromhex(t.digest) for t in out_tensors]
-        new.append(ExportFile(name=name, rank=rank_of[name], size=len(blob), checksum=file_digest(header, digests), tensors=tuple(out_tensors)))
+        new.append(ExportFile(
+            name=name, rank=rank_of[name], size=len(blob), checksum=file_digest(header, digests),
+            digests=b"".join(digests).hex(), tensors=tuple(t for t, _ in entries),
+        ))  # fmt: skip
     (folder / EXPORT_MANIFEST_NAME).write_bytes(encode_export_manifest(msgspec.structs.replace(m, files=tuple(new))))
 
 

@@ -206,8 +206,13 @@ class OutputFile(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
 
     def digest(self, i: int, algorithm: str) -> bytes:
         """The digest of the file's tensor `i`, as tpshard.digest.tensor_digest gives it."""
-        width = 2 * DIGEST_SIZE[algorithm]
-        return bytes.fromhex(self.digests[i * width : (i + 1) * width])
+        return digest_at(self.digests, i, algorithm)
+
+
+def digest_at(digests: str, i: int, algorithm: str) -> bytes:
+    """Digest `i` of a string of hex digests back to back (OutputFile.digests)."""
+    width = 2 * DIGEST_SIZE[algorithm]
+    return bytes.fromhex(digests[i * width : (i + 1) * width])
 
 
 # The fields of a ShardSpec stored once per tensor (TensorPlan) and once per cut (Cut).

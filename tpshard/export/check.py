@@ -19,16 +19,17 @@ import fnmatch
 import os
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from operator import itemgetter
 from pathlib import Path
+from typing import NamedTuple
 
 from tpshard.check import CheckReport, check_source_sizes, range_digests, reassemble
 from tpshard.checkpoint import open_checkpoint
 from tpshard.digest import file_digest, sha256_file
 from tpshard.errors import TpshardError
-from tpshard.export.layout import PART_GLOBS, config_tied, export_layout, parse_part_name, partition_env, stage_problems
-from tpshard.export.manifest import ExportFile, ExportManifest, read_export_manifest
+from tpshard.export.layout import PART_GLOBS, PartFile, config_tied, parse_part_name, partition_env, rank_layouts, stage_problems
+from tpshard.export.manifest import ExportFile, ExportManifest, ExportTensor, read_export_manifest
 from tpshard.export.writer import constant_bytes
-from tpshard.manifest import shard_shape
 from tpshard.plan import file_header, make_plan
 from tpshard.safetensors_format import nbytes_of
 from tpshard.workers import default_workers
@@ -62,49 +63,83 @@ def _check_set(folder: Path, m: ExportManifest, report: CheckReport) -> None:
         if any(fnmatch.fnmatch(name, g) for g in PART_GLOBS) and name not in listed:
             report.add("files", f"{name}: not in the export manifest, but the engine's glob reads it (a stale file of another export?)")
     topo = m.from_.topology
-    parts: dict[int, list[int]] = defaultdict(list)
-    keys: dict[int, dict[str, tuple]] = defaultdict(dict)
+    files: dict[int, list[tuple[int, ExportFile]]] = defaultdict(list)  # rank -> (part, file)
     for f in m.files:
-        parts[f.rank].append(parse_part_name(f.name, topo)[1])
+        files[f.rank].append((parse_part_name(f.name, topo)[1], f))
         if not f.tensors:
             report.add("files", f"{f.name}: an empty part")
-        for t in f.tensors:
-            if t.name in keys[f.rank]:
-                report.add("files", f"rank {f.rank}: {t.name} is in two parts (the engine raises KeyError on the second)")
-            keys[f.rank][t.name] = (t.dtype, t.shape)
+    # The ranks of a stage normally share their files' tensor tuples (read_export_manifest): their
+    # keys are gathered once per distinct set of tuples.
+    made: dict[tuple[int, ...], tuple[dict[str, tuple], list[str]]] = {}
+    keys: dict[int, dict[str, tuple]] = {}
     for rank in range(topo.world_size):
-        if sorted(parts[rank]) != list(range(len(parts[rank]))) or not parts[rank]:
-            report.add("files", f"rank {rank}: parts {sorted(parts[rank])}, not 0..N-1")
+        held = [f for _, f in sorted(files[rank], key=itemgetter(0))]
+        parts = sorted(p for p, _ in files[rank])
+        if parts != list(range(len(parts))) or not parts:
+            report.add("files", f"rank {rank}: parts {parts}, not 0..N-1")
+        ident = tuple(id(f.tensors) for f in held)
+        if ident not in made:
+            found: dict[str, tuple] = {}
+            twice = []
+            for f in held:
+                for t in f.tensors:
+                    if t.name in found:
+                        twice.append(t.name)
+                    found[t.name] = (t.dtype, t.shape)
+            made[ident] = found, twice
+        keys[rank], twice = made[ident]
+        for name in twice:
+            report.add("files", f"rank {rank}: {name} is in two parts (the engine raises KeyError on the second)")
     for rank in range(topo.world_size):
         first = topo.stage_ranks(topo.pp_rank(rank))[0]  # the ranks of one stage build one model
-        if rank != first and keys[rank] != keys[first]:
+        if keys[rank] is not keys[first] and keys[rank] != keys[first]:
             diff = sorted(set(keys[rank].items()) ^ set(keys[first].items()))[:3]
             report.add("files", f"rank {rank}: tensors differ from rank {first}'s in name, dtype or shape, e.g. {diff}")
-    for problem in stage_problems({r: set(keys[r]) for r in range(topo.world_size)}, topo):
-        report.add("stages", problem)
+    if topo.pp > 1:
+        for problem in stage_problems({r: set(keys[r]) for r in range(topo.world_size)}, topo):
+            report.add("stages", problem)
+
+
+class _Layout(NamedTuple):
+    """A file's header, each tensor's data offset and size: made once for the files that share
+    one tuple of tensors (every TP rank of a stage)."""
+
+    header: bytes
+    offsets: list[int]
+    sizes: list[int]
+
+
+def _layout(tensors: tuple[ExportTensor, ...]) -> _Layout:
+    header, offsets = file_header([(t.name, t.dtype, t.shape) for t in tensors])
+    return _Layout(header, offsets, [nbytes_of(t.dtype, t.shape) for t in tensors])
 
 
 def _check_files(folder: Path, m: ExportManifest, report: CheckReport, workers: int) -> None:
     algorithm = m.from_.options.checksum
+    layouts: dict[int, _Layout] = {}
+    for f in m.files:
+        if id(f.tensors) not in layouts:
+            layouts[id(f.tensors)] = _layout(f.tensors)
 
     def verify(f: ExportFile) -> list[tuple[str, str]]:
         path = folder / f.name
         if not path.is_file():
             return [("files", f"{f.name} is missing")]
         size = path.stat().st_size
-        header, offsets = file_header([(t.name, t.dtype, t.shape) for t in f.tensors])
-        want = (offsets[-1] + nbytes_of(f.tensors[-1].dtype, f.tensors[-1].shape)) if f.tensors else len(header)
+        header, offsets, sizes = layouts[id(f.tensors)]
+        want = offsets[-1] + sizes[-1] if f.tensors else len(header)
         if size != f.size or size != want:
             return [("files", f"{f.name}: {size} bytes, the manifest says {f.size} (its tensors need {want}); truncated or extended")]
         found: list[tuple[str, str]] = []
         with open(path, "rb") as fh:
             if fh.read(len(header)) != header:
                 return [("files", f"{f.name}: safetensors header differs from the manifest's names, dtypes and shapes")]
-            sizes = [nbytes_of(t.dtype, t.shape) for t in f.tensors]
             digests = list(range_digests(fh.fileno(), offsets, sizes, algorithm))
-            for t, offset, n, d in zip(f.tensors, offsets, sizes, digests):
-                if d.hex() != t.digest:
-                    found.append(("checksum", f"{f.name}: tensor {t.name} does not match its {algorithm} in the manifest"))
+            if b"".join(digests).hex() != f.digests:  # name the tensors only when something differs
+                for i, (t, d) in enumerate(zip(f.tensors, digests)):
+                    if d != f.digest(i, algorithm):
+                        found.append(("checksum", f"{f.name}: tensor {t.name} does not match its {algorithm} in the manifest"))
+            for t, offset, n in zip(f.tensors, offsets, sizes):
                 if t.value is not None:
                     fh.seek(offset)
                     if fh.read(n) != constant_bytes(t.dtype, t.value):
@@ -122,38 +157,44 @@ def _check_files(folder: Path, m: ExportManifest, report: CheckReport, workers: 
 
 
 def _check_against_source(folder: Path, m: ExportManifest, source: Path, report: CheckReport, workers: int) -> None:
+    """The manifest's files against those the rules give for the source, rank by rank (the rules'
+    engine tensors of one rank held at a time); then every byte against the checkpoint, placed by
+    the rules' shards (the manifest does not store them)."""
     ckpt = open_checkpoint(source)
     check_source_sizes(ckpt, m.source.files, report, "exported")
+    got = {f.name: f for f in m.files}
+    located: dict[str, list] = defaultdict(list)
     try:
         plan = make_plan(ckpt, m.from_.topology, m.from_.options)
-        expected = export_layout(plan, m.engine, config_tied(ckpt.config), m.max_part_bytes, ckpt.config)
+        for layout in rank_layouts(plan, m.engine, config_tied(ckpt.config), m.max_part_bytes, ckpt.config):
+            for f in layout:
+                have = got.pop(f.name, None)
+                if have is None:
+                    report.add("rules", f"{f.name}: the rules give this file, the manifest has none")
+                    continue
+                diff = [(h, w) for h, w in zip(have.tensors, f.tensors) if (h.name, h.dtype, h.shape, h.value) != (w.name, w.dtype, w.shape, w.value)]
+                if diff or len(have.tensors) != len(f.tensors):
+                    what = [((h.name, h.dtype, list(h.shape), h.value), (w.name, w.dtype, list(w.shape), w.value)) for h, w in diff[:2]]
+                    what = what or f"{len(have.tensors)} tensors, the rules give {len(f.tensors)}"
+                    report.add("rules", f"{f.name}: manifest differs from the {m.engine} name table and the rules: {what}")
+                    continue
+                _locate(f, folder / f.name, f" [{f.name}]", located)
+            del layout  # or it would live on (every engine tensor of the rank) while the next is laid out
     except TpshardError as e:
         report.add("rules", f"the rules refuse this source for --format {m.engine}: {e}")
         return
-    got = {f.name: f for f in m.files}
-    for f in expected:
-        have = got.pop(f.name, None)
-        want = [(t.name, t.dtype, t.shape, tuple((s.name, s.group_rank) for s in t.parts), t.value) for t in f.tensors]
-        held = [(t.name, t.dtype, tuple(t.shape), tuple(tuple(p) for p in t.parts), t.value) for t in have.tensors] if have else None
-        if held is None:
-            report.add("rules", f"{f.name}: the rules give this file, the manifest has none")
-        elif held != want:
-            diff = [(h, w) for h, w in zip(held, want) if h != w][:2] or f"{len(held)} tensors, the rules give {len(want)}"
-            report.add("rules", f"{f.name}: manifest differs from the {m.engine} name table and the rules: {diff}")
     for name in got:
         report.add("rules", f"{name}: in the manifest, but the rules give no such file")
     if any(p.check == "rules" for p in report.problems):
         return
-
-    cut_of = {(t.name, c.group_rank): (t, c) for t in plan.tensors for c in t.cuts}
-    located: dict[str, list] = defaultdict(list)
-    for f in m.files:
-        _, offsets = file_header([(t.name, t.dtype, t.shape) for t in f.tensors])
-        for t, offset in zip(f.tensors, offsets):
-            at = offset
-            for name, group_rank in t.parts:
-                tensor, cut = cut_of[(name, group_rank)]
-                located[tensor.source or tensor.name].append((tensor, cut, folder / f.name, at, f" [{f.name}]"))
-                at += nbytes_of(tensor.dtype, shard_shape(tensor, cut))
     names = list(located)
     reassemble(ckpt, plan, names, lambda p: located[names[p]], report, workers)
+
+
+def _locate(f: PartFile, path: Path, where: str, located: dict[str, list]) -> None:
+    """Where each shard of the rules' file `f` lies in the export file at `path` (reassemble's Place)."""
+    _, offsets = file_header([(t.name, t.dtype, t.shape) for t in f.tensors])
+    for t, at in zip(f.tensors, offsets):
+        for part in t.parts:
+            located[part.tensor.source or part.tensor.name].append((part.tensor, part.cut, path, at, where))
+            at += part.nbytes

@@ -1,9 +1,13 @@
 """The export's own manifest (`tpshard-export.json`): names, shapes, checksums, and where from.
 
 Same envelope as the tpshard manifest (format, version, tool_version), format "tpshard-export",
-version 2 (docs/format.md). Each engine tensor records the tpshard shards it concatenates, as
-(HF tensor name, group rank): with the source checkpoint, `check` re-derives every byte from the
-plan; without it, the checksums and headers here prove the files.
+version 3 (docs/format.md). Each file lists its engine tensors (name, dtype, shape, a constant's
+value) and their digests as one hex string; a file that holds the same tensors as the same part of
+its stage's first rank (every TP rank of a stage builds one model) leaves them out. Which tpshard
+shards make each tensor is not stored: the export rules derive it from the plan, and `check
+--source` makes the plan again; without the source, the checksums and headers here prove the files.
+Version 2 listed every rank's tensors with their shards and a digest string each (124 MB at 90k
+tensors and tp 8; version 3: ~15 MB); there is no reader of it.
 """
 
 from __future__ import annotations
@@ -14,29 +18,36 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from tpshard.errors import OutputError
-from tpshard.manifest import Options, Source, plain_name
+from tpshard.manifest import Options, Source, _digests_problem, digest_at, plain_name
 from tpshard.topology import Topology
 
 EXPORT_MANIFEST_NAME = "tpshard-export.json"
 EXPORT_FORMAT = "tpshard-export"
-EXPORT_VERSION = 2
+EXPORT_VERSION = 3
 
 
-class ExportTensor(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class ExportTensor(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
     name: str  # engine key
     dtype: str
     shape: tuple[int, ...]
-    digest: str  # of its bytes (From.options.checksum: crc32 or sha256, hex)
-    parts: tuple[tuple[str, int], ...] = ()  # (HF tensor name, group rank), concatenated along dim 0
-    value: float | None = None  # a constant buffer's content (vLLM attention scales); parts empty
+    value: float | None = None  # a constant buffer's content (vLLM attention scales)
 
 
-class ExportFile(msgspec.Struct, frozen=True, kw_only=True):
+class ExportFile(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     name: str  # model-rank-{rank}-part-{part}.safetensors, or model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors
     rank: int  # the world rank that loads it (pp_rank x tp + tp_rank; the TP rank at one stage)
     size: int  # bytes, header included
     checksum: str  # tpshard.digest.file_digest: sha256 of the header, then the tensor digests
-    tensors: tuple[ExportTensor, ...]  # in data order
+    # Each tensor's digest (From.options.checksum: crc32 or sha256) in hex, back to back in data
+    # order, as tpshard.manifest.OutputFile.digests: one string, not one per tensor.
+    digests: str = ""
+    # In data order. Left out of the JSON (and filled in by the reader, the same tuple) where they
+    # are those of the same part of the stage's first rank: see encode_export_manifest.
+    tensors: tuple[ExportTensor, ...] = ()
+
+    def digest(self, i: int, algorithm: str) -> bytes:
+        """The digest of tensor `i`, as tpshard.digest.tensor_digest gives it."""
+        return digest_at(self.digests, i, algorithm)
 
 
 class From(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,8 +75,7 @@ class ExportManifest(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         from tpshard.export.layout import parse_part_name, part_name
 
-        if self.format != EXPORT_FORMAT or self.version != EXPORT_VERSION:
-            raise OutputError(f"{EXPORT_MANIFEST_NAME}: format {self.format} v{self.version}; this tpshard reads {EXPORT_FORMAT} v{EXPORT_VERSION}")
+        _refuse_envelope(self.format, self.version)
         seen = set()
         topo = self.from_.topology
         for f in self.files:
@@ -80,19 +90,77 @@ class ExportManifest(msgspec.Struct, frozen=True, kw_only=True):
                 raise OutputError(f"{EXPORT_MANIFEST_NAME}: source.extra_files: {s.name!r} is not a plain file name")
 
 
+def _stage_template(f: ExportFile, files: dict[str, ExportFile], topology: Topology) -> ExportFile | None:
+    """The same part of the first rank of f's stage, whose tensors f may share; None for a file of
+    a first rank, or where that rank has no such part."""
+    from tpshard.export.layout import parse_part_name, part_name
+
+    first = topology.stage_ranks(topology.pp_rank(f.rank))[0]
+    if f.rank == first:
+        return None
+    return files.get(part_name(first, parse_part_name(f.name, topology)[1], topology))
+
+
+def _refuse_envelope(format: object, version: object, where: str = EXPORT_MANIFEST_NAME) -> None:
+    if format != EXPORT_FORMAT:
+        raise OutputError(f"{where}: format {format!r} is not {EXPORT_FORMAT!r}; not a tpshard export manifest")
+    if version != EXPORT_VERSION:
+        older = isinstance(version, int) and version < EXPORT_VERSION
+        raise OutputError(
+            f"{where}: version {version!r}, this tpshard reads version {EXPORT_VERSION}"
+            + ("; written by an older tpshard, re-export" if older else "; written by a newer tpshard, upgrade it")
+        )
+
+
+class _Envelope(msgspec.Struct):
+    format: object = None
+    version: object = None
+
+
 _encoder = msgspec.json.Encoder(order="sorted")
 _decoder = msgspec.json.Decoder(ExportManifest)
 
 
 def encode_export_manifest(manifest: ExportManifest) -> bytes:
-    return _encoder.encode(manifest) + b"\n"
+    """The manifest as JSON, each file's tensors left out where they equal those of the same part
+    of its stage's first rank: the TP ranks of a stage build one model, so at tp 8 this stores the
+    names, dtypes and shapes once instead of 8 times."""
+    files = {f.name: f for f in manifest.files}
+    topo = manifest.from_.topology
+    compact = []
+    for f in manifest.files:
+        shared = _stage_template(f, files, topo)
+        if shared is not None and shared.tensors and (f.tensors is shared.tensors or f.tensors == shared.tensors):
+            f = msgspec.structs.replace(f, tensors=())
+        compact.append(f)
+    return _encoder.encode(msgspec.structs.replace(manifest, files=tuple(compact))) + b"\n"
 
 
 def read_export_manifest(folder: str | Path) -> ExportManifest:
     path = Path(folder) / EXPORT_MANIFEST_NAME
     if not path.is_file():
         raise OutputError(f"{folder}: no {EXPORT_MANIFEST_NAME}; not a tpshard export, or an export that did not finish")
+    data = path.read_bytes()
     try:
-        return _decoder.decode(path.read_bytes())
+        envelope = msgspec.json.decode(data, type=_Envelope)  # the version first: an older manifest fails the schema
+        _refuse_envelope(envelope.format, envelope.version, str(path))
+        m = _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise OutputError(f"{path}: not a valid tpshard export manifest ({e})") from None
+    _fill_shared_tensors(m)
+    return m
+
+
+def _fill_shared_tensors(m: ExportManifest) -> None:
+    """Give each file the tensors encode_export_manifest left out (its stage's first rank's tuple,
+    shared), then check that its digests are one per tensor."""
+    files = {f.name: f for f in m.files}
+    for i, f in enumerate(m.files):
+        shared = _stage_template(f, files, m.from_.topology)
+        if not f.tensors and shared is not None:
+            msgspec.structs.force_setattr(f, "tensors", shared.tensors)
+        problem = _digests_problem(i, f, len(f.tensors), m.from_.options.checksum)
+        if problem is None and f.tensors and not f.digests:
+            problem = f"files[{i}].digests: missing for the {len(f.tensors)} tensors of {f.name}"
+        if problem:
+            raise OutputError(f"{EXPORT_MANIFEST_NAME}: {problem}")

@@ -5,7 +5,8 @@ along dim 0 (or a constant buffer). Each shard is copied once from the tpshard o
 in the engine file, whose header is laid out before any data exists: a large one inside the kernel,
 small ones gathered into a buffer of at most RUN_BYTES per run of adjacent tensors and written at
 once. The export's digests follow from the tpshard manifest's (crc32 combines), so no byte is
-hashed, and memory does not grow with the model's bytes.
+hashed, and memory does not grow with the model's bytes. Ranks are laid out and written one at a
+time (layout.rank_layouts), so it grows with one rank's tensor count, not the world's.
 
 Staged like `split` (tpshard.publish): a hidden sibling folder, data fsynced, the export manifest
 written last, then put in place of `dest` in one step.
@@ -20,6 +21,7 @@ import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import msgspec
 import numpy as np
@@ -28,7 +30,7 @@ from tpshard import __version__
 from tpshard.collector import paused
 from tpshard.digest import crc32_combine, file_digest, new_hash, sha256_file, tensor_digest
 from tpshard.errors import CheckpointError, OutputError
-from tpshard.export.layout import DEFAULT_MAX_PART_BYTES, EngineTensor, Part, PartFile, config_tied, export_layout, partition_env
+from tpshard.export.layout import DEFAULT_MAX_PART_BYTES, EngineTensor, Part, PartFile, config_tied, part_name, partition_env, rank_layouts
 from tpshard.export.manifest import (
     EXPORT_MANIFEST_NAME,
     ExportFile,
@@ -71,10 +73,10 @@ def export(
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise OutputError(f"{folder}/config.json: unreadable ({e}); the engines build the model from it") from None
-    layout = export_layout(plan, engine, config_tied(config), max_part_bytes, config)
+    layouts = rank_layouts(plan, engine, config_tied(config), max_part_bytes, config)  # the engine's refusals first
 
     with staged_output(dest, force=force, inputs=[out]) as staging:
-        result = _write(out, manifest, layout, engine, max_part_bytes, staging, workers or default_workers())
+        result = _write(out, manifest, layouts, engine, max_part_bytes, staging, workers or default_workers())
     return result
 
 
@@ -114,21 +116,21 @@ class _Source:
         self.fds = {}
 
 
-def _write(out: Path, manifest: Manifest, layout: list[PartFile], engine: str, max_part_bytes: int, staging: Path, workers: int) -> ExportManifest:
+def _write(out: Path, manifest: Manifest, layouts: Iterator[list[PartFile]], engine: str, max_part_bytes: int, staging: Path, workers: int) -> ExportManifest:
+    """Write the export rank by rank (rank_layouts): only one rank's engine tensors and copy jobs
+    are held, and each file's record keeps its digests as one string and shares its tensor list
+    with the same part of the stage's other ranks (the same names, dtypes and shapes)."""
     plan = manifest.plan
-    digests, headers = _copy_all(out, manifest, layout, staging, workers)
-    files, i = [], 0
-    for f in layout:
-        tensors = []
-        for t in f.tensors:
-            tensors.append(ExportTensor(
-                name=t.name, dtype=t.dtype, shape=t.shape, digest=digests[i].hex(),
-                parts=tuple((s.name, s.group_rank) for s in t.parts), value=t.value,
-            ))  # fmt: skip
-            i += 1
-        size = (staging / f.name).stat().st_size
-        checksum = file_digest(headers[f.name], [bytes.fromhex(t.digest) for t in tensors])
-        files.append(ExportFile(name=f.name, rank=f.rank, size=size, checksum=checksum, tensors=tuple(tensors)))
+    files: list[ExportFile] = []
+    shared: dict[str, tuple[ExportTensor, ...]] = {}  # a file of a stage's first rank -> its tensors
+    source = _Source(out, manifest)
+    try:
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            for layout in layouts:
+                files += _write_rank(source, layout, staging, pool, shared)
+                del layout  # or it would live on (every engine tensor of the rank) while the next is laid out
+    finally:
+        source.close()
 
     folder = out / rank_dir(manifest.written_ranks[0])
     for extra in manifest.extra_files:  # byte-identical copies of config.json, tokenizer, ...
@@ -149,12 +151,30 @@ def _write(out: Path, manifest: Manifest, layout: list[PartFile], engine: str, m
     return result
 
 
-def _copy_all(out: Path, manifest: Manifest, layout: list[PartFile], staging: Path, workers: int) -> tuple[list[bytes], dict[str, bytes]]:
-    """Every file of `layout` written into `staging` and fsynced: each tensor's digest, in layout
-    order, and each file's header. The copy's own lists (800k jobs at tiny90k) go when it returns,
-    before the export manifest is built."""
-    algorithm = manifest.plan.options.checksum
-    source = _Source(out, manifest)
+def _write_rank(source: _Source, layout: list[PartFile], staging: Path, pool: ThreadPoolExecutor, shared: dict) -> list[ExportFile]:
+    """The files of one rank written (_copy_all), and their manifest records. A record's tensors
+    are the tuple of the same part of the stage's first rank (`shared`) where they are equal."""
+    topo = source.plan.topology
+    digests, headers = _copy_all(source, layout, staging, pool)
+    files = []
+    for p, (f, found) in enumerate(zip(layout, digests)):
+        tensors = tuple(ExportTensor(name=t.name, dtype=t.dtype, shape=t.shape, value=t.value) for t in f.tensors)
+        first = part_name(topo.stage_ranks(topo.pp_rank(f.rank))[0], p, topo)
+        if shared.get(first) == tensors:
+            tensors = shared[first]
+        else:
+            shared.setdefault(first, tensors)
+        files.append(ExportFile(
+            name=f.name, rank=f.rank, size=(staging / f.name).stat().st_size,
+            checksum=file_digest(headers[f.name], found), digests=b"".join(found).hex(), tensors=tensors,
+        ))  # fmt: skip
+    return files
+
+
+def _copy_all(source: _Source, layout: list[PartFile], staging: Path, pool: ThreadPoolExecutor) -> tuple[list[list[bytes]], dict[str, bytes]]:
+    """The files of one rank (`layout`) written into `staging` and fsynced: each file's tensor
+    digests, in data order, and its header."""
+    algorithm = source.plan.options.checksum
     fds: dict[str, int] = {}
     headers: dict[str, bytes] = {}
     jobs: list[tuple[EngineTensor, int, int]] = []  # (tensor, fd, data offset)
@@ -169,16 +189,18 @@ def _copy_all(out: Path, manifest: Manifest, layout: list[PartFile], staging: Pa
         sizes = [t.nbytes for t, _, _ in jobs]
         tasks = _tasks(jobs, sizes)
         digests: list[bytes] = [b""] * len(jobs)
-        with ThreadPoolExecutor(max(1, workers)) as pool:
-            for task, got in zip(tasks, pool.map(lambda task: _copy_task(task, jobs, sizes, source, algorithm), tasks)):
-                for i, digest in zip(task, got):
-                    digests[i] = digest
-            list(pool.map(os.fsync, fds.values()))
+        for task, got in zip(tasks, pool.map(lambda task: _copy_task(task, jobs, sizes, source, algorithm), tasks)):
+            for i, digest in zip(task, got):
+                digests[i] = digest
+        list(pool.map(os.fsync, fds.values()))
     finally:
-        source.close()
         for fd in fds.values():
             os.close(fd)
-    return digests, headers
+    by_file, at = [], 0
+    for f in layout:
+        by_file.append(digests[at : at + len(f.tensors)])
+        at += len(f.tensors)
+    return by_file, headers
 
 
 def _tasks(jobs: list[tuple[EngineTensor, int, int]], sizes: list[int]) -> list[list[int]]:
