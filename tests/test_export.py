@@ -402,6 +402,13 @@ def test_check_refuses_an_older_manifest_and_broken_digests(export_tp2, copy_of)
             check(dest)
 
 
+def test_check_of_an_export_without_the_source_imports_neither_numpy_nor_the_writer(export_tp2):
+    """As for a tpshard output (tests/test_imports.py): only --source reads with them."""
+    code = f"import sys, tpshard, tpshard.cli\nassert tpshard.check({str(export_tp2)!r}).ok\nprint(' '.join(sys.modules))"
+    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout.split())
+    assert not loaded & {"numpy", "torch", "tpshard.writer", "tpshard.export.writer", "tpshard.plan", "tpshard.pieces", "tpshard.checkpoint"}, loaded
+
+
 # --- CLI ------------------------------------------------------------------------------------------
 
 

@@ -23,15 +23,13 @@ from operator import itemgetter
 from pathlib import Path
 from typing import NamedTuple
 
-from tpshard.check import CheckReport, check_source_sizes, range_digests, reassemble
-from tpshard.checkpoint import open_checkpoint
+from tpshard.check import CheckReport, check_source_sizes, range_digests
 from tpshard.digest import file_digest, sha256_file
 from tpshard.errors import TpshardError
-from tpshard.export.layout import PART_GLOBS, PartFile, config_tied, parse_part_name, partition_env, rank_layouts, stage_problems
+from tpshard.export.layout import PART_GLOBS, PartFile, config_tied, constant_bytes, parse_part_name, partition_env, rank_layouts, stage_problems
 from tpshard.export.manifest import ExportFile, ExportManifest, ExportTensor, read_export_manifest
-from tpshard.export.writer import constant_bytes
-from tpshard.plan import file_header, make_plan
-from tpshard.safetensors_format import nbytes_of
+from tpshard.manifest import FILE_METADATA
+from tpshard.safetensors_format import build_header, nbytes_of
 from tpshard.workers import default_workers
 
 
@@ -110,7 +108,7 @@ class _Layout(NamedTuple):
 
 
 def _layout(tensors: tuple[ExportTensor, ...]) -> _Layout:
-    header, offsets = file_header([(t.name, t.dtype, t.shape) for t in tensors])
+    header, offsets = build_header([(t.name, t.dtype, t.shape) for t in tensors], FILE_METADATA)  # tpshard.plan.file_header
     return _Layout(header, offsets, [nbytes_of(t.dtype, t.shape) for t in tensors])
 
 
@@ -160,6 +158,10 @@ def _check_against_source(folder: Path, m: ExportManifest, source: Path, report:
     """The manifest's files against those the rules give for the source, rank by rank (the rules'
     engine tensors of one rank held at a time); then every byte against the checkpoint, placed by
     the rules' shards (the manifest does not store them)."""
+    from tpshard.check import reassemble
+    from tpshard.checkpoint import open_checkpoint
+    from tpshard.plan import make_plan
+
     ckpt = open_checkpoint(source)
     check_source_sizes(ckpt, m.source.files, report, "exported")
     got = {f.name: f for f in m.files}
@@ -193,7 +195,7 @@ def _check_against_source(folder: Path, m: ExportManifest, source: Path, report:
 
 def _locate(f: PartFile, path: Path, where: str, located: dict[str, list]) -> None:
     """Where each shard of the rules' file `f` lies in the export file at `path` (reassemble's Place)."""
-    _, offsets = file_header([(t.name, t.dtype, t.shape) for t in f.tensors])
+    _, offsets = build_header([(t.name, t.dtype, t.shape) for t in f.tensors], FILE_METADATA)
     for t, at in zip(f.tensors, offsets):
         for part in t.parts:
             located[part.tensor.source or part.tensor.name].append((part.tensor, part.cut, path, at, where))

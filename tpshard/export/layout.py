@@ -20,6 +20,7 @@ for vLLM (`split --engine vllm`) is exported: SGLang places lm_head and tied hea
 from __future__ import annotations
 
 import re
+import struct
 from array import array
 from typing import Iterator, NamedTuple
 
@@ -71,6 +72,11 @@ class EngineTensor(NamedTuple):
     @property
     def nbytes(self) -> int:
         return nbytes_of(self.dtype, self.shape)
+
+
+def constant_bytes(dtype: str, value: float) -> bytes:
+    """The bytes of a constant buffer (EngineTensor.value)."""
+    return struct.pack({"F32": "<f", "F64": "<d"}[dtype], value)
 
 
 class PartFile(NamedTuple):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,7 +29,17 @@ from tpshard import __version__
 from tpshard.collector import paused
 from tpshard.digest import crc32_combine, file_digest, new_hash, sha256_file, tensor_digest
 from tpshard.errors import CheckpointError, OutputError
-from tpshard.export.layout import DEFAULT_MAX_PART_BYTES, EngineTensor, Part, PartFile, config_tied, part_name, partition_env, rank_layouts
+from tpshard.export.layout import (
+    DEFAULT_MAX_PART_BYTES,
+    EngineTensor,
+    Part,
+    PartFile,
+    config_tied,
+    constant_bytes,
+    part_name,
+    partition_env,
+    rank_layouts,
+)
 from tpshard.export.manifest import (
     EXPORT_MANIFEST_NAME,
     ExportFile,
@@ -78,10 +87,6 @@ def export(
     with staged_output(dest, force=force, inputs=[out]) as staging:
         result = _write(out, manifest, layouts, engine, max_part_bytes, staging, workers or default_workers())
     return result
-
-
-def constant_bytes(dtype: str, value: float) -> bytes:
-    return struct.pack({"F32": "<f", "F64": "<d"}[dtype], value)
 
 
 class _Source:
