@@ -9,8 +9,9 @@ engine's glob would be read too), parts numbered from 0 for every rank, one key 
 digest and constant; with pipeline stages, every key on the stage vLLM builds it on and every stage
 complete (layout.stage_problems: its layers, the first stage's embedding, the last's norm and head).
 With the source: also that the manifest is what the rules and the engine's name table give for this
-checkpoint, and every byte of every rank's copy of every shard, bit-exact against the checkpoint
-(tpshard.check.reassemble, the same reassembly as for a tpshard output).
+checkpoint, and every byte of every rank's copy of every shard, placed by the rules (the manifest
+does not say which shards make a tensor), bit-exact against the checkpoint (tpshard.check.reassemble,
+the same reassembly as for a tpshard output).
 """
 
 from __future__ import annotations
