@@ -932,13 +932,13 @@ class _TensorChecks:
             for c in kind.cuts:
                 per_file[c.file] += kind.count
         for i, f in enumerate(m.files):
-            problem = _digests_problem(i, f, per_file[i], m.options.checksum)
+            problem = digests_problem(i, f, per_file[i], m.options.checksum)
             if problem:
                 return problem
         return None
 
 
-def _digests_problem(i: int, f: OutputFile | _FileRecord, count: int, algorithm: str) -> str | None:
+def digests_problem(i: int, f: OutputFile | _FileRecord, count: int, algorithm: str) -> str | None:
     """What is wrong with files[i].digests for a file of `count` tensors, or None."""
     width = 2 * DIGEST_SIZE[algorithm]
     if f.digests and len(f.digests) != count * width:

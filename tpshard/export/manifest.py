@@ -18,7 +18,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from tpshard.errors import OutputError
-from tpshard.manifest import Options, Source, _digests_problem, digest_at, plain_name
+from tpshard.manifest import Options, Source, digests_problem, digest_at, plain_name
 from tpshard.topology import Topology
 
 EXPORT_MANIFEST_NAME = "tpshard-export.json"
@@ -159,7 +159,7 @@ def _fill_shared_tensors(m: ExportManifest) -> None:
         shared = _stage_template(f, files, m.from_.topology)
         if not f.tensors and shared is not None:
             msgspec.structs.force_setattr(f, "tensors", shared.tensors)
-        problem = _digests_problem(i, f, len(f.tensors), m.from_.options.checksum)
+        problem = digests_problem(i, f, len(f.tensors), m.from_.options.checksum)
         if problem is None and f.tensors and not f.digests:
             problem = f"files[{i}].digests: missing for the {len(f.tensors)} tensors of {f.name}"
         if problem:
