@@ -575,9 +575,27 @@ def _trim(cut) -> list:
     return cut
 
 
-class _Envelope(msgspec.Struct):
+class Envelope(msgspec.Struct):
+    """The format and version of a tpshard document, read before its schema (which an older or
+    newer one may not meet)."""
+
     format: Any = None
     version: Any = None
+
+
+def refuse_envelope(where: str, format: Any, version: Any, expected: tuple[str, int], what: str, again: str, label: str = "version") -> None:
+    """An OutputError unless (format, version) is `expected`; `what` names the document, `again`
+    what remakes one written by an older tpshard."""
+    from tpshard.errors import OutputError
+
+    if format != expected[0]:
+        raise OutputError(f"{where}: format {format!r} is not {expected[0]!r}; not a {what}")
+    if version != expected[1]:
+        older = isinstance(version, int) and version < expected[1]
+        raise OutputError(
+            f"{where}: {label} {version!r}, this tpshard reads version {expected[1]}"
+            + (f"; written by an older tpshard, {again}" if older else "; written by a newer tpshard, upgrade it")
+        )
 
 
 def _refuse_envelope(data: bytes, where: str, format: Any = None, version: Any = None, decoded: bool = False) -> None:
@@ -587,18 +605,11 @@ def _refuse_envelope(data: bytes, where: str, format: Any = None, version: Any =
 
     if not decoded:
         try:
-            envelope = msgspec.json.decode(data, type=_Envelope)
+            envelope = msgspec.json.decode(data, type=Envelope)
         except msgspec.DecodeError as e:
             raise OutputError(f"{where}: not a tpshard manifest ({e})") from None
         format, version = envelope.format, envelope.version
-    if format != MANIFEST_FORMAT:
-        raise OutputError(f"{where}: format {format!r} is not {MANIFEST_FORMAT!r}; not a tpshard split manifest")
-    if version != MANIFEST_VERSION:
-        older = isinstance(version, int) and version < MANIFEST_VERSION
-        raise OutputError(
-            f"{where}: manifest version {version!r}, this tpshard reads version {MANIFEST_VERSION}"
-            + ("; written by an older tpshard, re-run tpshard split" if older else "; written by a newer tpshard, upgrade it")
-        )
+    refuse_envelope(where, format, version, (MANIFEST_FORMAT, MANIFEST_VERSION), "tpshard split manifest", "re-run tpshard split", "manifest version")
 
 
 def _decode(decoder: msgspec.json.Decoder, data: bytes, where: str):

@@ -18,7 +18,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from tpshard.errors import OutputError
-from tpshard.manifest import Options, Source, digests_problem, digest_at, plain_name
+from tpshard.manifest import Envelope, Options, Source, digest_at, digests_problem, plain_name, refuse_envelope
 from tpshard.topology import Topology
 
 EXPORT_MANIFEST_NAME = "tpshard-export.json"
@@ -102,19 +102,7 @@ def _stage_template(f: ExportFile, files: dict[str, ExportFile], topology: Topol
 
 
 def _refuse_envelope(format: object, version: object, where: str = EXPORT_MANIFEST_NAME) -> None:
-    if format != EXPORT_FORMAT:
-        raise OutputError(f"{where}: format {format!r} is not {EXPORT_FORMAT!r}; not a tpshard export manifest")
-    if version != EXPORT_VERSION:
-        older = isinstance(version, int) and version < EXPORT_VERSION
-        raise OutputError(
-            f"{where}: version {version!r}, this tpshard reads version {EXPORT_VERSION}"
-            + ("; written by an older tpshard, re-export" if older else "; written by a newer tpshard, upgrade it")
-        )
-
-
-class _Envelope(msgspec.Struct):
-    format: object = None
-    version: object = None
+    refuse_envelope(where, format, version, (EXPORT_FORMAT, EXPORT_VERSION), "tpshard export manifest", "re-export")
 
 
 _encoder = msgspec.json.Encoder(order="sorted")
@@ -142,7 +130,7 @@ def read_export_manifest(folder: str | Path) -> ExportManifest:
         raise OutputError(f"{folder}: no {EXPORT_MANIFEST_NAME}; not a tpshard export, or an export that did not finish")
     data = path.read_bytes()
     try:
-        envelope = msgspec.json.decode(data, type=_Envelope)  # the version first: an older manifest fails the schema
+        envelope = msgspec.json.decode(data, type=Envelope)  # the version first: an older manifest fails the schema
         _refuse_envelope(envelope.format, envelope.version, str(path))
         m = _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
