@@ -187,3 +187,15 @@ def test_an_index_is_checked_byte_for_byte(broken):
         assert any("index.json differs" in f for f in findings(broken)), repr(edited[-20:])
     path.write_text(text)
     assert not any("index.json" in f for f in findings(broken))
+
+
+@pytest.mark.parametrize("cut", [1, 100])
+def test_a_truncated_file_is_a_finding_with_the_source_too(broken, llama, cut):
+    """A file shorter than planned is a finding (exit 1) with --source as without: the reassembly
+    reads it tensor by tensor and names what it cannot read, it does not stop the check (exit 2)."""
+    path = min((broken / "rank-00000").glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    data = path.read_bytes()
+    path.unlink()  # its hard-linked copies keep the whole file
+    path.write_bytes(data[:-cut])
+    p = subprocess.run([sys.executable, "-m", "tpshard", "check", str(broken), "--source", str(llama)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "truncated or extended" in p.stderr and "error:" not in p.stderr, p.stderr
