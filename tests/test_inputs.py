@@ -119,6 +119,8 @@ def edit_config(path: Path, **changes) -> Path:
         (dict(quantization_config=[1]), "quantization_config = [1] is not a dict"),
         (dict(rope_parameters={"rope_theta": "big"}), "rope_parameters.rope_theta = 'big' is not a finite number"),
         (dict(num_experts="8"), "num_experts = '8' is not a int"),
+        # found by the long fuzz test: an MLA key without its head dims reached int(None)
+        (dict(kv_lora_rank=1), "kv_lora_rank is set for MLA attention, but qk_nope_head_dim, qk_rope_head_dim, v_head_dim is not"),
     ],
 )
 def test_config_types_and_ranges(llama, tmp_path, changes, message):

@@ -117,6 +117,9 @@ def check_config(config: object, where: str, fields: list[Field] | None = None) 
     heads, kv = get("num_attention_heads"), get("num_key_value_heads")
     if kv is not None and (kv > heads or heads % kv):
         raise CheckpointError(f"{where}: num_key_value_heads {kv} does not divide num_attention_heads {heads}")
+    mla = [k for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if get(k) is None]
+    if get("kv_lora_rank") is not None and mla:  # MLA attention: its head dims are not derived
+        raise CheckpointError(f"{where}: kv_lora_rank is set for MLA attention, but {', '.join(mla)} is not")
     if get("head_dim") is None and get("hidden_size") % heads:
         raise CheckpointError(f"{where}: hidden_size {get('hidden_size')} is not a multiple of num_attention_heads {heads}, and head_dim is not given")
 
