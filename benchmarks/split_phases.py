@@ -22,11 +22,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's tpshard
 
 from tpshard.checkpoint import open_checkpoint
-from tpshard.manifest import encode_manifest
+from tpshard.manifest import encode_manifest, rank_index_pieces
 from tpshard.plan import make_plan
 from tpshard.topology import Topology
 from tpshard.workers import default_workers
-from tpshard.writer import rank_index_bytes, write_plan
+from tpshard.writer import write_plan
 
 
 def timed(label: str, rows: list, fn):
@@ -55,9 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(staging)
     fresh = make_plan(ckpt, topology)
-    fresh.__dict__.pop("_layouts", None)  # built by make_plan to size the files; timed here
-    timed("  of which: file headers", rows, lambda: [fresh.layout(f.name) for f in fresh.files])
-    timed("  of which: rank index files", rows, lambda: [rank_index_bytes(fresh, r) for r in ranks])
+    timed("  of which: file headers", rows, lambda: [fresh.header(f.name) for f in fresh.files])
+    timed("  of which: rank index files", rows, lambda: [b"".join(rank_index_pieces(fresh, r)) for r in ranks])
     timed("  of which: manifest encoding", rows, lambda: encode_manifest(manifest))
     shards = sum(len(t.cuts) for t in plan.tensors)
     print(f"{args.checkpoint}: {len(ckpt.tensors)} tensors, {shards} shards, {topology.describe()}")
