@@ -235,14 +235,10 @@ def header_layout(
 
 
 def kinds_header_layout(names: list[str], kinds: Sequence[int], shapes: Shapes, metadata: dict[str, str] | None = None) -> tuple[int, list[int]]:
-    """header_layout of tensors given by kind (build_kinds_header). Names that JSON escapes (or
-    that repeat) are measured by building the header."""
-    if not plain_names(names, metadata):
-        head, offsets = build_kinds_header(names, kinds, shapes, metadata)
-        return len(head), offsets
-    texts = [len(entry_text(*shape)) for shape in shapes]
-    sizes = [nbytes_of(*shape) for shape in shapes]
-    return plain_layout(_text_size(names, kinds, texts), list(map(sizes.__getitem__, kinds)), metadata)
+    """header_layout of tensors given by kind: kinds_header_pieces' count, its pieces never made
+    (names that JSON escapes, or that repeat, are measured by building the header)."""
+    size, relative, _ = kinds_header_pieces(names, kinds, shapes, metadata)
+    return size, list(map(size.__add__, relative))
 
 
 def by_kind(tensors: list[tuple[str, str, tuple[int, ...]]]) -> tuple[list[str], list[int], Shapes]:
