@@ -81,6 +81,13 @@ class CheckReport(msgspec.Struct, kw_only=True):
         else:
             self.omitted += 1
 
+    def extend(self, held: CheckReport) -> None:
+        """Add the findings of `held` (made apart, to be reported after these), in order; those
+        past MAX_PROBLEMS there are past it here too."""
+        for p in held.problems:
+            self.add(p.check, p.message)
+        self.omitted += held.omitted
+
 
 @paused()
 def check(
@@ -139,10 +146,8 @@ def _check_against_source(out: Path, ckpt: Checkpoint, manifest: Manifest, repor
         reassembled = CheckReport(out_dir=report.out_dir, source=report.source)
         _reassemble(out, ckpt, manifest, reassembled, workers, hashed=hashed)
         check_output(out, manifest, report, workers, hashed=hashed)
-        for found in (held, reassembled):
-            for p in found.problems:
-                report.add(p.check, p.message)
-            report.omitted += found.omitted  # past MAX_PROBLEMS there too: past it here
+        report.extend(held)
+        report.extend(reassembled)
         report.tensors_reassembled = reassembled.tensors_reassembled
         return
     check_output(out, manifest, report, workers)
@@ -494,10 +499,10 @@ def _check_files(
 
     units: dict[tuple[int, int, str], tuple[Path, int, list[int]]] = {}  # (inode, name) -> (path, index in plan.files, ranks)
     extras: dict[tuple[int, int, str], tuple[Path, object, list[int]]] = {}  # the same for copied files
-    missing: list[tuple[int, _Held]] = []  # each rank's findings on its files, reported after its index's
+    missing: list[tuple[int, CheckReport]] = []  # each rank's findings on its files, reported after its index's
     for r in manifest.written_ranks if ranks is None else ranks:
         folder = out / rank_dir(r)
-        missing.append((r, _Held()))
+        missing.append((r, CheckReport(out_dir=report.out_dir, source=report.source)))
         for f in plan.rank_files(r):
             st = _plain_file(folder / f.name, r, missing[-1][1])
             if st is not None:  # every name is checked, also one hard-linked to another name
@@ -560,8 +565,7 @@ def _check_files(
         verified = {key: pool.submit(verify, units[key]) for key in by_size}
         for r, held in missing:
             check_index(out / rank_dir(r), plan, r, report)
-            for c, m in held:
-                report.add(c, m)
+            report.extend(held)
         copied = [os.lstat(path).st_size == extra.size and sha256_file(path) == extra.checksum for path, extra, _ in extras.values()]
         for key, unit in units.items():
             report.files_checked += 1
@@ -571,13 +575,6 @@ def _check_files(
     for (_, extra, ranks), same in zip(extras.values(), copied):
         if not same:
             report.add("checksum", f"{extra.name} of ranks {ranks}: sha256 differs from the manifest")
-
-
-class _Held(list):
-    """Findings held back to be reported later, in order: (check, message) pairs, added as to a CheckReport."""
-
-    def add(self, check: str, message: str) -> None:
-        self.append((check, message))
 
 
 def check_index(folder: Path, plan: Plan, rank: int, report: CheckReport) -> None:
