@@ -93,6 +93,12 @@ def part_name(rank: int, part: int, topology: Topology | None = None) -> str:
     return f"model-rank-{rank}-part-{part}.safetensors"
 
 
+def stage_first_part(rank: int, part: int, topology: Topology) -> str:
+    """The name of part `part` of the first rank of `rank`'s stage: the TP ranks of a stage build
+    one model, so their files normally hold the same tensors (the export manifest lists them once)."""
+    return part_name(topology.stage_ranks(topology.pp_rank(rank))[0], part, topology)
+
+
 PART_NAME = re.compile(r"model-rank-(\d+)-part-(\d+)\.safetensors")
 PP_PART_NAME = re.compile(r"model-pp-(\d+)-tp-(\d+)-part-(\d+)\.safetensors")
 PART_GLOBS = ("model-rank-*-part-*.safetensors", "model-pp-*-tp-*-part-*.safetensors")

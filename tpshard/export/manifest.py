@@ -93,12 +93,10 @@ class ExportManifest(msgspec.Struct, frozen=True, kw_only=True):
 def _stage_template(f: ExportFile, files: dict[str, ExportFile], topology: Topology) -> ExportFile | None:
     """The same part of the first rank of f's stage, whose tensors f may share; None for a file of
     a first rank, or where that rank has no such part."""
-    from tpshard.export.layout import parse_part_name, part_name
+    from tpshard.export.layout import parse_part_name, stage_first_part
 
-    first = topology.stage_ranks(topology.pp_rank(f.rank))[0]
-    if f.rank == first:
-        return None
-    return files.get(part_name(first, parse_part_name(f.name, topology)[1], topology))
+    first = stage_first_part(f.rank, parse_part_name(f.name, topology)[1], topology)
+    return None if first == f.name else files.get(first)
 
 
 def _refuse_envelope(format: object, version: object, where: str = EXPORT_MANIFEST_NAME) -> None:

@@ -36,7 +36,7 @@ from tpshard.export.layout import (
     PartFile,
     config_tied,
     constant_bytes,
-    part_name,
+    stage_first_part,
     partition_env,
     rank_layouts,
 )
@@ -164,7 +164,7 @@ def _write_rank(source: _Source, layout: list[PartFile], staging: Path, pool: Th
     files = []
     for p, (f, found) in enumerate(zip(layout, digests)):
         tensors = tuple(ExportTensor(name=t.name, dtype=t.dtype, shape=t.shape, value=t.value) for t in f.tensors)
-        first = part_name(topo.stage_ranks(topo.pp_rank(f.rank))[0], p, topo)
+        first = stage_first_part(f.rank, p, topo)
         if shared.get(first) == tensors:
             tensors = shared[first]
         else:
