@@ -31,7 +31,7 @@ from tpshard.errors import TpshardError
 from tpshard.export.layout import PART_GLOBS, PartFile, config_tied, constant_bytes, parse_part_name, partition_env, rank_layouts, stage_problems
 from tpshard.export.manifest import ExportFile, ExportManifest, ExportTensor, read_export_manifest
 from tpshard.manifest import FILE_METADATA, Plan
-from tpshard.safetensors_format import build_header, nbytes_of
+from tpshard.safetensors_format import build_header, header_layout, nbytes_of
 from tpshard.workers import default_workers
 
 
@@ -209,7 +209,7 @@ class _Located:
 
     def add(self, f: PartFile, path: Path) -> None:
         """The places of the shards of the rules' file `f`, written at `path`."""
-        _, offsets = build_header([(t.name, t.dtype, t.shape) for t in f.tensors], FILE_METADATA)
+        _, offsets = header_layout([(t.name, t.dtype, t.shape) for t in f.tensors], FILE_METADATA)  # counted, not built
         k = len(self.files)
         self.files.append((path, f" [{f.name}]"))
         for t, at in zip(f.tensors, offsets):
