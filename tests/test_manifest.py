@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 import tpshard
@@ -70,12 +71,18 @@ def test_encoding_splices_cuts_only_where_the_keys_are(good):
 
 
 def craft(good: Path, tmp_path: Path, edit) -> Path:
+    """A copy of `good` with its manifest edited, written as tpshard writes one (compact, keys
+    sorted): what the edit leaves alone keeps its text (check --source compares the tensors' text)."""
     out = tmp_path / "crafted"
     shutil.copytree(good, out, symlinks=True)
     data = json.loads((out / MANIFEST_NAME).read_bytes())
     edit(data)
-    (out / MANIFEST_NAME).write_text(json.dumps(data))
+    (out / MANIFEST_NAME).write_bytes(msgspec.json.encode(data, order="sorted") + b"\n")
     return out
+
+
+def test_a_crafted_manifest_keeps_the_text_it_does_not_edit(good, tmp_path):
+    assert (craft(good, tmp_path, lambda data: None) / MANIFEST_NAME).read_bytes() == (good / MANIFEST_NAME).read_bytes()
 
 
 def _tensor(data: dict, suffix: str) -> dict:
@@ -137,10 +144,13 @@ CRAFTED = {
 
 
 @pytest.mark.parametrize("case", list(CRAFTED))
-def test_crafted_manifest_is_refused_in_one_line(good, tmp_path, case):
+def test_crafted_manifest_is_refused_in_one_line(good, llama, tmp_path, case):
+    """By every reader; check --source too, which decodes only the frame of a manifest whose tensors'
+    text is the rules' (here: every edit that leaves the tensors alone) and checks the rules' tensors against it."""
     edit, needle = CRAFTED[case]
     out = craft(good, tmp_path, edit)
-    for call in (read_manifest, tpshard.check, lambda o: tpshard.open_rank(o, 0), lambda o: tpshard.load_rank(o, 0)):
+    readers = (read_manifest, tpshard.check, lambda o: tpshard.check(o, llama), lambda o: tpshard.open_rank(o, 0), lambda o: tpshard.load_rank(o, 0))
+    for call in readers:
         with pytest.raises(OutputError) as e:
             call(out)
         message = str(e.value)
@@ -190,3 +200,36 @@ def test_a_fault_found_in_a_batch_is_named_as_the_whole_document_names_it(good, 
     with pytest.raises(OutputError) as batched:
         manifest_module.decode_manifest(raw, "test")
     assert str(batched.value) == str(whole.value)
+
+
+def test_check_source_decodes_no_tensors_of_a_manifest_that_is_the_rules(good, llama, tmp_path, monkeypatch):
+    """check --source takes the rules' tensors when their text is the manifest's (the manifest is
+    not read whole); a manifest written another way is read whole, and is as good."""
+    check_module = sys.modules["tpshard.check"]
+
+    def read_whole(out):
+        raise AssertionError("read whole")
+
+    monkeypatch.setattr(check_module, "read_manifest", read_whole)
+    assert tpshard.check(good, llama).ok
+    out = tmp_path / "indented"
+    shutil.copytree(good, out)
+    (out / MANIFEST_NAME).write_text(json.dumps(json.loads((good / MANIFEST_NAME).read_bytes()), indent=1))
+    with pytest.raises(AssertionError, match="read whole"):
+        tpshard.check(out, llama)
+    monkeypatch.undo()
+    report = tpshard.check(out, llama)
+    assert report.ok and report.tensors_reassembled == len(read_manifest(good).tensors)
+
+
+def test_a_plan_shares_its_layout_only_with_the_same_tensors_and_file_names(good):
+    plan = read_manifest(good).plan
+    plan.offsets(plan.files[0].name)  # laid out: cached
+    same = msgspec.structs.replace(plan, warnings=("another",))
+    renamed = msgspec.structs.replace(same, files=(msgspec.structs.replace(plan.files[0], name="x.safetensors"), *plan.files[1:]))
+    retensored = msgspec.structs.replace(same, tensors=plan.tensors[:1] + plan.tensors[1:])  # equal, not the same tuple
+    for other in (same, renamed, retensored):
+        assert "_layouts" not in other.__dict__
+        other.share_layout(plan)
+    assert same.__dict__["_layouts"] is plan.__dict__["_layouts"]
+    assert "_layouts" not in renamed.__dict__ and "_layouts" not in retensored.__dict__

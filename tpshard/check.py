@@ -31,7 +31,23 @@ import msgspec
 from tpshard.collector import paused
 from tpshard.digest import DIGEST_SIZE, digest_of, digest_slots, file_hash, hash_digest, new_hash, packed_digests, sha256_file, tensor_digest
 from tpshard.errors import TpshardError, UsageError
-from tpshard.manifest import MANIFEST_NAME, Cut, Manifest, Plan, ShardSpec, SourceCuts, TensorPlan, rank_dir, rank_index_pieces, read_manifest, shard_shape
+from tpshard.manifest import (
+    MANIFEST_NAME,
+    Cut,
+    Manifest,
+    ManifestFrame,
+    Options,
+    Plan,
+    ShardSpec,
+    SourceCuts,
+    TensorPlan,
+    manifest_with_tensors,
+    rank_dir,
+    rank_index_pieces,
+    read_manifest,
+    read_manifest_frame,
+    shard_shape,
+)
 from tpshard.stages import (
     ENGINE_NAME,
     PARTITION_ENV,
@@ -46,6 +62,7 @@ from tpshard.stages import (
     tensor_stages,
 )
 from tpshard.safetensors_format import DTYPE_SIZE, TensorInfo, nbytes_of, read_exact
+from tpshard.topology import Topology
 from tpshard.workers import check_workers
 
 if TYPE_CHECKING:
@@ -111,17 +128,21 @@ def check(
         from tpshard.export.check import check_export
 
         return check_export(out, source, workers=workers)
-    manifest = read_manifest(out)
-    report = CheckReport(out_dir=str(out), source=str(source) if source else None, from_output=str(from_output) if from_output else None)
     if source is not None and from_output is not None:
         raise UsageError("--source and --from: give one (--from when the source is gone)")
-    if pp is not None or pp_layers is not None:
-        check_pipeline_request(manifest.plan, pp, pp_layers, report)
     if source is not None:
         from tpshard.checkpoint import open_checkpoint
 
+        frame = read_manifest_frame(out)
         ckpt = open_checkpoint(source)
-        _check_against_source(out, ckpt, manifest, report, workers)
+        manifest, expected = _manifest_and_rules(out, frame, ckpt)
+    else:
+        manifest = read_manifest(out)
+    report = CheckReport(out_dir=str(out), source=str(source) if source else None, from_output=str(from_output) if from_output else None)
+    if pp is not None or pp_layers is not None:
+        check_pipeline_request(manifest.plan, pp, pp_layers, report)
+    if source is not None:
+        _check_against_source(out, ckpt, manifest, report, workers, expected)
         return report
     check_output(out, manifest, report, workers)
     if from_output is not None:
@@ -129,7 +150,19 @@ def check(
     return report
 
 
-def _check_against_source(out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckReport, workers: int) -> None:
+def _manifest_and_rules(out: Path, frame: ManifestFrame, ckpt: Checkpoint) -> tuple[Manifest, Plan | TpshardError]:
+    """The manifest at `out` (read as `frame`), and the plan the rules give for `ckpt` with its
+    topology and options, or why not. When the rules' tensors are the manifest's, byte for byte,
+    the manifest takes them instead of decoding its own (both held at once were a fifth of the
+    peak of check --source at 90k tensors)."""
+    expected = _rules_plan(ckpt, frame.text.topology, frame.text.options)
+    manifest = None if isinstance(expected, TpshardError) else manifest_with_tensors(frame, expected)
+    return (read_manifest(out) if manifest is None else manifest), expected
+
+
+def _check_against_source(
+    out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckReport, workers: int, expected: Plan | TpshardError
+) -> None:  # fmt: skip
     """check_output, the copied files and the rules against the source, then the reassembly.
 
     The output's files are read once: the reassembly hashes each tensor it compares, and
@@ -137,11 +170,10 @@ def _check_against_source(out: Path, ckpt: Checkpoint, manifest: Manifest, repor
     The findings are reported in the order above: those against the source are made first, held,
     and added after check_output's. When the rules refuse the manifest, nothing is reassembled,
     and the checks run in that order."""
-    expected = _rules_plan(ckpt, manifest)
     held = CheckReport(out_dir=report.out_dir, source=report.source)
     check_extras_against_source(ckpt, manifest, held)
     if _check_rules(ckpt, manifest, held, expected) and not held.omitted:
-        del expected  # the source's plan, equal to the manifest's: not kept beside it (35 MB at 90k tensors)
+        del expected  # equal to the manifest's plan: what is not shared with it goes
         hashed = _Hashed(manifest.plan)
         reassembled = CheckReport(out_dir=report.out_dir, source=report.source)
         _reassemble(out, ckpt, manifest, reassembled, workers, hashed=hashed)
@@ -702,12 +734,12 @@ def check_source_sizes(ckpt: Checkpoint, recorded, report: CheckReport, done: st
             report.add("rules", f"source {name}: {actual} bytes, the split read {sizes.get(name)}: not the checkpoint that was {done}")
 
 
-def _rules_plan(ckpt: Checkpoint, manifest: Manifest) -> Plan | TpshardError:
-    """The plan the rules give for this source and the manifest's topology and options, or why not."""
+def _rules_plan(ckpt: Checkpoint, topology: Topology, options: Options) -> Plan | TpshardError:
+    """The plan the rules give for this source, topology and options, or why not."""
     from tpshard.plan import make_plan
 
     try:
-        return make_plan(ckpt, manifest.plan.topology, manifest.plan.options)
+        return make_plan(ckpt, topology, options)
     except TpshardError as e:
         return e
 
@@ -716,7 +748,7 @@ def _check_rules(ckpt: Checkpoint, manifest: Manifest, report: CheckReport, expe
     """The manifest is what the rules give for this source (check 1, against the source);
     `expected`: _rules_plan's answer, when the caller has it already."""
     check_source_sizes(ckpt, manifest.source.files, report, "split")
-    expected = _rules_plan(ckpt, manifest) if expected is None else expected
+    expected = _rules_plan(ckpt, manifest.topology, manifest.options) if expected is None else expected
     if isinstance(expected, TpshardError):
         report.add("rules", f"the rules refuse this source: {expected}")
         return False
@@ -895,7 +927,7 @@ def reassemble(
                     k = j
         return same
 
-    def job(task: tuple[bool, Sequence[int]]) -> list[list[tuple[str, str]]]:
+    def job(task: tuple[bool, Sequence[int]]) -> list[Sequence[tuple[str, str]]]:
         run, positions = task
         sources = [(names[p], infos[p], located) for p in positions if (located := places(p))]
         # A run is compared in one go when each of its places is a readable copy of source bytes.
@@ -904,7 +936,7 @@ def reassemble(
             same = run_same(fast) if run and fast else set()
         except (OSError, TpshardError):  # a file shorter than planned: tensor by tensor, each names it
             same = set()
-        return [[] if source[0] in same else rebuild(*source) for source in sources]
+        return [() if source[0] in same else rebuild(*source) for source in sources]
 
     infos = [ckpt.tensors[name] for name in names]
     runs = reader if reader is not None else CheckpointReader(ckpt)
@@ -913,15 +945,15 @@ def reassemble(
             if reader is None:
                 stack.enter_context(runs)
             with ThreadPoolExecutor(workers) as pool:
-                results = [found for done in pool.map(job, copy_jobs(infos)) for found in done]
+                for done in pool.map(job, copy_jobs(infos)):  # in order, each job's let go once counted
+                    for found in done:
+                        if not found:
+                            report.tensors_reassembled += 1  # only tensors proven bit-exact are counted
+                        for c, m in found:
+                            report.add(c, m)
     finally:
         for fd in fds_open.values():
             os.close(fd)
-    for found in results:
-        if not found:
-            report.tensors_reassembled += 1  # only tensors proven bit-exact are counted
-        for c, m in found:
-            report.add(c, m)
 
 
 def _read_value(path: Path, offset: int, spec: ShardSpec) -> list[int]:

@@ -16,6 +16,7 @@ attention-DP replicas, GQA kv replicas) share one cut and one file.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 import json
@@ -431,6 +432,15 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
             self.__dict__["_shards"] = [FileShards(tensors, cuts, kinds, list(numbers)) for tensors, cuts, kinds, numbers in held]
         return self.__dict__["_shards"]
 
+    def share_layout(self, other: Plan) -> None:
+        """Take the files' layout (shards, header sizes, offsets) that `other` has made, when it
+        plans the same tensors into files of the same names: a manifest's plan that is the
+        rules' (check --source) need not lay its files out again beside theirs."""
+        if self.tensors is other.tensors and [f.name for f in self.files] == [f.name for f in other.files]:
+            for cache in ("_shards", "_layouts"):
+                if cache in other.__dict__:
+                    self.__dict__.setdefault(cache, other.__dict__[cache])
+
     def with_shards(self, specs: Iterable[ShardSpec]) -> Plan:
         """This plan with its tensors rebuilt from `specs` (files kept): for tests that break a plan."""
         return msgspec.structs.replace(self, tensors=pack_tensors(specs, self.files))
@@ -553,8 +563,13 @@ def manifest_pieces(manifest: Manifest) -> Iterator[bytes | memoryview]:
     tail = rest[at:]
     yield memoryview(rest)[:at]
     del rest
+    yield from tensor_pieces(manifest.tensors)
+    yield tail + b"\n"
+
+
+def tensor_pieces(tensors: Sequence[TensorPlan]) -> Iterator[bytes]:
+    """The text of a manifest's "tensors" array, without its brackets, MANIFEST_BATCH tensors a piece."""
     cuts_json: dict[int, bytes] = {}
-    tensors = manifest.tensors
     for start in range(0, len(tensors), MANIFEST_BATCH):
         pieces = []
         for t in tensors[start : start + MANIFEST_BATCH]:
@@ -563,7 +578,6 @@ def manifest_pieces(manifest: Manifest) -> Iterator[bytes | memoryview]:
                 cuts = cuts_json[id(t.cuts)] = b'"cuts":' + _encoder.encode([_trim(msgspec.to_builtins(c)) for c in t.cuts])
             pieces.append(_encoder.encode(msgspec.structs.replace(t, cuts=())).replace(b'"cuts":[]', cuts, 1))
         yield (b"," if start else b"") + b",".join(pieces)
-    yield tail + b"\n"
 
 
 def _trim(cut) -> list:
@@ -728,6 +742,43 @@ def _manifest_bytes(out_dir: str | Path) -> tuple[bytes, str]:
 @paused()
 def read_manifest(out_dir: str | Path) -> Manifest:
     return decode_manifest(*_manifest_bytes(out_dir))
+
+
+class ManifestFrame(NamedTuple):
+    """A manifest read and checked but for its tensors, of which only the sha256 of their text is
+    kept: check --source takes the tensors the rules make for the source instead, when their text
+    is the same (decoding the manifest's own beside the rules' was a fifth of its peak at 90k tensors)."""
+
+    text: Any  # decoded by _frame_decoder, its tensors left out
+    tensors_sha256: bytes
+
+
+@paused()
+def read_manifest_frame(out_dir: str | Path) -> ManifestFrame:
+    """The frame of the manifest at `out_dir`; OutputError, naming the fault, where read_manifest would raise one."""
+    data, where = _manifest_bytes(out_dir)
+    text = _decode(_frame_decoder, data, where)
+    if _frame_problem(text):
+        _decode_whole(data, where)  # raises, naming the first fault
+    return ManifestFrame(msgspec.structs.replace(text, tensors=msgspec.Raw()), hashlib.sha256(text.tensors).digest())
+
+
+def manifest_with_tensors(frame: ManifestFrame, plan: Plan) -> Manifest | None:
+    """The manifest `frame` was read from, when its tensors are those of `plan`: their text (as
+    manifest_pieces writes it) has the frame's sha256 and they pass decode_manifest's checks
+    against the frame; None otherwise (read_manifest then says what it holds)."""
+    tensors, h = plan.tensors, hashlib.sha256(b"[")
+    for piece in tensor_pieces(tensors):
+        h.update(piece)
+    h.update(b"]")
+    if h.digest() != frame.tensors_sha256:
+        return None
+    checks = _TensorChecks(frame.text)
+    if any(checks.tensor(i, t)[0] for i, t in enumerate(tensors)) or checks.files(frame.text):
+        return None
+    manifest = Manifest(**(msgspec.structs.asdict(frame.text) | {"tensors": tensors}))
+    manifest.plan.share_layout(plan)
+    return manifest
 
 
 # ---- one rank's records -------------------------------------------------------------------------
@@ -921,15 +972,17 @@ class _TensorChecks:
             return f"tensors[{i}] ({t.name}).ep_slot: {t.ep_slot} but --ep is {self.ep}", None
         if t.expert is not None and t.expert >= self.experts:
             return f"tensors[{i}] ({t.name}).expert: {t.expert} but the model has {self.experts} routed experts", None
-        key = (t.dtype, t.shape, t.dim, t.group_size, bytes(t.cuts))
+        cuts = t.cuts  # text (a record being decoded) or Cuts (a TensorPlan: manifest_with_tensors)
+        key = (t.dtype, t.shape, t.dim, t.group_size, cuts if isinstance(cuts, tuple) else bytes(cuts))
         kind = self.kinds.get(key)
         if kind is not None:
             kind.count += 1
             return None, kind
-        try:
-            cuts = _cuts_decoder.decode(key[-1])
-        except msgspec.DecodeError as e:
-            return _located(e, f"$.tensors[{i}].cuts"), None
+        if not isinstance(cuts, tuple):
+            try:
+                cuts = _cuts_decoder.decode(key[-1])
+            except msgspec.DecodeError as e:
+                return _located(e, f"$.tensors[{i}].cuts"), None
         problem = _check_cuts(t.shape, t.dim, t.group_size, cuts, size, self.nfiles)
         if problem:
             return f"tensors[{i}] ({t.name}){problem}", None

@@ -129,13 +129,13 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     if entries is None:
         tensors = {name: _tensor_info(path, name, _plain(entry), 8 + n, data_size) for name, entry in header.items()}
         raise AssertionError(f"{path}: header refused by its schema but by no rule")  # _tensor_info raised
-    tensors = {}
+    tensors, file = {}, path.name  # one file name for its tensors (a copy each was 5 MB at 90k tensors)
     shapes = {}  # equal shapes decoded apart made one tuple (a Literal dtype is one object already)
     for name, e in entries.items():
         begin, end = e.data_offsets
         if end < begin or end - begin != DTYPE_SIZE[e.dtype] * math.prod(e.shape) or end > data_size:
             _tensor_info(path, name, _plain(header[name]), 8 + n, data_size)  # raises, naming the fault
-        tensors[name] = TensorInfo(path.name, e.dtype, shapes.setdefault(e.shape, e.shape), 8 + n + begin, 8 + n + end)
+        tensors[name] = TensorInfo(file, e.dtype, shapes.setdefault(e.shape, e.shape), 8 + n + begin, 8 + n + end)
     end = 0
     for info in sorted(tensors.values(), key=lambda i: (i.begin, i.end)):
         if info.begin - 8 - n != end:
