@@ -293,6 +293,25 @@ def test_manifest_that_disagrees_with_the_rules_is_caught(good, qwen3, copy_of):
     assert any("[rules]" in p and "group='tp'" in p for p in found), found
 
 
+@pytest.mark.parametrize("agrees", [True, False])
+def test_rules_decide_the_reassembly_past_the_listed_problems(good, qwen3, copy_of, agrees):
+    """More findings than a report lists (60 files the source has and the output lacks) before the
+    rules' check: the rules still decide whether the source is reassembled, by what they found."""
+    import msgspec
+
+    source, out = copy_of(qwen3), copy_of(good)
+    for k in range(60):
+        (source / f"notes-{k:02d}.txt").write_text("not copied")
+    if not agrees:  # o_proj sliced over the wrong group
+        m = read_manifest(out)
+        first = next(s for s in m.plan.shards if s.name.endswith("o_proj.weight")).name
+        plan = m.plan.with_shards(msgspec.structs.replace(s, group="tp") if s.name == first else s for s in m.plan.shards)
+        (out / MANIFEST_NAME).write_bytes(encode_manifest(m.with_plan(plan)))
+    report = tpshard.check(out, source)
+    assert report.omitted > 0 and not report.ok
+    assert report.tensors_reassembled == (len(read_manifest(good).tensors) if agrees else 0)
+
+
 def test_row_bias_marked_sliced_is_caught(tmp_path):
     """Check 5 on a Llama with attention_bias: o_proj.bias must stay whole, added once."""
     import msgspec

@@ -92,6 +92,12 @@ class CheckReport(msgspec.Struct, kw_only=True):
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def found(self) -> int:
+        """Every finding so far, listed or past MAX_PROBLEMS: a check that compares it before and
+        after knows whether it found something."""
+        return len(self.problems) + self.omitted
+
     def add(self, check: str, message: str) -> None:
         if len(self.problems) < MAX_PROBLEMS:
             self.problems.append(Problem(check, message))
@@ -168,24 +174,22 @@ def _check_against_source(
     The output's files are read once: the reassembly hashes each tensor it compares, and
     check_output takes those digests instead of reading the files again (half the bytes read).
     The findings are reported in the order above: those against the source are made first, held,
-    and added after check_output's. When the rules refuse the manifest, nothing is reassembled,
-    and the checks run in that order."""
+    and added after check_output's. When the rules refuse the manifest, nothing is reassembled."""
     held = CheckReport(out_dir=report.out_dir, source=report.source)
     check_extras_against_source(ckpt, manifest, held)
-    if _check_rules(ckpt, manifest, held, expected) and not held.omitted:
-        del expected  # equal to the manifest's plan: what is not shared with it goes
-        hashed = _Hashed(manifest.plan)
-        reassembled = CheckReport(out_dir=report.out_dir, source=report.source)
-        _reassemble(out, ckpt, manifest, reassembled, workers, hashed=hashed)
-        check_output(out, manifest, report, workers, hashed=hashed)
+    agrees = _check_rules(ckpt, manifest, held, expected)
+    del expected  # the manifest's plan, when it agrees: what is not shared with it goes
+    if not agrees:
+        check_output(out, manifest, report, workers)
         report.extend(held)
-        report.extend(reassembled)
-        report.tensors_reassembled = reassembled.tensors_reassembled
         return
-    check_output(out, manifest, report, workers)
-    check_extras_against_source(ckpt, manifest, report)
-    if _check_rules(ckpt, manifest, report, expected):
-        _reassemble(out, ckpt, manifest, report, workers)
+    hashed = _Hashed(manifest.plan)
+    reassembled = CheckReport(out_dir=report.out_dir, source=report.source)
+    _reassemble(out, ckpt, manifest, reassembled, workers, hashed=hashed)
+    check_output(out, manifest, report, workers, hashed=hashed)
+    report.extend(held)
+    report.extend(reassembled)
+    report.tensors_reassembled = reassembled.tensors_reassembled
 
 
 class _Hashed:
@@ -245,10 +249,11 @@ def _check_from_output(out: Path, old: Path, manifest: Manifest, report: CheckRe
         report.add("from", str(e))
         return
     with src.reader:
-        if (manifest.source.path, manifest.source.files) != (src.manifest.source.path, src.manifest.source.files):
+        same_source = (manifest.source.path, manifest.source.files) == (src.manifest.source.path, src.manifest.source.files)
+        if not same_source:
             report.add("rules", f"the manifest's source (path, file checksums) is not the one {old} records")
         check_extras_against_source(src.checkpoint, manifest, report)
-        if _check_rules(src.checkpoint, manifest, report):
+        if _check_rules(src.checkpoint, manifest, report) and same_source:
             _reassemble(out, src.checkpoint, manifest, report, workers, reader=src.reader)
 
 
@@ -747,6 +752,7 @@ def _rules_plan(ckpt: Checkpoint, topology: Topology, options: Options) -> Plan 
 def _check_rules(ckpt: Checkpoint, manifest: Manifest, report: CheckReport, expected: Plan | TpshardError | None = None) -> bool:
     """The manifest is what the rules give for this source (check 1, against the source);
     `expected`: _rules_plan's answer, when the caller has it already."""
+    before = report.found
     check_source_sizes(ckpt, manifest.source.files, report, "split")
     expected = _rules_plan(ckpt, manifest.topology, manifest.options) if expected is None else expected
     if isinstance(expected, TpshardError):
@@ -756,7 +762,8 @@ def _check_rules(ckpt: Checkpoint, manifest: Manifest, report: CheckReport, expe
     if layout != [(f.name, f.ranks, f.size) for f in expected.files]:
         report.add("rules", "the manifest's output files (names, ranks or sizes) are not the ones the rules lay out")
     if manifest.tensors == expected.tensors:
-        return not any(p.check == "rules" for p in report.problems)
+        return report.found == before
+    diffs = report.found
     got = {(s.name, s.group_rank): s for s in manifest.plan.shards}
     want = {(s.name, s.group_rank): s for s in expected.shards}
     for key in sorted(set(got) | set(want)):
@@ -767,9 +774,9 @@ def _check_rules(ckpt: Checkpoint, manifest: Manifest, report: CheckReport, expe
             else:
                 fields = [f for f in g.__struct_fields__ if getattr(g, f) != getattr(w, f)]
                 report.add("rules", f"{_rel(g)}: manifest differs from the rules in {', '.join(f'{f}={getattr(g, f)!r} (rules: {getattr(w, f)!r})' for f in fields)}")
-    if not any(p.check == "rules" for p in report.problems):  # same shards, another order
+    if report.found == diffs:  # same shards, another order
         report.add("rules", "the manifest lists the tensors or their cuts in another order than the rules")
-    return not any(p.check == "rules" for p in report.problems)
+    return False
 
 
 def distinct_copies(out: Path, manifest: Manifest) -> dict[str, list[tuple[Path, list[int]]]]:
