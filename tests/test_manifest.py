@@ -18,7 +18,8 @@ import pytest
 
 import tpshard
 from tpshard.errors import OutputError
-from tpshard.manifest import MANIFEST_NAME, read_manifest
+from tpshard.digest import tensor_digest
+from tpshard.manifest import MANIFEST_NAME, differing, read_manifest
 from tpshard.topology import Topology
 
 
@@ -42,6 +43,21 @@ def test_manifest_is_compact_and_round_trips(good):
     assert len(m.plan.shards) == sum(len(t.cuts) for t in m.tensors)
     for r in range(4):
         assert m.plan.rank_shards(r) == [s for s in m.plan.shards if r in s.ranks]
+
+
+@pytest.mark.parametrize("algorithm", ["crc32", "sha256"])
+def test_differing_names_the_digests_that_differ(algorithm):
+    """differing against the digests compared one by one: [] when equal, the flipped one's index
+    otherwise, at each algorithm's width (4 and 32 bytes)."""
+    digests = [tensor_digest(algorithm, bytes([i]) * 10) for i in range(5)]
+    recorded = b"".join(digests).hex()
+    assert differing(b"".join(digests), recorded, algorithm) == []
+    for k in (0, 3, 4):
+        flipped = list(digests)
+        flipped[k] = bytes([flipped[k][0] ^ 1]) + flipped[k][1:]
+        assert differing(b"".join(flipped), recorded, algorithm) == [k]
+    assert differing(b"".join(reversed(digests)), recorded, algorithm) == [0, 1, 3, 4]
+    assert differing(b"", "", algorithm) == []
 
 
 def test_encoding_splices_cuts_only_where_the_keys_are(good):

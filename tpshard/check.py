@@ -29,7 +29,7 @@ import msgspec
 # numpy, the checkpoint reader, the planner and the writer are imported where the source is read:
 # check without a source needs none of them (their imports were a sixth of it at 9k tensors).
 from tpshard.collector import paused
-from tpshard.digest import DIGEST_SIZE, digest_of, digest_slots, file_hash, hash_digest, new_hash, packed_digests, sha256_file, tensor_digest
+from tpshard.digest import digest_of, digest_slots, file_hash, hash_digest, new_hash, packed_digests, sha256_file, tensor_digest
 from tpshard.errors import TpshardError, UsageError
 from tpshard.manifest import (
     MANIFEST_NAME,
@@ -41,6 +41,7 @@ from tpshard.manifest import (
     ShardSpec,
     SourceCuts,
     TensorPlan,
+    differing,
     manifest_with_tensors,
     rank_dir,
     rank_index_pieces,
@@ -583,11 +584,8 @@ def _check_files(
                 if digests is None:
                     sizes = [b - a for a, b in zip(offsets, [*offsets[1:], rec.size])]  # tensors lie back to back
                     digests = b"".join(range_digests(fh.fileno(), offsets, sizes, algorithm))
-                if digests.hex() != rec.digests:  # all at once; one by one to name those that differ
-                    width = DIGEST_SIZE[algorithm]
-                    for k in range(len(offsets)):
-                        if digests[k * width : (k + 1) * width] != rec.digest(k, algorithm):
-                            found.append(("checksum", f"{where}: tensor {plan.member(i, k)[0].name} does not match its {algorithm} in the manifest"))
+                for k in differing(digests, rec.digests, algorithm):
+                    found.append(("checksum", f"{where}: tensor {plan.member(i, k)[0].name} does not match its {algorithm} in the manifest"))
         checksum.update(digests)
         if checksum.hexdigest() != rec.checksum:
             found.append(("checksum", f"{where}: file checksum differs from the manifest"))

@@ -216,6 +216,17 @@ def digest_at(digests: str, i: int, algorithm: str) -> bytes:
     return bytes.fromhex(digests[i * width : (i + 1) * width])
 
 
+def differing(digests: bytes, recorded: str, algorithm: str) -> list[int]:
+    """The indices of the digests in `digests` (back to back, as tpshard.digest.tensor_digest gives
+    them) that differ from those in `recorded` (lower-case hex, as OutputFile.digests); [] when all
+    agree. The whole strings are compared at once first: one comparison for a file that is right."""
+    found = digests.hex()
+    if found == recorded:
+        return []
+    width = 2 * DIGEST_SIZE[algorithm]
+    return [k // width for k in range(0, len(found), width) if found[k : k + width] != recorded[k : k + width]]
+
+
 # The fields of a ShardSpec stored once per tensor (TensorPlan) and once per cut (Cut).
 TENSOR_FIELDS = ("layer", "layer_class", "piece", "kind", "dtype", "group", "factor", "group_size", "dim",
            "quant", "step", "ratio", "atom", "logical_dim", "logical_size", "ep_slot", "expert")  # fmt: skip

@@ -30,7 +30,7 @@ from tpshard.digest import file_digest, sha256_file
 from tpshard.errors import TpshardError
 from tpshard.export.layout import PART_GLOBS, PartFile, config_tied, constant_bytes, parse_part_name, partition_env, rank_layouts, stage_problems
 from tpshard.export.manifest import ExportFile, ExportManifest, ExportTensor, read_export_manifest
-from tpshard.manifest import FILE_METADATA, Plan
+from tpshard.manifest import FILE_METADATA, Plan, differing
 from tpshard.safetensors_format import build_header, header_layout, nbytes_of
 from tpshard.workers import default_workers
 
@@ -135,10 +135,8 @@ def _check_files(folder: Path, m: ExportManifest, report: CheckReport, workers: 
             if fh.read(len(header)) != header:
                 return [("files", f"{f.name}: safetensors header differs from the manifest's names, dtypes and shapes")]
             digests = list(range_digests(fh.fileno(), offsets, sizes, algorithm))
-            if b"".join(digests).hex() != f.digests:  # name the tensors only when something differs
-                for i, (t, d) in enumerate(zip(f.tensors, digests)):
-                    if d != f.digest(i, algorithm):
-                        found.append(("checksum", f"{f.name}: tensor {t.name} does not match its {algorithm} in the manifest"))
+            for k in differing(b"".join(digests), f.digests, algorithm):
+                found.append(("checksum", f"{f.name}: tensor {f.tensors[k].name} does not match its {algorithm} in the manifest"))
             for t, offset, n in zip(f.tensors, offsets, sizes):
                 if t.value is not None:
                     fh.seek(offset)

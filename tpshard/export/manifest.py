@@ -18,7 +18,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from tpshard.errors import OutputError
-from tpshard.manifest import Envelope, Options, Source, digest_at, digests_problem, plain_name, refuse_envelope
+from tpshard.manifest import Envelope, Options, Source, digests_problem, plain_name, refuse_envelope
 from tpshard.topology import Topology
 
 EXPORT_MANIFEST_NAME = "tpshard-export.json"
@@ -44,10 +44,6 @@ class ExportFile(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # In data order. Left out of the JSON (and filled in by the reader, the same tuple) where they
     # are those of the same part of the stage's first rank: see encode_export_manifest.
     tensors: tuple[ExportTensor, ...] = ()
-
-    def digest(self, i: int, algorithm: str) -> bytes:
-        """The digest of tensor `i`, as tpshard.digest.tensor_digest gives it."""
-        return digest_at(self.digests, i, algorithm)
 
 
 class From(msgspec.Struct, frozen=True, kw_only=True):
