@@ -402,6 +402,45 @@ def test_check_refuses_an_older_manifest_and_broken_digests(export_tp2, copy_of)
             check(dest)
 
 
+def _digests_as_list(d: dict) -> None:  # version 2's one digest string per tensor: fails version 3's schema
+    for f in d["files"]:
+        f["digests"] = [f["digests"][:8]]
+
+
+# A document edited in its JSON (or not JSON), and the end of the message read_export_manifest
+# refuses it with: another version or format is named as such even where the schema fails too.
+_BROKEN_EXPORT_MANIFESTS = {
+    "older, schema fails": (lambda d: [d.update(version=2), _digests_as_list(d)], "version 2, this tpshard reads version 3; written by an older tpshard, re-export"),
+    "newer, schema fails": (lambda d: [d.update(version=4), d.pop("files")], "version 4, this tpshard reads version 3; written by a newer tpshard, upgrade it"),
+    "another format": (lambda d: [d.update(format="tpshard-manifest"), d.pop("engine")], "format 'tpshard-manifest' is not 'tpshard-export'; not a tpshard export manifest"),
+    "no version": (lambda d: d.pop("version"), "version None, this tpshard reads version 3; written by a newer tpshard, upgrade it"),
+    "schema fails": (lambda d: d["files"][0].update(size="12"), "not a valid tpshard export manifest (Expected `int`, got `str` - at `$.files[0].size`)"),
+    "a value refused": (lambda d: d["files"][0].update(name="model.safetensors"), "files: 'model.safetensors' is not a unique model-rank-0-part-N.safetensors name"),
+    "not JSON": (None, "not a valid tpshard export manifest (JSON is malformed: trailing characters (byte 3))"),
+    "not an object": ([], "not a valid tpshard export manifest (Expected `object`, got `array`)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BROKEN_EXPORT_MANIFESTS))
+def test_a_broken_export_manifest_is_refused_with_what_is_wrong(export_tp2, copy_of, case):
+    """The schema is decoded first, the envelope only where it fails: the message is the one of
+    the version or format where those are wrong, else the schema's or the field check's."""
+    edit, message = _BROKEN_EXPORT_MANIFESTS[case]
+    dest = copy_of(export_tp2)
+    path = dest / EXPORT_MANIFEST_NAME
+    if edit is None:
+        path.write_text("{}x")
+    elif isinstance(edit, list):
+        path.write_text(json.dumps(edit))
+    else:
+        raw = json.loads(path.read_text())
+        edit(raw)
+        path.write_text(json.dumps(raw))
+    with pytest.raises(OutputError) as e:
+        read_export_manifest(dest)
+    assert str(e.value).endswith(message), str(e.value)
+
+
 def test_check_of_an_export_without_the_source_imports_neither_numpy_nor_the_writer(export_tp2):
     """As for a tpshard output (tests/test_imports.py): only --source reads with them."""
     code = f"import sys, tpshard, tpshard.cli\nassert tpshard.check({str(export_tp2)!r}).ok\nprint(' '.join(sys.modules))"

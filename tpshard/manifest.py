@@ -23,7 +23,7 @@ import json
 import re
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from functools import cached_property, lru_cache
+from functools import cached_property, lru_cache, partial
 from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple
@@ -601,8 +601,8 @@ def _trim(cut) -> list:
 
 
 class Envelope(msgspec.Struct):
-    """The format and version of a tpshard document, read before its schema (which an older or
-    newer one may not meet)."""
+    """The format and version of a tpshard document, read alone where it fails its schema (which
+    an older or newer one may not meet): decode_versioned."""
 
     format: Any = None
     version: Any = None
@@ -623,35 +623,36 @@ def refuse_envelope(where: str, format: Any, version: Any, expected: tuple[str, 
         )
 
 
-def _refuse_envelope(data: bytes, where: str, format: Any = None, version: Any = None, decoded: bool = False) -> None:
-    """An OutputError if the document is not JSON, not a tpshard manifest or of another version.
-    `decoded`: format and version are those of a document that decoded; else they are read here."""
-    from tpshard.errors import OutputError
-
-    if not decoded:
-        try:
-            envelope = msgspec.json.decode(data, type=Envelope)
-        except msgspec.DecodeError as e:
-            raise OutputError(f"{where}: not a tpshard manifest ({e})") from None
-        format, version = envelope.format, envelope.version
-    refuse_envelope(where, format, version, (MANIFEST_FORMAT, MANIFEST_VERSION), "tpshard split manifest", "re-run tpshard split", "manifest version")
-
-
-def _decode(decoder: msgspec.json.Decoder, data: bytes, where: str):
-    """`data` decoded against the schema of `decoder`, its format and version first: the JSON is
-    parsed once when it is a manifest of this version (a 90k-tensor manifest is ~30 MB)."""
+def decode_versioned(
+    decoder: msgspec.json.Decoder, data: bytes, where: str, refuse: Callable[[Any, Any], None], invalid: str, unreadable: str, keep: tuple[type[Exception], ...] = ()
+) -> Any:
+    """`data` decoded against the schema of `decoder`: the JSON is parsed once when it is a document
+    of this version (a 90k-tensor manifest is ~30 MB). Only where that fails are its format and
+    version read alone, so that `refuse(format, version)` names a foreign document or another
+    version (whose schema may differ) instead of the failure. Then the failure: an OutputError
+    "{where}: {invalid} (...)", or the exception itself for the types in `keep` (a __post_init__'s
+    own message); "{where}: {unreadable} (...)" for a document that is not a JSON object."""
     from tpshard.errors import OutputError
 
     try:
         decoded = decoder.decode(data)
-    except msgspec.DecodeError as e:  # msgspec names the field: "... - at `$.files[3].size`"
-        _refuse_envelope(data, where)  # a foreign document or another version: say that instead
-        raise OutputError(f"{where}: not a valid tpshard manifest ({e})") from None
-    except Exception as e:  # a __post_init__ refusing a value (Options, Topology)
-        _refuse_envelope(data, where)
-        raise OutputError(f"{where}: not a valid tpshard manifest ({e})") from None
-    _refuse_envelope(data, where, decoded.format, decoded.version, decoded=True)
+    except Exception as e:  # msgspec names the field ("... - at `$.files[3].size`"), or a __post_init__ refuses a value
+        try:
+            envelope = msgspec.json.decode(data, type=Envelope)
+        except msgspec.DecodeError as not_object:
+            raise OutputError(f"{where}: {unreadable} ({not_object})") from None
+        refuse(envelope.format, envelope.version)
+        if isinstance(e, keep):
+            raise
+        raise OutputError(f"{where}: {invalid} ({e})") from None
+    refuse(decoded.format, decoded.version)
     return decoded
+
+
+def _decode(decoder: msgspec.json.Decoder, data: bytes, where: str):
+    """A split manifest decoded against the schema of `decoder` (decode_versioned)."""
+    refuse = partial(refuse_envelope, where, expected=(MANIFEST_FORMAT, MANIFEST_VERSION), what="tpshard split manifest", again="re-run tpshard split", label="manifest version")
+    return decode_versioned(decoder, data, where, refuse, "not a valid tpshard manifest", "not a tpshard manifest")
 
 
 def _text_twin(struct: type, **types: Any) -> type:

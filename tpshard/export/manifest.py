@@ -12,13 +12,14 @@ tensors and tp 8; version 3: ~15 MB); there is no reader of it.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from tpshard.errors import OutputError
-from tpshard.manifest import Envelope, Options, Source, digests_problem, plain_name, refuse_envelope
+from tpshard.errors import OutputError, TpshardError
+from tpshard.manifest import Options, Source, decode_versioned, digests_problem, plain_name, refuse_envelope
 from tpshard.topology import Topology
 
 EXPORT_MANIFEST_NAME = "tpshard-export.json"
@@ -56,8 +57,10 @@ class From(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ExportManifest(msgspec.Struct, frozen=True, kw_only=True):
-    format: str = EXPORT_FORMAT
-    version: int = EXPORT_VERSION
+    # No defaults: a document without them must fail the schema, to be refused by its envelope
+    # (read_export_manifest) instead of read as this version.
+    format: str
+    version: int
     tool_version: str
     engine: str
     from_: From = msgspec.field(name="from")
@@ -122,13 +125,9 @@ def read_export_manifest(folder: str | Path) -> ExportManifest:
     path = Path(folder) / EXPORT_MANIFEST_NAME
     if not path.is_file():
         raise OutputError(f"{folder}: no {EXPORT_MANIFEST_NAME}; not a tpshard export, or an export that did not finish")
-    data = path.read_bytes()
-    try:
-        envelope = msgspec.json.decode(data, type=Envelope)  # the version first: an older manifest fails the schema
-        _refuse_envelope(envelope.format, envelope.version, str(path))
-        m = _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise OutputError(f"{path}: not a valid tpshard export manifest ({e})") from None
+    where, invalid = str(path), "not a valid tpshard export manifest"
+    # ExportManifest.__post_init__'s refusals (its version first) keep their own messages.
+    m = decode_versioned(_decoder, path.read_bytes(), where, partial(_refuse_envelope, where=where), invalid, invalid, keep=(TpshardError,))
     _fill_shared_tensors(m)
     return m
 

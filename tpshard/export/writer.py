@@ -41,7 +41,9 @@ from tpshard.export.layout import (
     rank_layouts,
 )
 from tpshard.export.manifest import (
+    EXPORT_FORMAT,
     EXPORT_MANIFEST_NAME,
+    EXPORT_VERSION,
     ExportFile,
     ExportManifest,
     ExportTensor,
@@ -144,6 +146,8 @@ def _write(out: Path, manifest: Manifest, layouts: Iterator[list[PartFile]], eng
             raise OutputError(f"{folder / extra.name}: differs from its sha256 in the tpshard manifest; run tpshard check {out}")
 
     result = ExportManifest(
+        format=EXPORT_FORMAT,
+        version=EXPORT_VERSION,
         tool_version=__version__,
         engine=engine,
         from_=From(path=str(out.resolve()), manifest_sha256=sha256_file(out / MANIFEST_NAME), topology=plan.topology, options=plan.options),
