@@ -195,15 +195,17 @@ def _check_against_source(folder: Path, m: ExportManifest, source: Path, report:
 class _Located:
     """Where the rules put every shard in the export's files, as reassemble asks for them (the
     places of one source tensor, made when it is compared): each place as numbers in flat arrays,
-    24 bytes (a tuple per place, all held, was ~85 MB at tiny90k and tp 8)."""
+    24 bytes (a tuple per place, all held, was ~85 MB at tiny90k and tp 8). A shard is named by
+    its place in the tpshard output (its file and index there, Part.index): Plan.member gives its
+    tensor and cut back from the plan's own arrays."""
 
     def __init__(self, plan: Plan, names: list[str]):
         self.plan, self.names = plan, names
         self.position = {name: p for p, name in enumerate(names)}
-        self.tensor_index = {id(t): i for i, t in enumerate(plan.tensors)}
         self.files: list[tuple[Path, str]] = []  # export file: (path, what a finding appends)
-        # per place, in the order added: its source tensor, the plan tensor and its cut, the export file, the data offset
-        self.source, self.tensor, self.cut, self.file, self.offset = array("I"), array("I"), array("I"), array("I"), array("Q")
+        # per place, in the order added: its source tensor, the shard's tpshard file and its index
+        # there, the export file, the data offset
+        self.source, self.held, self.index, self.file, self.offset = array("I"), array("I"), array("I"), array("I"), array("Q")
 
     def add(self, f: PartFile, path: Path) -> None:
         """The places of the shards of the rules' file `f`, written at `path`."""
@@ -213,8 +215,8 @@ class _Located:
         for t, at in zip(f.tensors, offsets):
             for part in t.parts:
                 self.source.append(self.position[part.tensor.source or part.tensor.name])
-                self.tensor.append(self.tensor_index[id(part.tensor)])
-                self.cut.append(part.tensor.cuts.index(part.cut))
+                self.held.append(part.cut.file)
+                self.index.append(part.index)
                 self.file.append(k)
                 self.offset.append(at)
                 at += part.nbytes
@@ -232,14 +234,13 @@ class _Located:
             order[fill[p]] = j
             fill[p] += 1
         del self.source
-        tensors = self.plan.tensors
+        member = self.plan.member
 
         def places(p: int) -> list[Place]:
             found = []
             for j in order[start[p] : start[p + 1]]:
-                t = tensors[self.tensor[j]]
                 path, where = self.files[self.file[j]]
-                found.append((t, t.cuts[self.cut[j]], path, self.offset[j], where))
+                found.append((*member(self.held[j], self.index[j]), path, self.offset[j], where))
             return found
 
         return places
