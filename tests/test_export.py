@@ -316,6 +316,21 @@ def test_check_catches_a_flipped_byte(export_tp2, copy_of, llama):
     assert "[reassembly]" in _messages(report) and "differs from the source first at element" in _messages(report)
 
 
+def test_the_rules_decide_the_reassembly_of_an_export_even_when_no_finding_is_listed(export_tp2, copy_of, llama, monkeypatch):
+    """Every finding past the list (MAX_PROBLEMS 0): the rules still stop the reassembly by what
+    they found (a source file of another size than the one exported), and let it run when they
+    found nothing."""
+    monkeypatch.setattr(sys.modules["tpshard.check"], "MAX_PROBLEMS", 0)
+    proven = check(export_tp2, llama)
+    assert proven.ok and proven.tensors_reassembled == len(tpshard.read_manifest(export_tp2.parent / "out").tensors)
+    dest = copy_of(export_tp2)
+    data = json.loads((dest / EXPORT_MANIFEST_NAME).read_bytes())
+    data["source"]["files"][0]["size"] += 1
+    (dest / EXPORT_MANIFEST_NAME).write_text(json.dumps(data))
+    refused = check(dest, llama)
+    assert not refused.ok and not refused.problems and refused.tensors_reassembled == 0
+
+
 def test_check_catches_a_part_from_another_rank(export_tp2, copy_of, llama):
     dest = copy_of(export_tp2)
     shutil.copyfile(dest / "model-rank-0-part-0.safetensors", dest / "model-rank-1-part-0.safetensors")
@@ -413,7 +428,7 @@ _BROKEN_EXPORT_MANIFESTS = {
     "older, schema fails": (lambda d: [d.update(version=2), _digests_as_list(d)], "version 2, this tpshard reads version 3; written by an older tpshard, re-export"),
     "newer, schema fails": (lambda d: [d.update(version=4), d.pop("files")], "version 4, this tpshard reads version 3; written by a newer tpshard, upgrade it"),
     "another format": (lambda d: [d.update(format="tpshard-manifest"), d.pop("engine")], "format 'tpshard-manifest' is not 'tpshard-export'; not a tpshard export manifest"),
-    "no version": (lambda d: d.pop("version"), "version None, this tpshard reads version 3; written by a newer tpshard, upgrade it"),
+    "no version": (lambda d: d.pop("version"), "no version; not a tpshard export manifest this tpshard can read"),
     "schema fails": (lambda d: d["files"][0].update(size="12"), "not a valid tpshard export manifest (Expected `int`, got `str` - at `$.files[0].size`)"),
     "a value refused": (lambda d: d["files"][0].update(name="model.safetensors"), "files: 'model.safetensors' is not a unique model-rank-0-part-N.safetensors name"),
     "not JSON": (None, "not a valid tpshard export manifest (JSON is malformed: trailing characters (byte 3))"),

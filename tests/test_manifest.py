@@ -154,6 +154,8 @@ CRAFTED = {
     "version 1": (_set("version", 1), "older tpshard"),
     "version 2": (lambda d: [d.update(version=2), *(f.update(digests=[f["digests"][:8]]) for f in d["files"])], "older tpshard"),
     "future version": (_set("version", 4), "newer tpshard"),
+    "no version": (lambda d: d.pop("version"), "no manifest version; not a tpshard split manifest this tpshard can read"),
+    "no format": (lambda d: d.pop("format"), "format None is not 'tpshard-manifest'"),
     "another format": (_set("format", "safetensors-index"), "not 'tpshard-manifest'"),
     "missing field": (lambda d: d.pop("tensors"), "tensors"),
 }

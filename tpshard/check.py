@@ -91,7 +91,7 @@ class CheckReport(msgspec.Struct, kw_only=True):
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.found
 
     @property
     def found(self) -> int:

@@ -615,6 +615,8 @@ def refuse_envelope(where: str, format: Any, version: Any, expected: tuple[str, 
 
     if format != expected[0]:
         raise OutputError(f"{where}: format {format!r} is not {expected[0]!r}; not a {what}")
+    if version is None:
+        raise OutputError(f"{where}: no {label}; not a {what} this tpshard can read")
     if version != expected[1]:
         older = isinstance(version, int) and version < expected[1]
         raise OutputError(
@@ -657,11 +659,15 @@ def _decode(decoder: msgspec.json.Decoder, data: bytes, where: str):
 
 def _text_twin(struct: type, **types: Any) -> type:
     """A struct with the fields and defaults of `struct`, those named in `types` typed so instead:
-    what a manifest is decoded into before the cuts that tensors share are decoded once each."""
+    what a manifest is decoded into before the cuts that tensors share are decoded once each. Its
+    format and version are the document's, None where it has none (refused): `struct`'s defaults
+    are the ones written."""
     fields = []
     for f in msgspec.structs.fields(struct):
         typ = types.get(f.name, f.type)
-        if f.default is not msgspec.NODEFAULT:
+        if f.name in ("format", "version"):
+            fields.append((f.name, Any, None))
+        elif f.default is not msgspec.NODEFAULT:
             fields.append((f.name, typ, f.default))
         elif f.default_factory is not msgspec.NODEFAULT:
             fields.append((f.name, typ, msgspec.field(default_factory=f.default_factory)))
