@@ -178,9 +178,7 @@ def _check_against_source(
     and added after check_output's. When the rules refuse the manifest, nothing is reassembled."""
     held = CheckReport(out_dir=report.out_dir, source=report.source)
     check_extras_against_source(ckpt, manifest, held)
-    agrees = _check_rules(ckpt, manifest, held, expected)
-    del expected  # the manifest's plan, when it agrees: what is not shared with it goes
-    if not agrees:
+    if not _check_rules(ckpt, manifest, held, expected):
         check_output(out, manifest, report, workers)
         report.extend(held)
         return
