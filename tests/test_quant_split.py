@@ -378,3 +378,25 @@ def test_load_rank_reads_every_dtype_as_open_rank(checkpoints, tmp_path, name):
         for key, t in eager.items():
             assert t.dtype == lazy[key].dtype and t.shape == lazy[key].shape, key
             assert torch.equal(t.view(torch.uint8), lazy[key].view(torch.uint8)), key
+
+
+def test_a_readers_quant_specs_are_decoded_once_each_and_shared(checkpoints, tmp_path):
+    """Every reader of a manifest decodes each distinct spec once and shares it between the modules
+    that have it, as make_plan does; a spec that is not a JSON object is refused in one line."""
+    from tpshard.errors import OutputError
+    from tpshard.manifest import MANIFEST_NAME
+
+    src, _ = checkpoints("fp8_block")
+    out = tmp_path / "out"
+    made = split(src, out, TOPOLOGIES["tp4"])
+    read = read_manifest(out).quant_layers
+    assert msgspec.json.encode(read, order="sorted") == msgspec.json.encode(made.quant_layers, order="sorted")
+    assert len(read) > 1 and len({id(spec) for spec in read.values()}) == len({json.dumps(spec, sort_keys=True) for spec in read.values()})
+    data = json.loads((out / MANIFEST_NAME).read_bytes())
+    module = sorted(data["quant_layers"])[-1]
+    data["quant_layers"][module] = 5
+    (out / MANIFEST_NAME).write_bytes(msgspec.json.encode(data, order="sorted"))
+    for call in (read_manifest, check, lambda o: check(o, src)):
+        with pytest.raises(OutputError) as e:
+            call(out)
+        assert f"$.quant_layers['{module}']" in str(e.value) and "\n" not in str(e.value), e.value

@@ -680,12 +680,40 @@ def _text_twin(struct: type, **types: Any) -> type:
 # shape, dim, group size and text: _tensors_problem), each tensor given the kind's tuple (90k tensors
 # at tp 8 are 460k Cut structs otherwise: 45 MB).
 _TensorText = _text_twin(TensorPlan, cuts=msgspec.Raw)
-_decoder = msgspec.json.Decoder(_text_twin(Manifest, tensors=list[_TensorText]))  # a list: replaced in place
+# A quantized module's spec is text too, decoded once per distinct text (_quant_specs).
+_decoder = msgspec.json.Decoder(_text_twin(Manifest, tensors=list[_TensorText], quant_layers=dict[str, msgspec.Raw]))  # a list: replaced in place
 # The lean way: the tensors left as text, then decoded DECODE_BATCH at a time.
-_frame_decoder = msgspec.json.Decoder(_text_twin(Manifest, tensors=msgspec.Raw))
+_frame_decoder = msgspec.json.Decoder(_text_twin(Manifest, tensors=msgspec.Raw, quant_layers=dict[str, msgspec.Raw]))
+_spec_decoder = msgspec.json.Decoder(dict)
 _items_decoder = msgspec.json.Decoder(list[msgspec.Raw])
 _batch_decoder = msgspec.json.Decoder(list[_TensorText])
 DECODE_BATCH = 4096
+
+
+def _decode_text(decoder: msgspec.json.Decoder, data: bytes, where: str):
+    """The manifest as `decoder` decodes it (_decode), its quantized modules' specs decoded."""
+    text = _decode(decoder, data, where)
+    return msgspec.structs.replace(text, quant_layers=_quant_specs(text.quant_layers, where))
+
+
+def _quant_specs(texts: dict[str, msgspec.Raw], where: str) -> dict[str, dict]:
+    """Each module's spec, decoded once per distinct text and shared between the modules that have
+    it, as make_plan shares them (DeepSeek-V3's FP8 release: ~46k modules of one spec, a dict each
+    was 20 MB in every reader of its manifest)."""
+    from tpshard.errors import OutputError
+
+    specs: dict[bytes, dict] = {}
+    out = {}
+    for module, raw in texts.items():
+        key = bytes(raw)
+        spec = specs.get(key)
+        if spec is None:
+            try:
+                spec = specs[key] = _spec_decoder.decode(key)
+            except msgspec.DecodeError as e:
+                raise OutputError(f"{where}: not a valid tpshard manifest ({_located(e, f'$.quant_layers[{module!r}]')})") from None
+        out[module] = spec
+    return out
 
 
 def decode_manifest(data: bytes, where: str) -> Manifest:
@@ -697,7 +725,7 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
     peak of every reader of a manifest. At the first fault the whole document is decoded and
     checked at once (_decode_whole), which names the first fault as it always has: the same
     schema and checks, in the order of the document."""
-    text = _decode(_frame_decoder, data, where)
+    text = _decode_text(_frame_decoder, data, where)
     tensors = None if _frame_problem(text) else _tensor_plans(text)
     if tensors is None:
         return _decode_whole(data, where)
@@ -732,7 +760,7 @@ def _decode_whole(data: bytes, where: str) -> Manifest:
     """decode_manifest in one piece: the first fault named, or the manifest."""
     from tpshard.errors import OutputError
 
-    text = _decode(_decoder, data, where)
+    text = _decode_text(_decoder, data, where)
     kinds: list[_CutKind] = []
     problem = _frame_problem(text) or _tensors_problem(text, kinds)
     if problem:
@@ -775,7 +803,7 @@ class ManifestFrame(NamedTuple):
 def read_manifest_frame(out_dir: str | Path) -> ManifestFrame:
     """The frame of the manifest at `out_dir`; OutputError, naming the fault, where read_manifest would raise one."""
     data, where = _manifest_bytes(out_dir)
-    text = _decode(_frame_decoder, data, where)
+    text = _decode_text(_frame_decoder, data, where)
     if _frame_problem(text):
         _decode_whole(data, where)  # raises, naming the first fault
     return ManifestFrame(msgspec.structs.replace(text, tensors=msgspec.Raw()), hashlib.sha256(text.tensors).digest())
