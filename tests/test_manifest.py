@@ -7,6 +7,7 @@ one line, no traceback), never read outside the output folder, never hang or all
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import subprocess
@@ -223,7 +224,7 @@ def test_a_fault_found_in_a_batch_is_named_as_the_whole_document_names_it(good, 
 def test_check_source_decodes_no_tensors_of_a_manifest_that_is_the_rules(good, llama, tmp_path, monkeypatch):
     """check --source takes the rules' tensors when their text is the manifest's (the manifest is
     not read whole); a manifest written another way is read whole, and is as good."""
-    check_module = sys.modules["tpshard.check"]
+    check_module = importlib.import_module("tpshard.check")  # the attribute tpshard.check is the function
 
     def read_whole(out):
         raise AssertionError("read whole")
@@ -251,3 +252,35 @@ def test_a_plan_shares_its_layout_only_with_the_same_tensors_and_file_names(good
         other.share_layout(plan)
     assert same.__dict__["_layouts"] is plan.__dict__["_layouts"]
     assert "_layouts" not in renamed.__dict__ and "_layouts" not in retensored.__dict__
+
+
+@pytest.mark.parametrize(
+    "fixture,topology",
+    [
+        ("llama", Topology(tp=8, attn_dp=2)),
+        ("qwen2_tied", Topology(tp=2, pp_layers=(1, 1))),
+        ("qwen3_moe", Topology(tp=4, ep=2)),
+        ("mixtral", Topology(tp=8, ep=4)),
+        ("deepseek_v3", Topology(tp=8, attn_dp=2, ep=8)),
+        ("deepseek_fp8", Topology(tp=4, ep=2)),
+    ],
+)
+def test_the_rules_tensors_are_what_their_manifest_text_decodes_to(request, fixture, topology):
+    """check --source takes the rules' tensors for the manifest's when the two texts are the same:
+    that text must decode to those tensors, field for field, for every kind of model."""
+    from tpshard.checkpoint import open_checkpoint
+    from tpshard.manifest import Manifest, Source, decode_manifest, encode_manifest
+    from tpshard.plan import make_plan
+
+    plan = make_plan(open_checkpoint(request.getfixturevalue(fixture)), topology)
+    m = Manifest.of(plan, tool_version="test", source=Source(path="x", files=()), written_ranks=(), files=plan.files)
+    decoded = decode_manifest(encode_manifest(m), "test")
+    assert decoded.tensors == plan.tensors and decoded.model == plan.model and decoded.warnings == plan.warnings
+
+
+def test_check_source_compares_what_readers_take_besides_the_tensors(good, llama, tmp_path):
+    """The model a verify builds (rope_theta) and the warnings: an edit to either is a [rules] finding."""
+    for field, edit in (("model", _set("model.rope_theta", 20000.0)), ("warnings", _set("warnings", ["edited"]))):
+        report = tpshard.check(craft(good, tmp_path / field, edit), llama)
+        assert f"the manifest's {field} is not what the rules give" in " ".join(p.message for p in report.problems), report.problems
+        assert report.tensors_reassembled == 0

@@ -382,7 +382,8 @@ def test_load_rank_reads_every_dtype_as_open_rank(checkpoints, tmp_path, name):
 
 def test_a_readers_quant_specs_are_decoded_once_each_and_shared(checkpoints, tmp_path):
     """Every reader of a manifest decodes each distinct spec once and shares it between the modules
-    that have it, as make_plan does; a spec that is not a JSON object is refused in one line."""
+    that have it, as make_plan does; check --source finds an edited spec; a spec that is not a JSON
+    object is refused in one line."""
     from tpshard.errors import OutputError
     from tpshard.manifest import MANIFEST_NAME
 
@@ -394,6 +395,10 @@ def test_a_readers_quant_specs_are_decoded_once_each_and_shared(checkpoints, tmp
     assert len(read) > 1 and len({id(spec) for spec in read.values()}) == len({json.dumps(spec, sort_keys=True) for spec in read.values()})
     data = json.loads((out / MANIFEST_NAME).read_bytes())
     module = sorted(data["quant_layers"])[-1]
+    data["quant_layers"][module] = {**data["quant_layers"][module], "block": [64, 64]}  # what verify would dequantize with
+    (out / MANIFEST_NAME).write_bytes(msgspec.json.encode(data, order="sorted"))
+    report = check(out, src)
+    assert any(p.check == "rules" and "quant_layers" in p.message for p in report.problems) and report.tensors_reassembled == 0
     data["quant_layers"][module] = 5
     (out / MANIFEST_NAME).write_bytes(msgspec.json.encode(data, order="sorted"))
     for call in (read_manifest, check, lambda o: check(o, src)):

@@ -223,6 +223,23 @@ def test_check_from_and_reshard_catch_a_flipped_byte_in_old(pair, copy_of, tmp_p
     assert not leftovers(tmp_path, "x")
 
 
+def test_a_broken_old_output_stops_check_from_and_reshard_with_nothing_listed(pair, copy_of, tmp_path, monkeypatch):
+    """Every finding past the list (MAX_PROBLEMS 0): old's findings still fail check --from, and
+    reshard still refuses old in one line."""
+    monkeypatch.setattr(sys.modules["tpshard.check"], "MAX_PROBLEMS", 0)
+    old, new = copy_of(pair[0]), pair[1]
+    f = "model-tp-001-of-002.safetensors"
+    _flip(old / rank_dir(1) / f, _data_offset(old, 1, f))
+    report = tpshard.check(new, from_output=old)
+    assert not report.ok and not report.problems and report.tensors_reassembled == 0
+    short = tmp_path / "short"  # a file one byte short: found by old's own check, before any read
+    shutil.copytree(pair[0], short)
+    os.truncate(short / rank_dir(1) / f, (short / rank_dir(1) / f).stat().st_size - 1)
+    with pytest.raises(OutputError, match="fails its own check, so it cannot be resharded: see tpshard check") as e:
+        reshard(short, tmp_path / "x", T(tp=4))
+    assert "\n" not in str(e.value)
+
+
 def test_every_byte_of_old_is_compared(pair, copy_of, tmp_path):
     """Bytes no new tensor needs (a replica file that is a copy, not a hard link; a header) stop it too."""
     old = copy_of(pair[0])

@@ -240,6 +240,7 @@ def _check_from_output(out: Path, old: Path, manifest: Manifest, report: CheckRe
     old_report = verify_output(old, workers, manifest=old_manifest)
     for p in old_report.problems:
         report.add("from", f"{old} (resharded from): [{p.check}] {p.message}")
+    report.omitted += old_report.omitted
     if not old_report.ok:
         return
     try:
@@ -757,6 +758,15 @@ def _check_rules(ckpt: Checkpoint, manifest: Manifest, report: CheckReport, expe
     layout = [(f.name, f.ranks, f.size) for f in manifest.files]
     if layout != [(f.name, f.ranks, f.size) for f in expected.files]:
         report.add("rules", "the manifest's output files (names, ranks or sizes) are not the ones the rules lay out")
+    # What readers take from the manifest besides the tensors (verify dequantizes by quant_layers);
+    # quant_layers as JSON: the rules' specs hold tuples where a decoded manifest's hold lists.
+    for field, got, want in (
+        ("model", manifest.model, expected.model),
+        ("warnings", manifest.warnings, expected.warnings),
+        ("quant_layers", msgspec.json.encode(manifest.quant_layers, order="sorted"), msgspec.json.encode(expected.quant_layers, order="sorted")),
+    ):  # fmt: skip
+        if got != want:
+            report.add("rules", f"the manifest's {field} is not what the rules give for this source")
     if manifest.tensors == expected.tensors:
         return report.found == before
     diffs = report.found

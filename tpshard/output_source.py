@@ -102,10 +102,10 @@ def open_output_source(out: str | Path, *, workers: int = 2, verified: bool = Fa
         # their sizes, headers and file checksums, and every other copy in full.
         report = verify_output(out, workers, reader.first_copies(), manifest)
         if not report.ok:
-            p = report.problems[0]
-            more = len(report.problems) + report.omitted - 1
+            first = f"[{report.problems[0].check}] {report.problems[0].message}" if report.problems else "see tpshard check"
+            more = report.found - 1
             raise OutputError(
-                f"{out}: fails its own check, so it cannot be resharded: [{p.check}] {p.message}"
+                f"{out}: fails its own check, so it cannot be resharded: {first}"
                 + (f" (and {more} more; run tpshard check {out})" if more else "")
             )
     reader.check_held()

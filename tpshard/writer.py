@@ -231,8 +231,9 @@ class _Pending:
                     _pwritev_all(fd, group, offset)
             # Written back while the copy goes on, not all at the fsync (runs of small shards hold
             # most bytes of a model of many small tensors; the fsync was a third of such a split).
-            lo = min(run[0] for run in runs)
-            start_writeback(fd, lo, max(run[1] for run in runs) - lo)
+            lo, hi = min(run[0] for run in runs), max(run[1] for run in runs)
+            if hi > lo:  # 0 bytes would mean "to the end of the file"
+                start_writeback(fd, lo, hi - lo)
         self.runs.clear()
 
 
