@@ -812,7 +812,8 @@ def read_manifest_frame(out_dir: str | Path) -> ManifestFrame:
 def manifest_with_tensors(frame: ManifestFrame, plan: Plan) -> Manifest | None:
     """The manifest `frame` was read from, when its tensors are those of `plan`: their text (as
     manifest_pieces writes it) has the frame's sha256 and they pass decode_manifest's checks
-    against the frame; None otherwise (read_manifest then says what it holds)."""
+    against the frame; None otherwise (read_manifest then says what it holds). That text decodes
+    to `plan`'s tensors, field for field (test_manifest checks it for every kind of model)."""
     tensors, h = plan.tensors, hashlib.sha256(b"[")
     for piece in tensor_pieces(tensors):
         h.update(piece)
