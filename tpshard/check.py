@@ -43,6 +43,7 @@ from tpshard.manifest import (
     TensorPlan,
     differing,
     manifest_with_tensors,
+    plan_differences,
     rank_dir,
     rank_index_pieces,
     read_manifest,
@@ -755,19 +756,13 @@ def _check_rules(ckpt: Checkpoint, manifest: Manifest, report: CheckReport, expe
     if isinstance(expected, TpshardError):
         report.add("rules", f"the rules refuse this source: {expected}")
         return False
-    layout = [(f.name, f.ranks, f.size) for f in manifest.files]
-    if layout != [(f.name, f.ranks, f.size) for f in expected.files]:
+    differs = plan_differences(manifest, expected)
+    if "files" in differs:
         report.add("rules", "the manifest's output files (names, ranks or sizes) are not the ones the rules lay out")
-    # What readers take from the manifest besides the tensors (verify dequantizes by quant_layers);
-    # quant_layers as JSON: the rules' specs hold tuples where a decoded manifest's hold lists.
-    for field, got, want in (
-        ("model", manifest.model, expected.model),
-        ("warnings", manifest.warnings, expected.warnings),
-        ("quant_layers", msgspec.json.encode(manifest.quant_layers, order="sorted"), msgspec.json.encode(expected.quant_layers, order="sorted")),
-    ):  # fmt: skip
-        if got != want:
-            report.add("rules", f"the manifest's {field} is not what the rules give for this source")
-    if manifest.tensors == expected.tensors:
+    for what in ("model", "warnings", "quant_layers"):  # what verify builds and dequantizes with
+        if what in differs:
+            report.add("rules", f"the manifest's {what} is not what the rules give for this source")
+    if "tensors" not in differs:
         return report.found == before
     diffs = report.found
     got = {(s.name, s.group_rank): s for s in manifest.plan.shards}

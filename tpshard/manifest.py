@@ -457,6 +457,20 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
         return msgspec.structs.replace(self, tensors=pack_tensors(specs, self.files))
 
 
+def plan_differences(a: Plan | Manifest, b: Plan | Manifest) -> list[str]:
+    """Which of model, tensors, files (names, ranks, sizes), warnings and quant_layers differ
+    between two plans or manifests: what make_plan gives against what a manifest records.
+    quant_layers are compared as JSON: a plan made holds tuples where a decoded one holds lists."""
+    parts = {
+        "model": lambda p: p.model,
+        "tensors": lambda p: p.tensors,
+        "files": lambda p: [(f.name, f.ranks, f.size) for f in p.files],
+        "warnings": lambda p: p.warnings,
+        "quant_layers": lambda p: msgspec.json.encode(p.quant_layers, order="sorted"),
+    }
+    return [what for what, part in parts.items() if part(a) != part(b)]
+
+
 class SourceFile(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     size: Count

@@ -34,7 +34,6 @@ import threading
 from collections import defaultdict
 from pathlib import Path
 
-import msgspec
 import numpy as np
 
 from tpshard.checkpoint import Checkpoint
@@ -42,7 +41,7 @@ from tpshard.collector import paused
 from tpshard.digest import new_hash
 from tpshard.errors import OutputError, TpshardError
 from tpshard.inputs import read_config
-from tpshard.manifest import Cut, Manifest, Source, SourceFile, TensorPlan, rank_dir, read_manifest, shard_shape
+from tpshard.manifest import Cut, Manifest, Source, SourceFile, TensorPlan, plan_differences, rank_dir, read_manifest, shard_shape
 from tpshard.pieces import CHUNK_BYTES, cut_geometry, read_into, scratch
 from tpshard.safetensors_format import TensorInfo, nbytes_of
 
@@ -124,15 +123,12 @@ def _same_plan(out: Path, ckpt: Checkpoint, manifest: Manifest) -> None:
         again = make_plan(ckpt, manifest.topology, manifest.options)
     except TpshardError as e:
         raise OutputError(f"{out}: the rules of this tpshard refuse its own topology ({e}); it cannot be resharded exactly") from None
-    # quant_layers as JSON: the plan holds tuples where the decoded manifest holds lists
-    mine = (again.model, again.tensors, [(f.name, f.ranks, f.size) for f in again.files], again.warnings, msgspec.json.encode(again.quant_layers, order="sorted"))
-    theirs = (manifest.model, manifest.tensors, [(f.name, f.ranks, f.size) for f in manifest.files], manifest.warnings, msgspec.json.encode(manifest.quant_layers, order="sorted"))
-    for what, a, b in zip(("model", "tensors", "files", "warnings", "quantized layers"), mine, theirs):
-        if a != b:
-            raise OutputError(
-                f"{out}: its manifest's {what} are not what this tpshard's rules give for the source it records"
-                f" (written by tpshard {manifest.tool_version}?); the source cannot be rebuilt exactly from it"
-            )
+    differs = plan_differences(again, manifest)
+    if differs:
+        raise OutputError(
+            f"{out}: its manifest's {differs[0]} are not what this tpshard's rules give for the source it records"
+            f" (written by tpshard {manifest.tool_version}?); the source cannot be rebuilt exactly from it"
+        )
 
 
 def _checkpoint_of(out: Path, manifest: Manifest) -> Checkpoint:
