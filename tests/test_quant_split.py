@@ -405,3 +405,15 @@ def test_a_readers_quant_specs_are_decoded_once_each_and_shared(checkpoints, tmp
         with pytest.raises(OutputError) as e:
             call(out)
         assert f"$.quant_layers['{module}']" in str(e.value) and "\n" not in str(e.value), e.value
+
+
+@pytest.mark.parametrize("name", sorted(DEFAULT_SPECS))
+def test_the_rules_quantized_tensors_are_what_their_manifest_text_decodes_to(checkpoints, name):
+    """check --source takes the rules' tensors for the manifest's when the two texts are the same:
+    that text must decode to those tensors (packed, scales, logical cuts), for every format."""
+    from tpshard.manifest import Manifest, Source, decode_manifest, encode_manifest
+
+    src, _ = checkpoints(name)
+    plan = make_plan(open_checkpoint(src), TOPOLOGIES["tp2"])
+    m = Manifest.of(plan, tool_version="test", source=Source(path="x", files=()), written_ranks=(), files=plan.files)
+    assert decode_manifest(encode_manifest(m), "test").tensors == plan.tensors
