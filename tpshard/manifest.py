@@ -743,7 +743,7 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
     tensors = None if _frame_problem(text) else _tensor_plans(text)
     if tensors is None:
         return _decode_whole(data, where)
-    return Manifest(**(msgspec.structs.asdict(text) | {"tensors": tensors}))
+    return _manifest_of(text, tensors)
 
 
 def _tensor_plans(text) -> tuple[TensorPlan, ...] | None:
@@ -782,7 +782,7 @@ def _decode_whole(data: bytes, where: str) -> Manifest:
     tensors, one = text.tensors, {}.setdefault
     for i, (t, kind) in enumerate(zip(tensors, kinds)):  # each record replaced as its TensorPlan is made
         tensors[i] = _tensor_plan(t, kind, one)
-    return Manifest(**(msgspec.structs.asdict(text) | {"tensors": tuple(tensors)}))
+    return _manifest_of(text, tuple(tensors))
 
 
 def _manifest_bytes(out_dir: str | Path) -> tuple[bytes, str]:
@@ -834,12 +834,16 @@ def manifest_with_tensors(frame: ManifestFrame, plan: Plan) -> Manifest | None:
     h.update(b"]")
     if h.digest() != frame.tensors_sha256:
         return None
-    checks = _TensorChecks(frame.text)
-    if any(checks.tensor(i, t)[0] for i, t in enumerate(tensors)) or checks.files(frame.text):
+    manifest = _manifest_of(frame.text, tensors)
+    if _tensors_problem(manifest, []):
         return None
-    manifest = Manifest(**(msgspec.structs.asdict(frame.text) | {"tensors": tensors}))
     manifest.plan.share_layout(plan)
     return manifest
+
+
+def _manifest_of(text, tensors: tuple[TensorPlan, ...]) -> Manifest:
+    """The Manifest of a decoded text (_frame_decoder, _decoder) with these TensorPlans."""
+    return Manifest(**(msgspec.structs.asdict(text) | {"tensors": tensors}))
 
 
 # ---- one rank's records -------------------------------------------------------------------------
