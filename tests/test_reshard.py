@@ -5,6 +5,7 @@ be rebuilt exactly is refused in one line with nothing left behind."""
 from __future__ import annotations
 
 import filecmp
+import importlib
 import json
 import os
 import shutil
@@ -226,7 +227,7 @@ def test_check_from_and_reshard_catch_a_flipped_byte_in_old(pair, copy_of, tmp_p
 def test_a_broken_old_output_stops_check_from_and_reshard_with_nothing_listed(pair, copy_of, tmp_path, monkeypatch):
     """Every finding past the list (MAX_PROBLEMS 0): old's findings still fail check --from, and
     reshard still refuses old in one line."""
-    monkeypatch.setattr(sys.modules["tpshard.check"], "MAX_PROBLEMS", 0)
+    monkeypatch.setattr(importlib.import_module("tpshard.check"), "MAX_PROBLEMS", 0)
     old, new = copy_of(pair[0]), pair[1]
     f = "model-tp-001-of-002.safetensors"
     _flip(old / rank_dir(1) / f, _data_offset(old, 1, f))
