@@ -173,6 +173,7 @@ for name in {todo!r}:
     subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=work)
 
 
+_TEMP = re.compile(rb"tpshard-split-[a-z0-9_]{8}")
 _TIME = re.compile(r"\d+(\.\d+)? s\b|\"seconds\": ?[0-9.]+")
 
 
@@ -199,7 +200,7 @@ def run_tree(tree: Path, work: Path, label: str, only: str | None) -> Path:
 
 def _fill(arg: str, work: Path, outs: Path) -> str:
     arg = arg.replace("{W}", str(work))
-    m = re.fullmatch(r"\{([MO]):(\w+)\}", arg)
+    m = re.fullmatch(r"\{([MO]):([\w.]+)\}", arg)
     if not m:
         return arg
     return str(work / "ckpt" / m[2]) if m[1] == "M" else str(outs / m[2])
@@ -218,7 +219,10 @@ def tree_listing(root: Path) -> list[str]:
                 lines.append(f"{rel} -> {os.readlink(p)}")
                 continue
             group = inodes.setdefault((st.st_dev, st.st_ino), str(rel))
-            digest = hashlib.sha256(p.read_bytes()).hexdigest()
+            data = p.read_bytes()
+            if f == "tpshard-export.json":  # split --format records its temporary folder's random name
+                data = _TEMP.sub(b"tpshard-split-TEMP", data)
+            digest = hashlib.sha256(data).hexdigest()
             lines.append(f"{rel} {st.st_size} {digest} link:{group}")
     return lines
 
