@@ -174,7 +174,7 @@ for name in {todo!r}:
 
 
 _TEMP = re.compile(rb"tpshard-split-[a-z0-9_]{8}")
-_TIME = re.compile(r"\d+(\.\d+)? s\b|\"seconds\": ?[0-9.]+")
+_TIME = re.compile(r"\d+(\.\d+)?\s+s\b|\"seconds\": ?[0-9.]+")
 
 
 def run_tree(tree: Path, work: Path, label: str, only: str | None) -> Path:
