@@ -3,8 +3,9 @@
 What this file holds: `Plan` (the topology, options and model, one TensorPlan per source tensor
 kept, the output files), its ShardSpec views (`view`, `shards`, `rank_shards`), and what it works
 out of its files on first use and keeps: each file's shards in data order (FileShards), its header
-size and data offsets, built headers; `share_layout` takes another plan's. SourceCuts finds each source tensor's cuts by
-position (the writer, check --source).
+size and data offsets (a header itself is built when asked for, kept nowhere); `take_layout`
+receives the layout make_plan worked out while planning, `share_layout` another plan's.
+SourceCuts finds each source tensor's cuts by position (the writer, check --source).
 
 What it is not: the records it is made of (tpshard.manifest.records), the rules that make one
 (tpshard.plan), the Manifest written from it (tpshard.manifest.document).
@@ -193,6 +194,16 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
                     kinds.append(numbers[(t.dtype, shard_shape(t, c))])
             self.__dict__["_shards"] = [FileShards(tensors, cuts, kinds, list(numbers)) for tensors, cuts, kinds, numbers in held]
         return self.__dict__["_shards"]
+
+    def take_layout(self, layouts: dict[str, tuple[int, array]], shards: list[FileShards] | None = None) -> None:
+        """Receive the files' layout that make_plan worked out while it made this plan: per file
+        name its (header size, data offsets), and, unless None, per file (indexing `files`) its
+        FileShards, naming tensors by their index in `tensors`. Only on a plan nothing has read
+        yet: offsets, header_size, header_pieces and members then use these instead of laying the
+        files out again (header_pieces still refuses a header whose length is not the one given)."""
+        self.__dict__["_layouts"] = layouts
+        if shards is not None:
+            self.__dict__["_shards"] = shards
 
     def share_layout(self, other: Plan) -> None:
         """Take the files' layout (shards, header sizes, offsets) that `other` has made, when it
