@@ -18,7 +18,7 @@ The package, each module importing only those above it:
   envelope      a tpshard document's format and version, read and refused (the export manifest's too)
   plan          Plan and its files' layout (FileShards, header sizes, offsets), SourceCuts
   document      Manifest, rank_dir, plan_differences
-  encode        the manifest's bytes, a rank's index.json
+  encode        the manifest's bytes, a rank's index.json, write_manifest
   validation    the checks of a manifest read, past its schema
   decode        decode_manifest, read_manifest, the frame check --source reads
   rank_records  one rank's lean reader (open_rank, load_rank)
@@ -57,7 +57,7 @@ from tpshard.manifest.records import (
 from tpshard.manifest.envelope import Envelope, decode_versioned, refuse_envelope
 from tpshard.manifest.plan import FileShards, Plan, SourceCuts
 from tpshard.manifest.document import Manifest, plan_differences, rank_dir
-from tpshard.manifest.encode import encode_manifest, manifest_pieces, rank_index_pieces, tensor_pieces
+from tpshard.manifest.encode import encode_manifest, manifest_pieces, rank_index_pieces, tensor_pieces, write_manifest
 from tpshard.manifest.validation import digests_problem, plain_name
 from tpshard.manifest.decode import ManifestFrame, decode_manifest, manifest_with_tensors, read_manifest, read_manifest_frame
 from tpshard.manifest.rank_records import RankFile, RankRecords, read_rank_records
@@ -69,5 +69,5 @@ __all__ = [
     "SourceCuts", "SourceFile", "TensorPlan", "decode_manifest", "decode_versioned", "differing", "digest_at",
     "digests_problem", "encode_manifest", "manifest_pieces", "manifest_with_tensors", "pack_tensors", "plain_name",
     "plan_differences", "rank_dir", "rank_index_pieces", "read_manifest", "read_manifest_frame", "read_rank_records",
-    "refuse_envelope", "shard_shape", "tensor_pieces",
+    "refuse_envelope", "shard_shape", "tensor_pieces", "write_manifest",
 ]  # fmt: skip

@@ -1,8 +1,9 @@
-"""The manifest's bytes and a rank's index, as written.
+"""The manifest's bytes and a rank's index, as written; write_manifest, the manifest's file.
 
 What this file holds: encode_manifest and manifest_pieces (compact JSON, keys sorted, defaults left
 out, trailing ones of each cut array too: docs/format.md), tensor_pieces (its tensors' text, which
-check --source also hashes) and rank_index_pieces (a rank's model.safetensors.index.json).
+check --source also hashes), rank_index_pieces (a rank's model.safetensors.index.json), and
+write_manifest, the one place a tpshard-manifest.json is written (split, reshard and merge).
 
 What it is not: reading a manifest back (tpshard.manifest.decode), the output folder's staging and
 publication (tpshard.publish).
@@ -14,12 +15,13 @@ import heapq
 import itertools
 import json
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import msgspec
 
 from tpshard.manifest.document import Manifest
 from tpshard.manifest.plan import Plan
-from tpshard.manifest.records import TensorPlan
+from tpshard.manifest.records import MANIFEST_NAME, TensorPlan
 from tpshard.safetensors_format import plain_json
 
 
@@ -97,3 +99,13 @@ def _trim(cut) -> list:
     while len(cut) > 5 and cut[-1] == _DEFAULT_TAIL[len(cut) - 6]:
         cut.pop()
     return cut
+
+
+def write_manifest(out_dir: str | Path, manifest: Manifest) -> None:
+    """Write `manifest` as `out_dir`/tpshard-manifest.json and fsync it: the last file of an output
+    (its presence means the output is complete), in pieces (manifest_pieces): never the whole JSON
+    at once."""
+    # Here, not at the top: only the writers need it, not a reader of one rank.
+    from tpshard.publish import write_durably
+
+    write_durably(Path(out_dir) / MANIFEST_NAME, manifest_pieces(manifest))
