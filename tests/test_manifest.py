@@ -199,25 +199,25 @@ def test_not_json_and_oversized_manifest(good, tmp_path):
 def test_tensors_decoded_in_batches_are_the_whole_documents(good, batch, monkeypatch):
     """decode_manifest decodes the tensors DECODE_BATCH at a time: the manifest is the one the
     whole document decoded at once gives (_decode_whole)."""
-    from tpshard import manifest as manifest_module
+    from tpshard.manifest import decode as decode_module
 
     raw = (good / MANIFEST_NAME).read_bytes()
-    monkeypatch.setattr(manifest_module, "DECODE_BATCH", batch)
-    assert manifest_module.decode_manifest(raw, "test") == manifest_module._decode_whole(raw, "test")
+    monkeypatch.setattr(decode_module, "DECODE_BATCH", batch)
+    assert decode_module.decode_manifest(raw, "test") == decode_module._decode_whole(raw, "test")
 
 
 @pytest.mark.parametrize("case", list(CRAFTED))
 def test_a_fault_found_in_a_batch_is_named_as_the_whole_document_names_it(good, tmp_path, case, monkeypatch):
     """At a fault anywhere (the frame, a later batch of tensors, the files' digests) the message is
     the whole document's: the first fault, named by its field."""
-    from tpshard import manifest as manifest_module
+    from tpshard.manifest import decode as decode_module
 
     raw = (craft(good, tmp_path, CRAFTED[case][0]) / MANIFEST_NAME).read_bytes()
-    monkeypatch.setattr(manifest_module, "DECODE_BATCH", 2)
+    monkeypatch.setattr(decode_module, "DECODE_BATCH", 2)
     with pytest.raises(OutputError) as whole:
-        manifest_module._decode_whole(raw, "test")
+        decode_module._decode_whole(raw, "test")
     with pytest.raises(OutputError) as batched:
-        manifest_module.decode_manifest(raw, "test")
+        decode_module.decode_manifest(raw, "test")
     assert str(batched.value) == str(whole.value)
 
 

@@ -169,7 +169,8 @@ def test_rank_records_decode_the_manifests_fields_as_the_manifest_does():
     the cuts aside (JSON text, decoded as Cut when used)."""
     import msgspec
 
-    from tpshard.manifest import Manifest, OutputFile, TensorPlan, _FileRecord, _RankManifest, _TensorRecord
+    from tpshard.manifest import Manifest, OutputFile, TensorPlan
+    from tpshard.manifest.rank_records import _FileRecord, _RankManifest, _TensorRecord
 
     for part, whole in ((_TensorRecord, TensorPlan), (_FileRecord, OutputFile), (_RankManifest, Manifest)):
         fields = {f.name: f for f in msgspec.structs.fields(whole)}

@@ -14,9 +14,9 @@ from pathlib import Path
 import msgspec
 
 from tpshard.errors import OutputError
-from tpshard.manifest import MANIFEST_NAME, Manifest, manifest_pieces, rank_dir, read_manifest
+from tpshard.manifest import Manifest, rank_dir, read_manifest, write_manifest
 from tpshard.publish import staged_output
-from tpshard.writer import link_or_copy, write_durably
+from tpshard.writer import link_or_copy
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -79,5 +79,5 @@ def merge(parts: list[str | Path], out: str | Path, *, force: bool = False) -> M
             dst.mkdir()
             for path, name in files:
                 link_or_copy(path, dst / name)
-        write_durably(staging / MANIFEST_NAME, manifest_pieces(merged))  # not the whole JSON at once
+        write_manifest(staging, merged)
     return merged

@@ -12,7 +12,8 @@ What a kill leaves: at every point either the old output or the new one is whole
 hidden leftovers (`.NAME.tpshard-staging-*`, `.NAME.tpshard-old-*`) are removed by the next run for
 the same `out`, and only when their content shows tpshard wrote them (a staging marker, or the
 shape of a tpshard output); a leftover is emptied manifest last, so that a half-removed one still
-shows it. What it is not: no tensor bytes, no manifest contents (the caller writes those).
+shows it. `write_durably` writes one file of the staging folder and fsyncs it (the manifests, last).
+What it is not: no tensor bytes, no manifest contents (the caller writes those).
 """
 
 from __future__ import annotations
@@ -312,6 +313,15 @@ def _remove_tree(path: Path, *, last: str) -> None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path / last)
         os.rmdir(path)
+
+
+def write_durably(path: Path, data: bytes | Iterable[bytes]) -> None:
+    """Write `data` (bytes, or its pieces in order) at `path` and fsync it."""
+    with open(path, "wb") as f:
+        for piece in [data] if isinstance(data, bytes) else data:
+            f.write(piece)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:

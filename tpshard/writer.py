@@ -45,7 +45,6 @@ from tpshard.digest import (
 )
 from tpshard.errors import TopologyError
 from tpshard.manifest import (
-    MANIFEST_NAME,
     Cut,
     Manifest,
     Options,
@@ -56,9 +55,9 @@ from tpshard.manifest import (
     SourceFile,
     TensorPlan,
     SourceCuts,
-    manifest_pieces,
     rank_dir,
     rank_index_pieces,
+    write_manifest,
 )
 from tpshard.pieces import cut_pieces, read_into, scratch, shard_bytes, value_bytes
 from tpshard.plan import make_plan
@@ -395,7 +394,7 @@ def write_plan(
         written_ranks=tuple(selected),
         files=tuple(written.get(f.name, f) for f in plan.files),
     )
-    write_durably(staging / MANIFEST_NAME, manifest_pieces(manifest))
+    write_manifest(staging, manifest)
     return manifest
 
 
@@ -411,15 +410,6 @@ def _write_header(plan: Plan, i: int, fd: int) -> tuple[object, Sequence[int]]:
         at += len(piece)
     os.ftruncate(fd, f.size)
     return h, plan.offsets(f.name)
-
-
-def write_durably(path: Path, data: bytes | Iterable[bytes]) -> None:
-    """Write `data` (bytes, or its pieces in order) at `path` and fsync it."""
-    with open(path, "wb") as f:
-        for piece in [data] if isinstance(data, bytes) else data:
-            f.write(piece)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _copy_small(

@@ -19,7 +19,9 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from tpshard.errors import OutputError, TpshardError
-from tpshard.manifest import Options, Source, decode_versioned, digests_problem, plain_name, refuse_envelope
+from tpshard.manifest.envelope import decode_versioned, refuse_envelope
+from tpshard.manifest.records import Options, Source
+from tpshard.manifest.validation import digests_problem, plain_name
 from tpshard.topology import Topology
 
 EXPORT_MANIFEST_NAME = "tpshard-export.json"

@@ -53,9 +53,9 @@ from tpshard.export.manifest import (
 from tpshard.manifest import MANIFEST_NAME, Manifest, rank_dir, read_manifest
 from tpshard.pieces import read_into, scratch
 from tpshard.plan import file_header
-from tpshard.publish import staged_output
+from tpshard.publish import staged_output, write_durably
 from tpshard.workers import default_workers
-from tpshard.writer import SMALL_BYTES, adjacent_runs, pwrite_all, start_writeback, write_durably
+from tpshard.writer import SMALL_BYTES, adjacent_runs, pwrite_all, start_writeback
 
 CHUNK = 4 << 20
 RUN_BYTES, RUN_TENSORS = 8 << 20, 4096  # one run of small tensors (_tasks)
