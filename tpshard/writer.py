@@ -27,7 +27,7 @@ from pathlib import Path
 
 import msgspec
 
-from tpshard import __version__
+from tpshard.version import __version__
 from tpshard.checkpoint import Checkpoint, open_checkpoint
 from tpshard.collector import libc, paused, release_freed_memory
 from tpshard.digest import (
