@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tpshard
-from tpshard.check import check, hash_range
-from tpshard.digest import file_digest
+from tpshard.check import check
+from tpshard.digest import file_digest, hash_range
 from tpshard.errors import OutputError, TpshardError
 from tpshard.export import ExportError, export, export_layout
 from tpshard.export.manifest import EXPORT_MANIFEST_NAME, encode_export_manifest, read_export_manifest

@@ -20,7 +20,7 @@ import threading
 from array import array
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,7 +29,7 @@ import msgspec
 # numpy, the checkpoint reader, the planner and the writer are imported where the source is read:
 # check without a source needs none of them (their imports were a sixth of it at 9k tensors).
 from tpshard.collector import paused
-from tpshard.digest import digest_of, digest_slots, file_hash, hash_digest, new_hash, packed_digests, sha256_file, tensor_digest
+from tpshard.digest import digest_of, digest_slots, file_hash, hash_digest, hash_range, new_hash, packed_digests, range_digests, sha256_file
 from tpshard.errors import TpshardError, UsageError
 from tpshard.manifest import (
     MANIFEST_NAME,
@@ -63,7 +63,7 @@ from tpshard.stages import (
     stage_ranges,
     tensor_stages,
 )
-from tpshard.safetensors_format import DTYPE_SIZE, TensorInfo, nbytes_of, read_exact
+from tpshard.safetensors_format import DTYPE_SIZE, TensorInfo, nbytes_of
 from tpshard.topology import Topology
 from tpshard.workers import check_workers
 
@@ -687,45 +687,6 @@ def check_extras_against_source(ckpt: Checkpoint, manifest: Manifest, report: Ch
             report.add("extras", f"{name}: copied into the output, but the source has no such file")
         elif sha256_file(ckpt.path / name) != recorded[name].checksum:
             report.add("extras", f"{name}: differs from the source's")
-
-
-# Tensors smaller than this are read together, up to this much at a time; larger ones are read
-# this much at a time. 8 MiB held ~3 MiB more at 90k tensors, no faster.
-RUN_BYTES = 1 << 20
-
-
-def range_digests(fd: int, offsets: list[int], sizes: list[int], algorithm: str) -> Iterator[bytes]:
-    """The digest of each byte range (offsets[i], sizes[i]) of a file, in order; adjacent small
-    ranges (a file's tensors lie back to back) come from one read: DeepSeek-V3 at tp 8 has about
-    460k shards, most of them a few KB. Every read goes into one buffer (a fresh one costs a page
-    fault per 4 KiB, 3 s per GiB on this project's VMs: 50 ms for each large tensor)."""
-    i, n = 0, len(offsets)
-    buf = memoryview(bytearray(min(RUN_BYTES, sum(sizes))))
-    while i < n:
-        if sizes[i] >= RUN_BYTES:
-            yield hash_range(fd, offsets[i], sizes[i], algorithm, buf)
-            i += 1
-            continue
-        j, end = i, offsets[i]
-        while j < n and offsets[j] == end and sizes[j] < RUN_BYTES and end + sizes[j] - offsets[i] <= RUN_BYTES:
-            end += sizes[j]
-            j += 1
-        data = read_exact(fd, buf[: end - offsets[i]], offsets[i])
-        for k in range(i, j):
-            a = offsets[k] - offsets[i]
-            yield tensor_digest(algorithm, data[a : a + sizes[k]])
-        i = j
-
-
-def hash_range(fd: int, offset: int, n: int, algorithm: str = "sha256", buf: memoryview | None = None) -> bytes:
-    """The digest of n bytes at `offset`, read through `buf` (or a buffer of its own)."""
-    h = new_hash(algorithm)
-    buf = buf if buf is not None else memoryview(bytearray(min(n, 16 << 20)))
-    while n > 0:
-        k = min(n, len(buf))
-        h.update(read_exact(fd, buf[:k], offset))
-        offset, n = offset + k, n - k
-    return h.digest()
 
 
 def check_source_sizes(ckpt: Checkpoint, recorded, report: CheckReport, done: str) -> None:

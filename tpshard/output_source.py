@@ -38,7 +38,7 @@ import numpy as np
 
 from tpshard.checkpoint import Checkpoint
 from tpshard.collector import paused
-from tpshard.digest import new_hash
+from tpshard.digest import new_hash, range_digests
 from tpshard.errors import OutputError, TpshardError
 from tpshard.inputs import read_config
 from tpshard.manifest import Cut, Manifest, Source, SourceFile, TensorPlan, plan_differences, rank_dir, read_manifest, shard_shape
@@ -251,8 +251,6 @@ class OutputReader:
         """Hash every tensor of the first copies that no tensor() call read (duplicates, padding-only
         cuts, planned values, tied copies, tensors no new rank needed): then every byte of the old
         output has been compared with its manifest."""
-        from tpshard.check import range_digests
-
         plan = self.manifest.plan
 
         def one(item: tuple[str, list]) -> None:

@@ -25,8 +25,8 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from tpshard.check import CheckReport, Place, check_source_sizes, range_digests
-from tpshard.digest import file_digest, sha256_file
+from tpshard.check import CheckReport, Place, check_source_sizes
+from tpshard.digest import file_digest, range_digests, sha256_file
 from tpshard.errors import TpshardError
 from tpshard.export.layout import PART_GLOBS, PartFile, config_tied, constant_bytes, parse_part_name, partition_env, rank_layouts, stage_problems
 from tpshard.export.manifest import ExportFile, ExportManifest, ExportTensor, read_export_manifest
