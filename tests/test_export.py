@@ -321,7 +321,7 @@ def test_the_rules_decide_the_reassembly_of_an_export_even_when_no_finding_is_li
     """Every finding past the list (MAX_PROBLEMS 0): the rules still stop the reassembly by what
     they found (a source file of another size than the one exported), and let it run when they
     found nothing."""
-    monkeypatch.setattr(importlib.import_module("tpshard.check"), "MAX_PROBLEMS", 0)
+    monkeypatch.setattr(importlib.import_module("tpshard.check.report"), "MAX_PROBLEMS", 0)
     proven = check(export_tp2, llama)
     assert proven.ok and proven.tensors_reassembled == len(tpshard.read_manifest(export_tp2.parent / "out").tensors)
     dest = copy_of(export_tp2)
