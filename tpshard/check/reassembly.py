@@ -85,70 +85,66 @@ def reassemble(
     Small tensors go in runs, as the writer copies them (tpshard.writer.copy_jobs): one read of the
     source run, one read per file of the shards it holds, compared in one go; a run that differs
     anywhere, and every large tensor, is compared tensor by tensor, which names what differs."""
-    fds_open: dict[Path, int] = {}  # each file opened once, shared by the threads (pread only)
-    lock = threading.Lock()
+    infos = [ckpt.tensors[name] for name in names]
+    compared = _Reassembly(ckpt, plan, names, infos, places, reader, hashed)
+    try:
+        with contextlib.ExitStack() as stack:
+            if reader is None:
+                stack.enter_context(compared.runs)
+            with ThreadPoolExecutor(workers) as pool:
+                for done in pool.map(compared.job, copy_jobs(infos)):  # in order, each job's let go once counted
+                    for found in done:
+                        if not found:
+                            report.tensors_reassembled += 1  # only tensors proven bit-exact are counted
+                        for c, m in found:
+                            report.add(c, m)
+    finally:
+        compared.close()
 
-    def fd_of(path: Path) -> int:
-        fd = fds_open.get(path)
+
+class _Reassembly:
+    """One reassemble: its jobs (a run of small source tensors, or one large one) run on the pool's
+    threads, each giving the findings of each of its tensors, () for one proven bit-exact. The
+    output's files are opened once and shared by the threads (pread only)."""
+
+    def __init__(
+        self, ckpt: Checkpoint, plan: Plan, names: list[str], infos: list[TensorInfo], places: Callable[[int], list[Place]], reader,
+        hashed: Hashed | None,
+    ) -> None:  # fmt: skip
+        self.ckpt, self.plan, self.names, self.infos, self.places = ckpt, plan, names, infos, places
+        self.reader, self.hashed = reader, hashed
+        self.runs = reader if reader is not None else CheckpointReader(ckpt)  # reads the runs of small tensors
+        self.fds: dict[Path, int] = {}
+        self.lock = threading.Lock()
+
+    def fd_of(self, path: Path) -> int:
+        fd = self.fds.get(path)
         if fd is None:
-            with lock:
-                fd = fds_open.get(path)
+            with self.lock:
+                fd = self.fds.get(path)
                 if fd is None:
-                    fd = fds_open[path] = os.open(path, os.O_RDONLY)
+                    fd = self.fds[path] = os.open(path, os.O_RDONLY)
         return fd
 
-    def tensor_of(source: str, info):
-        if reader is not None:
-            return reader.tensor(source, info)
-        return contextlib.nullcontext((fd_of(ckpt.path / info.file), info, None))
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
 
-    def rebuild(source: str, info: TensorInfo, located: list[Place]) -> list[tuple[str, str]]:
-        places = [(plan.view(t, c), path, offset, where) for t, c, path, offset, where in located]
+    def job(self, task: tuple[bool, Sequence[int]]) -> list[Sequence[tuple[str, str]]]:
+        run, positions = task
+        sources = [(self.names[p], self.infos[p], located) for p in positions if (located := self.places(p))]
+        # A run is compared in one go when each of its places is a readable copy of source bytes.
+        fast = [source for source in sources if all(path is not None and c.value is None for _, c, path, _, _ in source[2])]
         try:
-            found = []
-            unread = sorted({s.file for s, path, _, _ in places if path is None})
-            if unread:
-                raise OSError(f"no copy of {', '.join(unread)} is readable")
-            for s, path, offset, where in places:
-                if s.value is not None:  # content set by the plan, not cut from the source
-                    held = _read_value(path, offset, s)
-                    if held != list(s.value):
-                        found.append(("reassembly", f"{shard_text(s)}: holds {held}{where}, not the planned {list(s.value)}"))
-            places = [place for place in places if place[0].value is None]
-            if not places:
-                return found
-            with tensor_of(source, info) as (src, src_info, data):
-                return found + compare(places, src, src_info, data)
-        except (OSError, TpshardError) as e:  # a missing or truncated file, already reported by name
-            return [("files", f"{source}: cannot be reassembled: {e}")]
+            same = self.run_same(fast) if run and fast else set()
+        except (OSError, TpshardError):  # a file shorter than planned: tensor by tensor, each names it
+            same = set()
+        return [() if source[0] in same else self.rebuild(*source) for source in sources]
 
-    def compare(places: list, src_fd, info, tensor) -> list[tuple[str, str]]:
-        specs = [s for s, _, _, _ in places]
-        offsets = [offset for _, _, offset, _ in places]
-        fds = [fd_of(path) for _, path, _, _ in places]
-        bad: dict[int, int] = {}  # place index -> first differing byte
-        buf = np.empty(0, np.uint8)
-        hashes = [new_hash(plan.options.checksum) for _ in places] if hashed is not None else []  # of what each place holds
-        hashed_bytes = [0] * len(hashes)
-        for i, at, data in cut_pieces(src_fd, info, specs, None, tensor):
-            if len(buf) < len(data):
-                buf = np.empty(len(data), np.uint8)
-            actual = read_into(fds[i], buf, offsets[i] + at, len(data))
-            if hashes:
-                hashes[i].update(actual)
-                hashed_bytes[i] += len(actual)
-            if not same_bytes(actual, data):
-                bad[i] = at + int(np.argmax(actual != data)) if len(actual) == len(data) else at
-        for (_, path, offset, _), h, nbytes in zip(places, hashes, hashed_bytes):
-            hashed.put(path, offset, nbytes, hash_digest(h))
-        return [
-            ("reassembly", _diagnose(src_fd, info, specs, i, fds[i], offsets[i], byte, tensor) + places[i][3]) for i, byte in bad.items()
-        ]
-
-    def run_same(sources: list[tuple[str, TensorInfo, list[Place]]]) -> set[str]:
+    def run_same(self, sources: list[tuple[str, TensorInfo, list[Place]]]) -> set[str]:
         """The tensors of a run of small ones whose every place holds what the source gives."""
         pieces: dict[Path, list[tuple[int, np.ndarray, str]]] = defaultdict(list)
-        with runs.job([(name, info, True) for name, info, _ in sources], True) as got:
+        with self.runs.job([(name, info, True) for name, info, _ in sources], True) as got:
             for (name, info, located), (_, _, data) in zip(sources, got):
                 for t, c, path, offset, _ in located:
                     pieces[path].append((offset, shard_bytes(data, info.shape, t.dim, c), name))
@@ -162,41 +158,64 @@ def reassemble(
                         end += len(items[j][1])
                         j += 1
                     begin = items[k][0]
-                    held = read_into(fd_of(path), scratch("held", end - begin), begin, end - begin)
-                    if hashed is not None:
-                        hashed.put_read(path, begin, held)
+                    held = read_into(self.fd_of(path), scratch("held", end - begin), begin, end - begin)
+                    if self.hashed is not None:
+                        self.hashed.put_read(path, begin, held)
                     if not same_bytes(held, np.concatenate([piece for _, piece, _ in items[k:j]])):
                         same -= {name for _, _, name in items[k:j]}
                     k = j
         return same
 
-    def job(task: tuple[bool, Sequence[int]]) -> list[Sequence[tuple[str, str]]]:
-        run, positions = task
-        sources = [(names[p], infos[p], located) for p in positions if (located := places(p))]
-        # A run is compared in one go when each of its places is a readable copy of source bytes.
-        fast = [source for source in sources if all(path is not None and c.value is None for _, c, path, _, _ in source[2])]
+    def rebuild(self, source: str, info: TensorInfo, located: list[Place]) -> list[tuple[str, str]]:
+        """The findings on one source tensor, its places compared one by one."""
+        places = [(self.plan.view(t, c), path, offset, where) for t, c, path, offset, where in located]
         try:
-            same = run_same(fast) if run and fast else set()
-        except (OSError, TpshardError):  # a file shorter than planned: tensor by tensor, each names it
-            same = set()
-        return [() if source[0] in same else rebuild(*source) for source in sources]
+            found = []
+            unread = sorted({s.file for s, path, _, _ in places if path is None})
+            if unread:
+                raise OSError(f"no copy of {', '.join(unread)} is readable")
+            for s, path, offset, where in places:
+                if s.value is not None:  # content set by the plan, not cut from the source
+                    held = _read_value(path, offset, s)
+                    if held != list(s.value):
+                        found.append(("reassembly", f"{shard_text(s)}: holds {held}{where}, not the planned {list(s.value)}"))
+            places = [place for place in places if place[0].value is None]
+            if not places:
+                return found
+            with self._tensor(source, info) as (src, src_info, data):
+                return found + self._compare(places, src, src_info, data)
+        except (OSError, TpshardError) as e:  # a missing or truncated file, already reported by name
+            return [("files", f"{source}: cannot be reassembled: {e}")]
 
-    infos = [ckpt.tensors[name] for name in names]
-    runs = reader if reader is not None else CheckpointReader(ckpt)
-    try:
-        with contextlib.ExitStack() as stack:
-            if reader is None:
-                stack.enter_context(runs)
-            with ThreadPoolExecutor(workers) as pool:
-                for done in pool.map(job, copy_jobs(infos)):  # in order, each job's let go once counted
-                    for found in done:
-                        if not found:
-                            report.tensors_reassembled += 1  # only tensors proven bit-exact are counted
-                        for c, m in found:
-                            report.add(c, m)
-    finally:
-        for fd in fds_open.values():
-            os.close(fd)
+    def _tensor(self, source: str, info: TensorInfo):
+        """A source tensor as cut_pieces reads it, (fd, info, its bytes or None) while the block
+        runs: from the reader, or straight from the checkpoint's file."""
+        if self.reader is not None:
+            return self.reader.tensor(source, info)
+        return contextlib.nullcontext((self.fd_of(self.ckpt.path / info.file), info, None))
+
+    def _compare(self, places: list, src_fd, info, tensor) -> list[tuple[str, str]]:
+        specs = [s for s, _, _, _ in places]
+        offsets = [offset for _, _, offset, _ in places]
+        fds = [self.fd_of(path) for _, path, _, _ in places]
+        bad: dict[int, int] = {}  # place index -> first differing byte
+        buf = np.empty(0, np.uint8)
+        hashes = [new_hash(self.plan.options.checksum) for _ in places] if self.hashed is not None else []  # of what each place holds
+        hashed_bytes = [0] * len(hashes)
+        for i, at, data in cut_pieces(src_fd, info, specs, None, tensor):
+            if len(buf) < len(data):
+                buf = np.empty(len(data), np.uint8)
+            actual = read_into(fds[i], buf, offsets[i] + at, len(data))
+            if hashes:
+                hashes[i].update(actual)
+                hashed_bytes[i] += len(actual)
+            if not same_bytes(actual, data):
+                bad[i] = at + int(np.argmax(actual != data)) if len(actual) == len(data) else at
+        for (_, path, offset, _), h, nbytes in zip(places, hashes, hashed_bytes):
+            self.hashed.put(path, offset, nbytes, hash_digest(h))
+        return [
+            ("reassembly", _diagnose(src_fd, info, specs, i, fds[i], offsets[i], byte, tensor) + places[i][3]) for i, byte in bad.items()
+        ]
 
 
 def _read_value(path: Path, offset: int, spec: ShardSpec) -> list[int]:
