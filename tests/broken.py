@@ -19,7 +19,7 @@ def rewrite_checksums(out: Path) -> None:
     m = read_manifest(out)
     import msgspec
 
-    from tpshard.check import hash_range
+    from tpshard.digest import hash_range
 
     files = []
     for f in m.files:

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tpshard
-from tpshard.check import check, hash_range
-from tpshard.digest import file_digest
+from tpshard.check import check
+from tpshard.digest import file_digest, hash_range
 from tpshard.errors import OutputError, TpshardError
 from tpshard.export import ExportError, export, export_layout
 from tpshard.export.manifest import EXPORT_MANIFEST_NAME, encode_export_manifest, read_export_manifest
@@ -321,7 +321,7 @@ def test_the_rules_decide_the_reassembly_of_an_export_even_when_no_finding_is_li
     """Every finding past the list (MAX_PROBLEMS 0): the rules still stop the reassembly by what
     they found (a source file of another size than the one exported), and let it run when they
     found nothing."""
-    monkeypatch.setattr(importlib.import_module("tpshard.check"), "MAX_PROBLEMS", 0)
+    monkeypatch.setattr(importlib.import_module("tpshard.check.report"), "MAX_PROBLEMS", 0)
     proven = check(export_tp2, llama)
     assert proven.ok and proven.tensors_reassembled == len(tpshard.read_manifest(export_tp2.parent / "out").tensors)
     dest = copy_of(export_tp2)

@@ -24,11 +24,11 @@ from safetensors import safe_open
 import tpshard
 from checkpoints import make_checkpoint
 from pipeline_tools import cli, held_stages
+from tpshard.check.export import check_export
 from tpshard.checkpoint import open_checkpoint
 from tpshard.digest import Crc32, file_digest
 from tpshard.errors import TopologyError, TpshardError
 from tpshard.export import export
-from tpshard.export.check import check_export
 from tpshard.export.manifest import EXPORT_MANIFEST_NAME, ExportFile, ExportTensor, encode_export_manifest, read_export_manifest
 from tpshard.manifest import MANIFEST_NAME, encode_manifest, read_manifest
 from tpshard.plan import file_header

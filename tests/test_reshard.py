@@ -21,9 +21,9 @@ import tpshard
 from broken import file_specs, rewrite_checksums
 from checkpoints import make_checkpoint
 from quant_fixtures import DEFAULT_SPECS, write_quant_checkpoint
+from tpshard.check.output_source import open_output_source
 from tpshard.errors import OutputError, PlanError
 from tpshard.manifest import MANIFEST_NAME, Options, encode_manifest, rank_dir, read_manifest
-from tpshard.output_source import open_output_source
 from tpshard.reshard import reshard
 from tpshard.topology import Topology as T
 
@@ -227,7 +227,7 @@ def test_check_from_and_reshard_catch_a_flipped_byte_in_old(pair, copy_of, tmp_p
 def test_a_broken_old_output_stops_check_from_and_reshard_with_nothing_listed(pair, copy_of, tmp_path, monkeypatch):
     """Every finding past the list (MAX_PROBLEMS 0): old's findings still fail check --from, and
     reshard still refuses old in one line."""
-    monkeypatch.setattr(importlib.import_module("tpshard.check"), "MAX_PROBLEMS", 0)
+    monkeypatch.setattr(importlib.import_module("tpshard.check.report"), "MAX_PROBLEMS", 0)
     old, new = copy_of(pair[0]), pair[1]
     f = "model-tp-001-of-002.safetensors"
     _flip(old / rank_dir(1) / f, _data_offset(old, 1, f))
@@ -338,7 +338,7 @@ def test_reassembly_buffers_stay_under_the_limit_and_are_reused():
     import threading
     import time
 
-    from tpshard.output_source import _Buffers
+    from tpshard.check.output_source import _Buffers
 
     pool = _Buffers(100)
     with pool.get(60) as a:

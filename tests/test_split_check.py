@@ -220,7 +220,7 @@ def test_with_the_source_the_checksums_come_from_the_reassembly_reads(good, qwen
     checksum findings are the ones check without the source makes, reported before the source's."""
     import importlib
 
-    check_module = importlib.import_module("tpshard.check")  # tpshard.check is the function
+    files_module = importlib.import_module("tpshard.check.files")  # where check_output hashes the files
     out = copy_of(good)
     path = out / rank_dir(3) / "model-tp-003-of-008.safetensors"
     with open(path, "r+b") as f:  # the middle of a tensor, not its padding
@@ -231,7 +231,7 @@ def test_with_the_source_the_checksums_come_from_the_reassembly_reads(good, qwen
     without = problems(out, None)
     assert len(without) == 2 and "does not match its crc32" in without[0] and "file checksum differs" in without[1], without
     read = []
-    monkeypatch.setattr(check_module, "range_digests", lambda *a: read.append(a) or [])
+    monkeypatch.setattr(files_module, "range_digests", lambda *a: read.append(a) or [])
     found = problems(out, qwen3)
     assert not read, "the output's files were read a second time to hash them"
     assert found[:2] == without and len(found) == 3 and found[2].startswith("[reassembly]") and "model-tp-003" not in found[2], found

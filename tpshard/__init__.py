@@ -13,7 +13,7 @@ import importlib
 import sys
 import types
 
-__version__ = "0.1.0"
+from tpshard.version import __version__
 
 # Imported on first use: `tpshard plan` or a loader reading one rank need not import the writer,
 # check and numpy (half a second of start-up, more than the plan of a 9,000-tensor checkpoint).

@@ -290,7 +290,7 @@ def reshard(
     """Write the split for another topology from an existing output, without the source checkpoint.
 
     The result is byte for byte what split of the source would write (prove it with check NEW --from OLD)."""
-    from tpshard.output_source import open_output_source
+    from tpshard.check.output_source import open_output_source
     from tpshard.publish import check_output_path
     from tpshard.report import human_bytes
     from tpshard.reshard import reshard as do_reshard

@@ -6,6 +6,9 @@ and the per-tensor digests pinpoint the tensor that differs. Tensor digests are 
 (7 GB/s here, against 2 GB/s for sha256, which would be the largest cost of a split) or sha256
 (`split --checksum sha256`) where a cryptographic digest is wanted. Source weight files get the
 same shape with crc32: it identifies the checkpoint that was split. Other files use plain sha256.
+
+range_digests and hash_range hash byte ranges of a file already written (check, an export's check,
+reshard's read of an old output); the writer hashes what it writes as it writes it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ import hashlib
 import sys
 import zlib
 from array import array
+from collections.abc import Iterator
 from pathlib import Path
+
+from tpshard.safetensors_format import read_exact
 
 
 ALGORITHMS = ("crc32", "sha256")
@@ -91,6 +97,45 @@ def sha256_file(path: Path) -> str:
         while block := f.read(1 << 20):
             h.update(block)
     return h.hexdigest()
+
+
+# Tensors smaller than this are read together, up to this much at a time; larger ones are read
+# this much at a time. 8 MiB held ~3 MiB more at 90k tensors, no faster.
+RUN_BYTES = 1 << 20
+
+
+def range_digests(fd: int, offsets: list[int], sizes: list[int], algorithm: str) -> Iterator[bytes]:
+    """The digest of each byte range (offsets[i], sizes[i]) of a file, in order; adjacent small
+    ranges (a file's tensors lie back to back) come from one read: DeepSeek-V3 at tp 8 has about
+    460k shards, most of them a few KB. Every read goes into one buffer (a fresh one costs a page
+    fault per 4 KiB, 3 s per GiB on this project's VMs: 50 ms for each large tensor)."""
+    i, n = 0, len(offsets)
+    buf = memoryview(bytearray(min(RUN_BYTES, sum(sizes))))
+    while i < n:
+        if sizes[i] >= RUN_BYTES:
+            yield hash_range(fd, offsets[i], sizes[i], algorithm, buf)
+            i += 1
+            continue
+        j, end = i, offsets[i]
+        while j < n and offsets[j] == end and sizes[j] < RUN_BYTES and end + sizes[j] - offsets[i] <= RUN_BYTES:
+            end += sizes[j]
+            j += 1
+        data = read_exact(fd, buf[: end - offsets[i]], offsets[i])
+        for k in range(i, j):
+            a = offsets[k] - offsets[i]
+            yield tensor_digest(algorithm, data[a : a + sizes[k]])
+        i = j
+
+
+def hash_range(fd: int, offset: int, n: int, algorithm: str = "sha256", buf: memoryview | None = None) -> bytes:
+    """The digest of n bytes at `offset`, read through `buf` (or a buffer of its own)."""
+    h = new_hash(algorithm)
+    buf = buf if buf is not None else memoryview(bytearray(min(n, 16 << 20)))
+    while n > 0:
+        k = min(n, len(buf))
+        h.update(read_exact(fd, buf[:k], offset))
+        offset, n = offset + k, n - k
+    return h.digest()
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:

@@ -1,9 +1,9 @@
 """reshard: a new output for another topology, from an existing output, without the source.
 
-The old output is read as the checkpoint it was split from (tpshard.output_source: proven against
-its own manifest first, each source tensor reassembled from its shards), and the new topology's plan
-is written by the same writer as split, so the result is byte for byte what `split SOURCE` would
-write: every rank file, index, copied file and the manifest (whose source section is the old
+The old output is read as the checkpoint it was split from (tpshard.check.output_source: proven
+against its own manifest first, each source tensor reassembled from its shards), and the new
+topology's plan is written by the same writer as split, so the result is byte for byte what `split
+SOURCE` would write: every rank file, index, copied file and the manifest (whose source section is the old
 output's). Memory: one reassembled tensor at a time, or a few small ones (output_source's budget),
 plus the writer's chunks.
 """
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from tpshard.manifest import Manifest, Options
-from tpshard.output_source import OutputSource, open_output_source
+from tpshard.check.output_source import OutputSource, open_output_source
 from tpshard.plan import make_plan
 from tpshard.publish import check_output_path, staged_output
 from tpshard.topology import Topology

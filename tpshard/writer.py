@@ -27,7 +27,7 @@ from pathlib import Path
 
 import msgspec
 
-from tpshard import __version__
+from tpshard.version import __version__
 from tpshard.checkpoint import Checkpoint, open_checkpoint
 from tpshard.collector import libc, paused, release_freed_memory
 from tpshard.digest import (
@@ -104,7 +104,7 @@ def select_ranks(topology: Topology, ranks: Iterable[int] | None) -> list[int]:
 class CheckpointReader:
     """Where split reads each source tensor's bytes: the checkpoint's own files.
 
-    The interface the writer reads through (tpshard.output_source.OutputReader is the other one):
+    The interface the writer reads through (tpshard.check.output_source.OutputReader is the other one):
     `job(tensors, run)`, a context giving, for each (name, info, needed) of one pool task, the
     (fd, TensorInfo, bytes or None) to cut it from, in order; `source(digests)`, the manifest's
     source path and files, given each source tensor's crc32 (4 bytes each, in the checkpoint's

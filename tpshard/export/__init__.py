@@ -5,7 +5,7 @@ loaders read without slicing (docs/deploy.md).
     check_export(dest, source=model)   # checksums; with the source, bit-exact from the checkpoint
 
 names.py holds the engines' names, layout.py what each rank's files hold (and what is refused),
-writer.py writes them, check.py proves them.
+writer.py writes them; tpshard.check.export proves them.
 """
 
 from __future__ import annotations

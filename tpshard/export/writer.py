@@ -25,7 +25,7 @@ from typing import Iterator
 import msgspec
 import numpy as np
 
-from tpshard import __version__
+from tpshard.version import __version__
 from tpshard.collector import paused
 from tpshard.digest import crc32_combine, file_digest, new_hash, sha256_file, tensor_digest
 from tpshard.errors import CheckpointError, OutputError

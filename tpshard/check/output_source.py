@@ -1,9 +1,10 @@
 """A tpshard output read as the checkpoint it was split from (for `reshard` and `check --from`).
 
 `open_output_source(out)` checks the output against its own manifest (tpshard.check without a
-source: the plan's alignment checks, the folder's layout, every rank's index and copied files, every
-file's size, header and file checksum; the tensor digests of the copy of each file the reader reads
-are compared as it reads them, those of any other copy here), then gives:
+source, tpshard.check.files.check_output: the plan's alignment checks, the folder's layout, every
+rank's index and copied files, every file's size, header and file checksum; the tensor digests of
+the copy of each file the reader reads are compared as it reads them, those of any other copy
+here), then gives:
 
 * `checkpoint`: a Checkpoint that `make_plan` reads as it read the original. Its config.json and
   other copied files are those of a written rank folder (split copies them unchanged); its tensors
@@ -36,9 +37,11 @@ from pathlib import Path
 
 import numpy as np
 
+from tpshard.check.files import check_output, distinct_copies
+from tpshard.check.report import CheckReport
 from tpshard.checkpoint import Checkpoint
 from tpshard.collector import paused
-from tpshard.digest import new_hash
+from tpshard.digest import new_hash, range_digests
 from tpshard.errors import OutputError, TpshardError
 from tpshard.inputs import read_config
 from tpshard.manifest import Cut, Manifest, Source, SourceFile, TensorPlan, plan_differences, rank_dir, read_manifest, shard_shape
@@ -81,8 +84,6 @@ def verify_output(out: Path, workers: int, deferred: set[Path] = frozenset(), ma
     digests an OutputReader compares as it reads them (OutputReader.verify_rest for the rest).
     `manifest`: its manifest, when the caller has read it (its plan's file headers are then laid
     out once, not again for the reader)."""
-    from tpshard.check import CheckReport, check_output
-
     report = CheckReport(out_dir=str(out), source=None)
     check_output(out, manifest or read_manifest(out), report, workers, deferred)
     return report
@@ -209,8 +210,6 @@ class OutputReader:
     reads_every_tensor = False  # no source digests to compute: a tensor only planned values hold is not read
 
     def __init__(self, out: Path, manifest: Manifest):
-        from tpshard.check import distinct_copies
-
         self.out, self.manifest = out, manifest
         plan = manifest.plan
         self.algorithm = plan.options.checksum
@@ -251,8 +250,6 @@ class OutputReader:
         """Hash every tensor of the first copies that no tensor() call read (duplicates, padding-only
         cuts, planned values, tied copies, tensors no new rank needed): then every byte of the old
         output has been compared with its manifest."""
-        from tpshard.check import range_digests
-
         plan = self.manifest.plan
 
         def one(item: tuple[str, list]) -> None:

@@ -10,8 +10,10 @@ digest and constant; with pipeline stages, every key on the stage vLLM builds it
 complete (layout.stage_problems: its layers, the first stage's embedding, the last's norm and head).
 With the source: also that the manifest is what the rules and the engine's name table give for this
 checkpoint, and every byte of every rank's copy of every shard, placed by the rules (the manifest
-does not say which shards make a tensor), bit-exact against the checkpoint (tpshard.check.reassemble,
-the same reassembly as for a tpshard output).
+does not say which shards make a tensor), bit-exact against the checkpoint
+(tpshard.check.reassembly.reassemble, the same reassembly as for a tpshard output).
+
+The export's layout and names are tpshard.export's; this only proves a folder holds them.
 """
 
 from __future__ import annotations
@@ -23,16 +25,20 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from operator import itemgetter
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
-from tpshard.check import CheckReport, Place, check_source_sizes, range_digests
-from tpshard.digest import file_digest, sha256_file
+from tpshard.check.report import CheckReport
+from tpshard.check.rules import check_source_sizes
+from tpshard.digest import file_digest, range_digests, sha256_file
 from tpshard.errors import TpshardError
 from tpshard.export.layout import PART_GLOBS, PartFile, config_tied, constant_bytes, parse_part_name, partition_env, rank_layouts, stage_problems
 from tpshard.export.manifest import ExportFile, ExportManifest, ExportTensor, read_export_manifest
 from tpshard.manifest import FILE_METADATA, Plan, differing
 from tpshard.safetensors_format import build_header, header_layout, nbytes_of
 from tpshard.workers import default_workers
+
+if TYPE_CHECKING:
+    from tpshard.check.reassembly import Place
 
 
 def check_export(folder: str | Path, source: str | Path | None = None, *, workers: int | None = None) -> CheckReport:
@@ -158,7 +164,7 @@ def _check_against_source(folder: Path, m: ExportManifest, source: Path, report:
     """The manifest's files against those the rules give for the source, rank by rank (the rules'
     engine tensors of one rank held at a time); then every byte against the checkpoint, placed by
     the rules' shards (the manifest does not store them)."""
-    from tpshard.check import reassemble
+    from tpshard.check.reassembly import reassemble
     from tpshard.checkpoint import open_checkpoint
     from tpshard.plan import make_plan
 
