@@ -17,6 +17,7 @@ MoE and MLA (moe.py, mla.py): FusedMoE holds a rank's EP slot of experts cut ove
 reduces over tp; MoEBlock adds the router and shared experts; MLAAttention cuts heads over attn_tp.
 """
 
+from tpshard.arch import RouterConfig, router_config  # the families' routers, kept under their old names here
 from tpshard.runtime.groups import LogicalGroup, bind_groups, clear_groups, collective_members, partitions
 from tpshard.runtime.launch import (
     DistInfo,
@@ -40,7 +41,7 @@ from tpshard.runtime.layers import (
     VocabParallelEmbedding,
 )
 from tpshard.runtime.mla import MLAAttention, MLAConfig
-from tpshard.runtime.moe import FusedMoE, MoEBlock, RouterConfig, route, router_config
+from tpshard.runtime.moe import FusedMoE, MoEBlock, route
 from tpshard.runtime.pipeline import recv_forward, send_forward
 from tpshard.runtime.quant_method import QuantMethod, UnquantizedLinearMethod, new_param
 

@@ -26,6 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from tpshard.arch import ARCHITECTURES
 from tpshard.errors import TpshardError
 from tpshard.manifest import Plan
 from tpshard.runtime import LogicalGroup, recv_forward, send_forward
@@ -34,7 +35,6 @@ from tpshard.verify.build import Built, run_row
 from tpshard.verify.layers_check import generator
 from tpshard.verify.report import MODEL_TOLERANCE, ModelResult
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ROPE_TYPES = ("default", "llama3")
 # Oldest transformers --model runs on (Qwen3 came in 4.51); pyproject's `verify` extra says the same.
 MIN_TRANSFORMERS = (4, 51)
@@ -51,6 +51,11 @@ INPUT_NORM, POST_NORM = "input_layernorm.weight", "post_attention_layernorm.weig
 Q_NORM, K_NORM = "self_attn.q_norm.weight", "self_attn.k_norm.weight"
 
 
+def supported() -> tuple[str, ...]:
+    """The architectures --model runs (`Arch.verify`): the dense decoder's, then the MoE / MLA decoder's."""
+    return tuple(a.name for kind in ("dense", "moe") for a in ARCHITECTURES.values() if a.verify == kind)
+
+
 def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> str | None:
     """Why --model cannot run on this output, or None."""
     from tpshard.verify import moe_model
@@ -65,8 +70,9 @@ def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> s
         return "model-level verify does not model context-parallel attention (attn_cp > 1); use layer-level verify"
     if moe_model.is_moe(plan):  # MoE and MLA architectures: their own decoder (verify/moe_model.py)
         return moe_model.unsupported_reason(plan, config, tokens) or transformers_problem(moe_model.MIN_TRANSFORMERS)
-    if plan.model.architecture not in SUPPORTED:
-        return f"model-level verify supports {', '.join(SUPPORTED + moe_model.SUPPORTED)}, not {plan.model.architecture}"
+    arch = ARCHITECTURES.get(plan.model.architecture)
+    if arch is None or arch.verify != "dense":
+        return f"model-level verify supports {', '.join(supported())}, not {plan.model.architecture}"
     kind = rope_config(config).get("rope_type", "default")
     if kind not in ROPE_TYPES:
         return f"model-level verify implements RoPE types {', '.join(ROPE_TYPES)}, not rope_type {kind!r}"

@@ -35,10 +35,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tpshard.arch import RouterConfig, router_config
 from tpshard.manifest import Plan
 from tpshard.runtime import ColumnParallelLinear, LogicalGroup, MergedColumnParallelLinear
 from tpshard.quant.formats import dequantize
-from tpshard.runtime.moe import FusedMoE, RouterConfig, route, router_config
+from tpshard.runtime.moe import FusedMoE, route
 from tpshard.runtime.quant_methods import quant_spec_of
 from tpshard.verify.report import LayerResult
 

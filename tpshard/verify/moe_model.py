@@ -25,16 +25,16 @@ from pathlib import Path
 
 import torch
 
+from tpshard.arch import ARCHITECTURES, router_config
 from tpshard.manifest import Plan
 from tpshard.runtime import LogicalGroup
 from tpshard.runtime.mla import MLAAttention, MLAConfig
-from tpshard.runtime.moe import MoEBlock, router_config
+from tpshard.runtime.moe import MoEBlock
 from tpshard.verify.build import Built
 from tpshard.verify.model import INPUT_NORM, POST_NORM, TPDecoder, rms_norm
 
 # The RoPE tables come from the config's `rope_parameters`, which transformers 5 introduced.
 MIN_TRANSFORMERS = (5, 0)
-SUPPORTED = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
 MLA_LAYERS = ("fused_qkv_a_proj_with_mqa", "kv_a_proj_with_mqa", "q_proj", "q_b_proj", "kv_b_proj", "o_proj")
 MLA_NORMS = ("q_a_layernorm", "kv_a_layernorm")
 
@@ -138,4 +138,6 @@ def _has_experts(layers: dict) -> bool:
 
 
 def is_moe(plan: Plan) -> bool:
-    return plan.model.architecture in SUPPORTED
+    """The plan's architecture runs this decoder under --model (`Arch.verify` "moe")."""
+    arch = ARCHITECTURES.get(plan.model.architecture)
+    return arch is not None and arch.verify == "moe"
