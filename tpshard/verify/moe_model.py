@@ -1,7 +1,7 @@
 """Model-level verification of the MoE and MLA architectures: a tensor-parallel decoder vs transformers.
 
-DeepseekV3 (and V2), Qwen3-MoE, Qwen2-MoE, Mixtral. The decoder is tpshard.verify.model's
-TPDecoder (embedding, norms, GQA attention, lm_head, attention-DP gather and scatter) with two
+The architectures whose `Arch.verify` is "moe" (tpshard/arch/): DeepseekV3 (and V2), Qwen3-MoE,
+Qwen2-MoE, Mixtral. The decoder is tpshard.verify.decoder's TPDecoder (embedding, norms, GQA attention, lm_head, attention-DP gather and scatter) with two
 layer kinds added, both from tpshard.runtime and built from the manifest like every other layer:
 
 - attention: MLA (`MLAAttention` over the attention group: replicated `fused_qkv_a_proj_with_mqa`
@@ -30,8 +30,8 @@ from tpshard.manifest import Plan
 from tpshard.runtime import LogicalGroup
 from tpshard.runtime.mla import MLAAttention, MLAConfig
 from tpshard.runtime.moe import MoEBlock
-from tpshard.verify.build import Built
-from tpshard.verify.model import INPUT_NORM, POST_NORM, TPDecoder, rms_norm
+from tpshard.verify.decoder import INPUT_NORM, POST_NORM, TPDecoder, rms_norm
+from tpshard.verify.layer_specs import Built
 
 # The RoPE tables come from the config's `rope_parameters`, which transformers 5 introduced.
 MIN_TRANSFORMERS = (5, 0)
