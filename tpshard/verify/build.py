@@ -38,7 +38,7 @@ from tpshard.runtime import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from tpshard.runtime.quant_methods import ReferenceQuantMethod, quant_spec_of
+from tpshard.runtime.reference_quant import ReferenceQuantMethod, quant_spec_of
 from tpshard.topology import Topology
 from tpshard.verify.layer_specs import TIED_LM_HEAD, Built, LayerSpecs
 

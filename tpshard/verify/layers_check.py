@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import tpshard.verify.moe_layers as moe_layers
 from tpshard.manifest import Plan
 from tpshard.quant.formats import dequantize
-from tpshard.runtime.quant_methods import INPUT_SCALES, quant_spec_of, quantize_input
+from tpshard.runtime.reference_quant import INPUT_SCALES, quant_spec_of, quantize_input
 from tpshard.verify.layer_inputs import layer_input
 from tpshard.verify.layer_specs import Built, LayerSpecs, run_row
 from tpshard.verify.report import LayerResult

@@ -41,7 +41,7 @@ from tpshard.manifest import Plan
 from tpshard.quant.formats import dequantize
 from tpshard.runtime import ColumnParallelLinear, LogicalGroup, MergedColumnParallelLinear
 from tpshard.runtime.moe import FusedMoE, route
-from tpshard.runtime.quant_methods import quant_spec_of
+from tpshard.runtime.reference_quant import quant_spec_of
 from tpshard.verify.layer_inputs import generator, layer_input
 from tpshard.verify.layer_specs import Built
 from tpshard.verify.report import LayerResult
