@@ -36,7 +36,7 @@ from tpshard.quant.formats import QuantSpec, dequantize
 from tpshard.rank import open_rank
 from tpshard.runtime.groups import LogicalGroup
 from tpshard.runtime.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from tpshard.runtime.quant_methods import ReferenceQuantMethod, quant_spec_of
+from tpshard.runtime.reference_quant import ReferenceQuantMethod, quant_spec_of
 from tpshard.safetensors_format import read_header
 from tpshard.topology import Topology
 from tpshard.writer import split
@@ -136,7 +136,7 @@ def verify_layers(out: Path, spec: QuantSpec, expected: dict[str, torch.Tensor],
             k_in = expected[sources[0]].shape[1]
             xin = torch.randn(3, k_in, generator=gen) if kind == "row" else x
             # Static activation scales: the method quantizes each piece's input with its own scale,
-            # so the reference does the same with the source's (tpshard.runtime.quant_methods).
+            # so the reference does the same with the source's (tpshard.runtime.reference_quant).
             reference = torch.cat([_act(spec, source, s, xin) @ expected[s].T for s in sources], dim=-1)
             partial_sum, per_rank_out = None, {}
             for rank in range(topo.span(group)):  # one instance of the group (attention-DP replicas repeat it)
@@ -177,7 +177,7 @@ def verify_layers(out: Path, spec: QuantSpec, expected: dict[str, torch.Tensor],
 
 def _act(spec, source, module: str, x: torch.Tensor) -> torch.Tensor:
     """x as the module's static activation quantization leaves it (unchanged without one)."""
-    from tpshard.runtime.quant_methods import INPUT_SCALES, quantize_input
+    from tpshard.runtime.reference_quant import INPUT_SCALES, quantize_input
 
     if not spec.static_input:
         return x

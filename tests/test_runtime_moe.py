@@ -21,7 +21,8 @@ from moe_configs import YARN, hf_config, randomize
 from tpshard.runtime import DistInfo, LogicalGroup, bind_groups, run_local
 from tpshard.runtime.layers import MergedColumnParallelLinear, RowParallelLinear
 from tpshard.runtime.mla import MLAAttention, MLAConfig
-from tpshard.runtime.moe import FusedMoE, MoEBlock, RouterConfig, route, router_config
+from tpshard.arch import RouterConfig, router_config
+from tpshard.runtime.moe import FusedMoE, MoEBlock, route
 from tpshard.topology import Topology
 
 DT = torch.float64

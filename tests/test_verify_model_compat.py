@@ -17,7 +17,8 @@ from checkpoints import make_checkpoint
 import tpshard
 from tpshard.topology import Topology
 from tpshard.verify import verify
-from tpshard.verify.model import rope_config, rope_inv_freq, transformers_problem, unsupported_reason
+from tpshard.verify.decoder import rope_inv_freq
+from tpshard.verify.model import rope_config, transformers_problem, unsupported_reason
 
 
 def llama3_rope(original: int) -> dict:

@@ -211,7 +211,8 @@ def test_router_correction_bias_is_used(deepseek):
     """The DeepSeek-V3 router picks with the correction bias: the bias alone can change the choice."""
     import json
 
-    from tpshard.runtime.moe import route, router_config
+    from tpshard.arch import router_config
+    from tpshard.runtime.moe import route
 
     cfg = router_config(json.loads((deepseek / "config.json").read_text()))
     assert cfg.scoring == "sigmoid" and cfg.correction_bias and cfg.n_group == 4 and cfg.routed_scaling_factor == 2.5

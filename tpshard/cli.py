@@ -105,8 +105,7 @@ def _stage_lines(p) -> None:
 
 
 def _emit_json(obj) -> None:
-    sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(obj), indent=1))
-    sys.stdout.buffer.write(b"\n")
+    sys.stdout.buffer.writelines((msgspec.json.format(msgspec.json.encode(obj), indent=1), b"\n"))
 
 
 PLAN_JSON_BATCH = 4096  # tensors per piece of plan_json_pieces
@@ -147,9 +146,8 @@ def plan(
     pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False, json: Json = False,
 ) -> None:  # fmt: skip
     """Show what every rank will hold, before a byte is written."""
-    from tpshard.report import human_bytes, kind_rows, rank_rows, stage_rows
-
     from tpshard.quant.shards import alignment_rows
+    from tpshard.report import human_bytes, kind_rows, rank_rows, stage_rows
 
     p = _plan(model, (tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine), _options(pad, dp_lm_head, pad_blocks))
     alignment = alignment_rows(p)  # quantized tensors: the pre-flight (misaligned cuts were refused above)
@@ -227,8 +225,7 @@ def split(
         if ranks is not None:
             raise TpshardError("--ranks and --format: an engine export needs every rank; split --ranks, merge, then tpshard export")
         engine = _engine(engine, format if format in ("sglang", "vllm") else "sglang")
-        topology_args = (tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine)
-        return _split_then_export(model, out, topology_args, _options(pad, dp_lm_head, pad_blocks), checksum, workers, force, format, max_part_size, json)
+        max_bytes = parse_size(max_part_size)
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     from tpshard.checkpoint import open_checkpoint
@@ -237,8 +234,14 @@ def split(
 
     ckpt = open_checkpoint(model)
     topology = _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine, ckpt)
-    total = sum(t.nbytes for t in ckpt.tensors.values())
     start = time.perf_counter()
+    if format is not None:
+        from tpshard.export import split_and_export
+
+        options = _options(pad, dp_lm_head, pad_blocks)  # the checksum is checked as the split starts, after export's refusals
+        manifest = split_and_export(ckpt, out, topology, format, options, max_part_bytes=max_bytes, workers=workers, force=force, checksum=checksum)
+        return _export_summary(manifest, out, time.perf_counter() - start, json)
+    total = sum(t.nbytes for t in ckpt.tensors.values())
     with Progress(
         "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
         console=err, transient=True, disable=json or not err.is_terminal,
@@ -246,15 +249,11 @@ def split(
         task = progress.add_task("splitting", total=total)
         manifest = do_split(
             ckpt, out, topology, msgspec.structs.replace(_options(pad, dp_lm_head, pad_blocks), checksum=checksum),
-            workers=workers, force=force,
-            ranks=parse_ranks(ranks), on_tensor=lambda n: progress.advance(task, n),
+            workers=workers, force=force, ranks=parse_ranks(ranks), on_tensor=lambda n: progress.advance(task, n),
         )  # fmt: skip
     seconds = time.perf_counter() - start
     written = sum(f.size for f in manifest.written_files)
-    summary = {
-        "out": str(out), "ranks": list(manifest.written_ranks), "files": len(manifest.written_files),
-        "bytes_read": total, "bytes_written": written, "seconds": round(seconds, 3),
-    }  # fmt: skip
+    summary = {"out": str(out), "ranks": list(manifest.written_ranks), "files": len(manifest.written_files), "bytes_read": total, "bytes_written": written, "seconds": round(seconds, 3)}
     _report_written(manifest, summary, json, (
         f"[green]split[/] {model} -> {out}: {len(manifest.written_ranks)} ranks, {len(manifest.written_files)} files,"
         f" read {human_bytes(total)}, wrote {human_bytes(written)} in {seconds:.2f} s"
@@ -533,36 +532,6 @@ def _export_summary(manifest, dest: Path, seconds: float, json: bool) -> None:
         err.print(f"the server must be started with {k}={v} (the stages' layers; recorded in the export's manifest)", markup=False, soft_wrap=True)
     doc = "docs/pipeline.md" if pp > 1 else "docs/deploy.md"
     err.print(f"check with: tpshard check {dest} --source MODEL; launch with: {launch} ({doc})", markup=False, soft_wrap=True)
-
-
-def _split_then_export(model, out, topology_args, options, checksum, workers, force, format, max_part_size, json) -> None:
-    import shutil
-    import tempfile
-
-    from tpshard.checkpoint import open_checkpoint
-    from tpshard.export import export
-    from tpshard.export.layout import config_tied, rank_layouts
-    from tpshard.plan import make_plan
-    from tpshard.publish import check_output_path
-    from tpshard.writer import split as do_split
-
-    max_bytes = parse_size(max_part_size)
-    ckpt = open_checkpoint(model)
-    topology = _topology(*topology_args, ckpt=ckpt)
-    for _ in rank_layouts(make_plan(ckpt, topology, options), format, config_tied(ckpt.config), max_bytes, ckpt.config):
-        pass  # refuse before writing: every rank laid out, none kept
-    check_output_path(out, [ckpt.path])
-    if os.path.lexists(out) and not force:
-        raise TpshardError(f"{out} already exists; pass --force to replace it")
-    start = time.perf_counter()
-    # The intermediate tpshard output lives in a fresh folder of our own beside -o, removed after.
-    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.tpshard-split-", dir=out.parent if out.parent.is_dir() else None))
-    try:
-        do_split(ckpt, scratch / "out", topology, msgspec.structs.replace(options, checksum=checksum), workers=workers)
-        manifest = export(scratch / "out", out, format, max_part_bytes=max_bytes, workers=workers, force=force)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    _export_summary(manifest, out, time.perf_counter() - start, json)
 
 
 def parse_size(text: str) -> int:

@@ -1,17 +1,23 @@
 """Architecture tables, one module per model family; `arch_for` finds one by its HF name.
 
-Adding an architecture is adding an `Arch` (rules from tpshard.arch.base fragments, the groups its
-engine class uses) to its family's module, or a new module listed here.
+Each family's module declares its `Arch`s: everything tpshard knows about an engine model class
+(slicing rules, the tensors of a complete checkpoint, the engines' export names, what `verify
+--model` runs, the router). Adding a family is adding its module here (docs/architectures.md).
 """
 
 from __future__ import annotations
 
 from tpshard.arch import deepseek, llama, mixtral, qwen
-from tpshard.arch.base import DROPPED, SHAPES, Arch, Matcher, Rule
+from tpshard.arch.base import DROPPED, ENGINES, SHAPES, Arch, Matcher, Rule
+from tpshard.arch.router import RouterConfig
 from tpshard.errors import PlanError
 from tpshard.manifest import ModelInfo
 
-ARCHITECTURES: dict[str, Arch] = {a.name: a for family in (llama, qwen, mixtral, deepseek) for a in family.ARCHS}
+# The families in the order messages list their architectures (verify --model's supported list:
+# the dense decoder's, then the MoE / MLA decoder's).
+FAMILIES = (llama, deepseek, qwen, mixtral)
+
+ARCHITECTURES: dict[str, Arch] = {a.name: a for family in FAMILIES for a in family.ARCHS}
 
 
 def arch_for(model: ModelInfo) -> Arch:
@@ -24,4 +30,22 @@ def arch_for(model: ModelInfo) -> Arch:
     return arch
 
 
-__all__ = ["ARCHITECTURES", "DROPPED", "SHAPES", "Arch", "Matcher", "Rule", "arch_for"]
+def router_config(config: dict) -> RouterConfig:
+    """The RouterConfig of a Hugging Face config.json, by its model_type (the family's `router`).
+
+    Follows transformers 5's router classes: DeepseekV3TopkRouter, DeepseekV2TopkRouter,
+    Qwen3MoeTopKRouter, Qwen2MoeTopKRouter, MixtralTopKRouter.
+    """
+    kind = config.get("model_type", "")
+    k = config["num_experts_per_tok"]
+    # transformers 5 writes some of these under its own attribute names (Qwen3-MoE: num_local_experts)
+    e = next((config[n] for n in ("n_routed_experts", "num_experts", "num_local_experts") if config.get(n)), None)
+    if e is None:
+        raise ValueError(f"config of model_type {kind!r} names no routed expert count")
+    rule = next((a.router for a in ARCHITECTURES.values() if a.model_type == kind and a.router is not None), None)
+    if rule is None:
+        raise ValueError(f"no router rule for model_type {kind!r}")
+    return rule(config, e, k)
+
+
+__all__ = ["ARCHITECTURES", "DROPPED", "ENGINES", "SHAPES", "Arch", "Matcher", "RouterConfig", "Rule", "arch_for", "router_config"]

@@ -1,21 +1,23 @@
-"""The vocabulary of the architecture tables: rules, the shapes config.json implies, and the
-fragments several families share.
+"""The vocabulary of the architecture tables: rules, the shapes config.json implies, `Arch` (all
+tpshard knows about one engine model class), and the rule fragments several families share.
 
 A rule matches a module path (the tensor name without its last part) and names the engine layer
 class, the role that picks its group, and the engine layer it belongs to (q/k/v fuse into one
 QKVParallelLinear, gate/up into one MergedColumnParallelLinear, every routed expert of a layer
 into one FusedMoE). How each parameter of that layer is cut follows from the layer class and the
 role alone (tpshard.plan). Each family's module (llama, qwen, deepseek, mixtral) declares its
-tables from these fragments, and which group its attention and embedding use.
+`Arch`s from these fragments, those of tpshard.arch.tensors (the complete checkpoint) and
+tpshard.arch.engine_names (the export tables); docs/architectures.md lists what one declares.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from tpshard.arch.router import RouterRule
 from tpshard.manifest import ModelInfo
 from tpshard.topology import GroupName
 
@@ -71,15 +73,75 @@ SHAPES: dict[str, Callable[[ModelInfo], tuple[int, int]]] = {
 }
 
 
+# ---- engine export names (tpshard.arch.engine_names says where the tables' facts come from) -----
+
+
+class Piece(NamedTuple):
+    engine: str  # engine key, a template over the HF name's regex groups; "" = not in the engine's state
+    position: int  # place along dim 0 of the engine tensor (of each expert's slice when `stacked`)
+    count: int  # pieces in the engine tensor (1 = the HF tensor itself)
+    # Routed experts: the engine tensor is [E_local, rows, cols], the rank's experts in ascending id,
+    # each expert's `count` pieces along its rows; its bytes are the dim-0 concatenation of those 2-D
+    # pieces, expert by expert.
+    stacked: bool = False
+
+
+class Buffer(NamedTuple):
+    """A tensor the engine model registers that no checkpoint holds: its constant content."""
+
+    engine: str  # template over `{layer}`, the decoder layer prefix model.layers.N
+    dtype: str
+    value: float
+
+
+class EngineTable(NamedTuple):
+    pieces: tuple[tuple[str, Piece], ...]  # (HF name regex, piece)
+    tied: str  # the key a tied embedding / lm_head table is kept under
+    buffers: tuple[Buffer, ...] = ()  # per decoder layer
+    attn_dp: bool = False  # the engine model shards attention and the embedding over attn_tp
+    buffers_at: str = r"(model\.layers\.\d+)\.self_attn\.o_proj\.weight"  # a kept tensor of each attention layer
+    ep: str = ""  # "" = no routed experts; "vllm": vLLM's expert placement (tpshard.export.layout)
+    q_lora: tuple = ()  # (pieces with q_lora_rank, pieces without): MLA's kv_a_proj_with_mqa
+    drop_mtp: bool = False  # decoder layers >= num_hidden_layers (DeepSeek's MTP) are not in the engine's state
+
+
+class EngineNames(NamedTuple):
+    """An architecture's table for each engine `tpshard export` writes for; None: that engine's
+    export refuses the architecture (tpshard writes no name it has not mapped exactly)."""
+
+    vllm: EngineTable | None
+    sglang: EngineTable | None
+
+
+ENGINES: tuple[str, ...] = EngineNames._fields  # ("vllm", "sglang"), the order messages list them in
+
+
+# ---- Arch -------------------------------------------------------------------------------------
+
+# (ModelInfo, config.json) -> the tensor names a complete checkpoint holds, in a fixed order.
+Expected = Callable[[ModelInfo, dict], Iterable[str]]
+# The tensor-parallel decoder `verify --model` runs: tpshard.verify.decoder's dense one, or
+# tpshard.verify.moe_model's MoE / MLA one.
+VerifyKind = Literal["dense", "moe"]
+
+
 @dataclass(frozen=True)
 class Arch:
-    """One model class of the engine: its rule table and the groups its layers are built over."""
+    """One model class of the engine: everything tpshard knows about it (docs/architectures.md).
+
+    The fields without a default must be declared by every architecture, `None` included where it
+    means "refused", so that a new family cannot skip a check by forgetting one."""
 
     name: str  # the HF `architectures` entry
     rules: tuple[Rule, ...]
     engine: str  # the SGLang model file it follows, for messages
     attn_group: GroupName  # attention under attention DP ("tp": the engine ignores attention DP)
     embed_group: GroupName  # embedding under attention DP
+    model_type: str  # config.json's model_type of this class (what `router_config` looks routers up by)
+    expected: Expected  # the tensors a complete checkpoint holds (tpshard.completeness refuses one lacking any)
+    exports: EngineNames  # per engine, its sharded_state names (tpshard export), or None: refused
+    verify: VerifyKind | None  # the decoder `verify --model` runs; None: refused (layer level only)
+    router: RouterRule | None  # MoE: how the router picks experts; None: no routed experts
     dp_lm_head: bool = True  # the engine's lm_head follows --enable-dp-lm-head
     attn_dp: bool = True  # the engine has an attention-DP layout at all (Mixtral: no)
     sparse: Callable[[ModelInfo, int], bool] | None = None  # MoE: which layer indices have experts

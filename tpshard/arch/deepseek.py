@@ -10,9 +10,17 @@
   (SGLang never reads them: the draft shares the target's; cut anyway so every tensor is checked).
 - Pipeline stages: lm_head and norm on the last stage, which also runs the MTP layer and, with it,
   holds a second copy of model.embed_tokens (reference/PIPELINE.md §3, §4).
+- Router (transformers' DeepseekV3TopkRouter, DeepseekV2TopkRouter): V3 scores with a sigmoid,
+  picks with e_score_correction_bias among the best topk_group of n_group groups (each scored by
+  its top-2 sum); V2 a softmax, grouped (by each group's max) only with topk_method
+  group_limited_greedy.
+- Export: vLLM only (models/deepseek_v2.py), the MTP layer left out as vLLM never builds it.
 """
 
-from tpshard.arch.base import NORMS, VOCAB, Arch, L, Rule, gated_mlp, router, routed_experts
+from tpshard.arch.base import NORMS, VOCAB, Arch, EngineNames, EngineTable, L, Piece, Rule, gated_mlp, routed_experts, router
+from tpshard.arch.engine_names import DENSE_PIECES, ROUTED, VLLM_ATTENTION_BUFFERS, vllm_mlp
+from tpshard.arch.router import RouterConfig
+from tpshard.arch.tensors import decoder_tensors, expert_tensors, mlp_tensors
 from tpshard.manifest import ModelInfo
 
 MLA: tuple[Rule, ...] = (
@@ -56,10 +64,88 @@ def kv_a(model: ModelInfo) -> tuple[Rule, ...]:
     return (KV_A_FUSED,) if model.q_lora_rank else (KV_A_ALONE,)
 
 
+def expected(model: ModelInfo, config: dict):
+    """Per layer MLA attention, then a dense MLP or the router (with its correction bias under
+    topk_method noaux_tc), every routed expert and the shared experts. The MTP layers are optional:
+    an engine that serves without speculative decoding never reads them."""
+
+    def mla(p: str):
+        a = f"{p}.self_attn"
+        if model.q_lora_rank:
+            yield from (f"{a}.q_a_proj.weight", f"{a}.q_a_layernorm.weight", f"{a}.q_b_proj.weight")
+        else:
+            yield f"{a}.q_proj.weight"
+        yield from (f"{a}.kv_a_proj_with_mqa.weight", f"{a}.kv_a_layernorm.weight", f"{a}.kv_b_proj.weight", f"{a}.o_proj.weight")
+
+    def mlp(p: str, i: int):
+        if not sparse(model, i):
+            yield from mlp_tensors(f"{p}.mlp")
+            return
+        yield from expert_tensors(f"{p}.mlp", model, ("gate_proj", "up_proj", "down_proj"))
+        if model.topk_method == "noaux_tc":
+            yield f"{p}.mlp.gate.e_score_correction_bias"
+        if model.num_shared_experts:
+            yield from mlp_tensors(f"{p}.mlp.shared_experts")
+
+    return decoder_tensors(model, config, mla, mlp)
+
+
+def v3_router(config: dict, e: int, k: int) -> RouterConfig:
+    return RouterConfig(
+        num_experts=e, top_k=k, scoring="sigmoid",
+        renormalize=bool(config.get("norm_topk_prob", True)), n_group=config.get("n_group") or 1,
+        topk_group=config.get("topk_group") or 1, group_score="top2_sum", correction_bias=True,
+        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+    )  # fmt: skip
+
+
+def v2_router(config: dict, e: int, k: int) -> RouterConfig:
+    grouped = config.get("topk_method", "greedy") == "group_limited_greedy"
+    return RouterConfig(
+        num_experts=e, top_k=k, scoring="softmax", renormalize=False,
+        n_group=(config.get("n_group") or 1) if grouped else 1, topk_group=(config.get("topk_group") or 1) if grouped else 1,
+        group_score="max", routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+    )  # fmt: skip
+
+
+# vLLM (models/deepseek_v2.py). MLA: DeepseekV2MLAAttention (L1052-1106) hands q_b_proj / q_proj,
+# o_proj and q_a_layernorm to its `mla_attn` wrapper (L1196-1198), whose names sort first; with
+# q_lora_rank, fused_qkv_a_proj = [q_a_proj; kv_a_proj_with_mqa] (L1052), else kv_a_proj_with_mqa
+# stands alone. The MLA attention's four scale buffers sit at self_attn.mla_attn.mla_attn. The
+# router's e_score_correction_bias is a float32 parameter of the gate, built only when config.json
+# says topk_method "noaux_tc" (L327-332). The MTP layer (num_hidden_layers) is not built
+# (make_layers L1468) and its weights are skipped (L1653-1654).
+_MLA = L + r"\.self_attn\."
+VLLM_PIECES = (
+    tuple(p for p in DENSE_PIECES if ".self_attn." not in p[1].engine)  # embedding, norms, dense MLP of layers < first_k_dense_replace
+    + (
+        (_MLA + r"q_a_proj\.weight", Piece(r"\1.self_attn.fused_qkv_a_proj.weight", 0, 2)),
+        (_MLA + r"q_a_layernorm\.weight", Piece(r"\1.self_attn.mla_attn.q_a_layernorm.weight", 0, 1)),
+        (_MLA + r"q_b_proj\.weight", Piece(r"\1.self_attn.mla_attn.q_b_proj.weight", 0, 1)),
+        (_MLA + r"q_proj\.weight", Piece(r"\1.self_attn.mla_attn.q_proj.weight", 0, 1)),
+        (_MLA + r"kv_a_layernorm\.weight", Piece(r"\1.self_attn.kv_a_layernorm.weight", 0, 1)),
+        (_MLA + r"kv_b_proj\.weight", Piece(r"\1.self_attn.kv_b_proj.weight", 0, 1)),
+        (_MLA + r"o_proj\.weight", Piece(r"\1.self_attn.mla_attn.o_proj.weight", 0, 1)),
+        (L + r"\.mlp\.gate\.(weight|e_score_correction_bias)", Piece(r"\1.mlp.experts.gate.\2", 0, 1)),
+    )
+    + ROUTED
+    + vllm_mlp("mlp.shared_experts", "mlp.experts._shared_experts._layer")
+)
+VLLM_KV_A_FUSED = ((_MLA + r"kv_a_proj_with_mqa\.weight", Piece(r"\1.self_attn.fused_qkv_a_proj.weight", 1, 2)),)
+VLLM_KV_A_ALONE = ((_MLA + r"kv_a_proj_with_mqa\.weight", Piece(r"\1.self_attn.kv_a_proj_with_mqa.weight", 0, 1)),)
+MLA_BUFFERS = tuple(b._replace(engine=b.engine.replace("self_attn.attn.", "self_attn.mla_attn.mla_attn.")) for b in VLLM_ATTENTION_BUFFERS)
+EXPORTS = EngineNames(
+    vllm=EngineTable(
+        VLLM_PIECES, tied="lm_head.weight", buffers=MLA_BUFFERS, ep="vllm", drop_mtp=True, q_lora=(VLLM_KV_A_FUSED, VLLM_KV_A_ALONE)
+    ),
+    sglang=None,
+)
+
 ARCHS = tuple(
     Arch(
-        name, BASE, "deepseek_v2.py", attn_group="attn_tp", embed_group="attn_tp", sparse=sparse,
-        experts_limit="tp", variant=kv_a, pp_head="last", pp_tied_head=True,
+        name, BASE, "deepseek_v2.py", attn_group="attn_tp", embed_group="attn_tp", model_type=model_type,
+        expected=expected, exports=EXPORTS, verify="moe", router=rule, sparse=sparse, experts_limit="tp",
+        variant=kv_a, pp_head="last", pp_tied_head=True,
     )
-    for name in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+    for name, model_type, rule in (("DeepseekV3ForCausalLM", "deepseek_v3", v3_router), ("DeepseekV2ForCausalLM", "deepseek_v2", v2_router))
 )  # fmt: skip

@@ -9,9 +9,20 @@
 - Pipeline stages (Qwen2, Qwen3): lm_head on the last stage; tied, the last stage builds its own
   lm_head filled from the embedding (reference/PIPELINE.md §3). The MoE models have no pipeline
   layout on record, so tpshard refuses them at pp > 1.
+- Router (transformers' Qwen2MoeTopKRouter, Qwen3MoeTopKRouter): softmax over the experts, the
+  top-k weights renormalised when config.json's norm_topk_prob says so.
+- Export: vLLM for all four; SGLang for Qwen2 and Qwen3 (its dense classes). SGLang 0.5.23 splits
+  attention heads over attn_tp only in the classes written for DP attention (Qwen3Attention);
+  Qwen2 splits over the full tp even under --enable-dp-attention, which tpshard's attn-dp plan does
+  not match (ENGINE_FORMATS.md §2, measured). vLLM's Qwen3-MoE router is kept as
+  `mlp.experts.gate.weight` (passed to the FusedMoE, models/qwen3_moe.py L170-205), Qwen2-MoE's as
+  `mlp.gate.weight`.
 """
 
-from tpshard.arch.base import DENSE_MLP, NORMS, QK_NORM, QKV_ATTENTION, VOCAB, Arch, L, Rule, gated_mlp, router, routed_experts
+from tpshard.arch.base import DENSE_MLP, NORMS, QK_NORM, QKV_ATTENTION, VOCAB, Arch, EngineNames, EngineTable, L, Piece, Rule, gated_mlp, routed_experts, router
+from tpshard.arch.engine_names import NO_MLP, ROUTED, SGLANG_DENSE, VLLM_DENSE, VLLM_MOE, vllm_mlp
+from tpshard.arch.router import RouterConfig
+from tpshard.arch.tensors import attention_tensors, decoder_tensors, dense_decoder, expert_tensors, mlp_tensors
 from tpshard.errors import PlanError
 from tpshard.manifest import ModelInfo
 
@@ -41,18 +52,67 @@ def refuse_dense_layers(config: dict, model: ModelInfo) -> None:
         )
 
 
+def qwen2_expected(model: ModelInfo, config: dict):
+    return dense_decoder(model, config, qkv_bias=True)  # Qwen2 attention always has q/k/v biases
+
+
+def qwen3_expected(model: ModelInfo, config: dict):
+    return dense_decoder(model, config, qk_norm=True)
+
+
+def moe_expected(model: ModelInfo, config: dict, *, qkv_bias: bool, qk_norm: bool, shared: bool):
+    """Per layer: attention (Qwen2-MoE: q/k/v biases; Qwen3-MoE: q/k norms), then the router and
+    every routed expert (Qwen2-MoE: and the shared expert with its gate, where the config has one)."""
+
+    def mlp(p: str, i: int):
+        if not every_layer_sparse(model, i):
+            yield from mlp_tensors(f"{p}.mlp")
+            return
+        yield from expert_tensors(f"{p}.mlp", model, ("gate_proj", "up_proj", "down_proj"))
+        if shared and model.shared_expert_intermediate_size:
+            yield from (*mlp_tensors(f"{p}.mlp.shared_expert"), f"{p}.mlp.shared_expert_gate.weight")
+
+    return decoder_tensors(model, config, lambda p: attention_tensors(p, config, qkv_bias=qkv_bias, qk_norm=qk_norm), mlp)
+
+
+def moe_router(config: dict, e: int, k: int) -> RouterConfig:
+    return RouterConfig(num_experts=e, top_k=k, renormalize=bool(config.get("norm_topk_prob", False)))
+
+
+_QWEN3_MOE_VLLM = NO_MLP + ((L + r"\.mlp\.gate\.weight", Piece(r"\1.mlp.experts.gate.weight", 0, 1)),) + ROUTED
+_QWEN2_MOE_VLLM = (
+    NO_MLP
+    + (
+        (L + r"\.mlp\.gate\.weight", Piece(r"\1.mlp.gate.weight", 0, 1)),
+        (L + r"\.mlp\.shared_expert_gate\.weight", Piece(r"\1.mlp.experts._shared_experts._layer.expert_gate.weight", 0, 1)),
+    )
+    + ROUTED
+    + vllm_mlp("mlp.shared_expert", "mlp.experts._shared_experts._layer")
+)
+DENSE_EXPORTS = EngineNames(vllm=VLLM_DENSE, sglang=SGLANG_DENSE)
+QWEN3_EXPORTS = EngineNames(vllm=VLLM_DENSE, sglang=SGLANG_DENSE._replace(attn_dp=True))  # Qwen3Attention: attn_tp
+
 ARCHS = (
     Arch(
-        "Qwen2ForCausalLM", QWEN2, "qwen2.py", attn_group="tp", embed_group="attn_tp", dp_lm_head=False,
+        "Qwen2ForCausalLM", QWEN2, "qwen2.py", attn_group="tp", embed_group="attn_tp", model_type="qwen2",
+        expected=qwen2_expected, exports=DENSE_EXPORTS, verify="dense", router=None,
+        dp_lm_head=False, pp_head="last", pp_tied_head=True, pp_vllm_tied=True,
+    ),
+    Arch(
+        "Qwen3ForCausalLM", QWEN3, "qwen3.py", attn_group="attn_tp", embed_group="attn_tp", model_type="qwen3",
+        expected=qwen3_expected, exports=QWEN3_EXPORTS, verify="dense", router=None,
         pp_head="last", pp_tied_head=True, pp_vllm_tied=True,
     ),
-    Arch("Qwen3ForCausalLM", QWEN3, "qwen3.py", attn_group="attn_tp", embed_group="attn_tp", pp_head="last", pp_tied_head=True, pp_vllm_tied=True),
     Arch(
-        "Qwen3MoeForCausalLM", QWEN3_MOE, "qwen3_moe.py", attn_group="attn_tp", embed_group="attn_tp",
+        "Qwen3MoeForCausalLM", QWEN3_MOE, "qwen3_moe.py", attn_group="attn_tp", embed_group="attn_tp", model_type="qwen3_moe",
+        expected=lambda m, c: moe_expected(m, c, qkv_bias=False, qk_norm=True, shared=False),
+        exports=EngineNames(vllm=EngineTable(_QWEN3_MOE_VLLM, **VLLM_MOE), sglang=None), verify="moe", router=moe_router,
         sparse=every_layer_sparse, experts_limit="moe_tp", check=refuse_dense_layers,
     ),
     Arch(
-        "Qwen2MoeForCausalLM", QWEN2_MOE, "qwen2_moe.py", attn_group="attn_tp", embed_group="attn_tp",
+        "Qwen2MoeForCausalLM", QWEN2_MOE, "qwen2_moe.py", attn_group="attn_tp", embed_group="attn_tp", model_type="qwen2_moe",
+        expected=lambda m, c: moe_expected(m, c, qkv_bias=True, qk_norm=False, shared=True),
+        exports=EngineNames(vllm=EngineTable(_QWEN2_MOE_VLLM, **VLLM_MOE), sglang=None), verify="moe", router=moe_router,
         sparse=every_layer_sparse, experts_limit="tp", check=refuse_dense_layers,
     ),
 )  # fmt: skip

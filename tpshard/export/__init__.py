@@ -3,9 +3,11 @@ loaders read without slicing (docs/deploy.md).
 
     export(out, dest, "vllm")          # write model-rank-{r}-part-{p}.safetensors + tpshard-export.json
     check_export(dest, source=model)   # checksums; with the source, bit-exact from the checkpoint
+    split_and_export(model, dest, Topology(tp=8), "vllm")  # split --format: checkpoint to export
 
-names.py holds the engines' names, layout.py what each rank's files hold (and what is refused),
-writer.py writes them; tpshard.check.export proves them.
+names.py compiles the engines' names (the tables are the architectures', tpshard/arch/), layout.py
+what each rank's files hold (and what is refused), writer.py writes them, tpshard.check.export
+proves them, split_export.py goes from a checkpoint to an export through a hidden tpshard output.
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ _EXPORTS = {
     "DEFAULT_MAX_PART_BYTES": "tpshard.export.layout", "ExportError": "tpshard.export.layout",
     "export_layout": "tpshard.export.layout", "EXPORT_MANIFEST_NAME": "tpshard.export.manifest",
     "read_export_manifest": "tpshard.export.manifest", "ENGINES": "tpshard.export.names", "export": "tpshard.export.writer",
+    "split_and_export": "tpshard.export.split_export",
 }  # fmt: skip
 
-__all__ = ["DEFAULT_MAX_PART_BYTES", "ENGINES", "EXPORT_MANIFEST_NAME", "ExportError", "export", "export_layout", "read_export_manifest"]
+__all__ = [
+    "DEFAULT_MAX_PART_BYTES", "ENGINES", "EXPORT_MANIFEST_NAME", "ExportError", "export", "export_layout", "read_export_manifest",
+    "split_and_export",
+]  # fmt: skip
 
 
 def __getattr__(name: str):

@@ -15,8 +15,13 @@ next stage.
 
 MoE and MLA (moe.py, mla.py): FusedMoE holds a rank's EP slot of experts cut over MoE-TP and
 reduces over tp; MoEBlock adds the router and shared experts; MLAAttention cuts heads over attn_tp.
+A family's router (RouterConfig, router_config) is tpshard.arch's, re-exported here.
+
+Quant methods: linear_method.py (the protocol, the unquantized method), reference_quant.py
+(quantized shards dequantized with torch).
 """
 
+from tpshard.arch import RouterConfig, router_config
 from tpshard.runtime.groups import LogicalGroup, bind_groups, clear_groups, collective_members, partitions
 from tpshard.runtime.launch import (
     DistInfo,
@@ -39,10 +44,10 @@ from tpshard.runtime.layers import (
     ShardInfo,
     VocabParallelEmbedding,
 )
+from tpshard.runtime.linear_method import QuantMethod, UnquantizedLinearMethod, new_param
 from tpshard.runtime.mla import MLAAttention, MLAConfig
-from tpshard.runtime.moe import FusedMoE, MoEBlock, RouterConfig, route, router_config
+from tpshard.runtime.moe import FusedMoE, MoEBlock, route
 from tpshard.runtime.pipeline import recv_forward, send_forward
-from tpshard.runtime.quant_method import QuantMethod, UnquantizedLinearMethod, new_param
 
 __all__ = [
     "ColumnParallelLinear",

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from tpshard.runtime.groups import LogicalGroup
-from tpshard.runtime.quant_method import QuantMethod, UnquantizedLinearMethod, new_param
+from tpshard.runtime.linear_method import QuantMethod, UnquantizedLinearMethod, new_param
 
 ShardId = str | int | None
 

@@ -3,7 +3,8 @@
 Mirrors SGLang's default MoE path (`--moe-a2a-backend none`, MOE_MLA.md sections 1, 2.2):
 
 - the router (`mlp.gate`) is replicated: every rank computes the same top-k ids and weights for
-  every token, as each transformers model computes them (`RouterConfig`);
+  every token, as each transformers model computes them (`route`, with the family's RouterConfig:
+  tpshard.arch.router_config);
 - `FusedMoE` holds only the experts of this rank's EP slot, contiguous global ids
   `[ep_rank * E/ep, (ep_rank + 1) * E/ep)`, each cut over MoE-TP: gate/up rows and down columns
   `[m * I/moe_tp, (m + 1) * I/moe_tp)`. Inside the tp group, MoE-TP is the fastest index:
@@ -19,7 +20,8 @@ Loading is presharded, as for the dense layers: `load_expert(expert, piece, tens
 tensor that is already this rank's slice of global expert `expert` and asserts its shape; an
 expert outside the EP slot is refused, never placed somewhere else.
 
-Not here: which tensors a rank holds (the plan), reading files, attention.
+Not here: which tensors a rank holds (the plan), reading files, attention, which router a family has
+(tpshard/arch/).
 """
 
 from __future__ import annotations
@@ -31,74 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpshard.arch.router import RouterConfig
 from tpshard.runtime.groups import LogicalGroup
 from tpshard.runtime.layers import MergedColumnParallelLinear, RowParallelLinear, divide
 
 ExpertPiece = Literal["gate", "up", "down"]
 EXPERT_PIECES: tuple[ExpertPiece, ...] = ("gate", "up", "down")
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """How a model turns router logits into top-k expert ids and weights.
-
-    scoring: softmax over the experts (Qwen, Mixtral, DeepSeek-V2) or an independent sigmoid per
-    expert (DeepSeek-V3). Grouped selection (n_group > 1): experts are split into n_group
-    contiguous groups, a group scores the sum of its top-2 scores (V3) or its max (V2), only the
-    best topk_group groups compete. correction_bias (V3 `e_score_correction_bias`) shifts the
-    choice only, never the weights. renormalize divides the k weights by their sum; then the
-    weights are multiplied by routed_scaling_factor.
-    """
-
-    num_experts: int
-    top_k: int
-    scoring: Literal["softmax", "sigmoid"] = "softmax"
-    renormalize: bool = False
-    n_group: int = 1
-    topk_group: int = 1
-    group_score: Literal["top2_sum", "max"] = "top2_sum"
-    correction_bias: bool = False
-    routed_scaling_factor: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.top_k <= self.num_experts:
-            raise ValueError(f"router: top-k {self.top_k} of {self.num_experts} experts")
-        divide(self.num_experts, self.n_group, "router: experts over n_group")
-        if not 0 < self.topk_group <= self.n_group:
-            raise ValueError(f"router: topk_group {self.topk_group} of n_group {self.n_group}")
-
-
-def router_config(config: dict) -> RouterConfig:
-    """The RouterConfig of a Hugging Face config.json (DeepSeek-V2/V3, Qwen2/3-MoE, Mixtral).
-
-    Follows transformers 5's router classes: DeepseekV3TopkRouter, DeepseekV2TopkRouter,
-    Qwen3MoeTopKRouter, Qwen2MoeTopKRouter, MixtralTopKRouter.
-    """
-    kind = config.get("model_type", "")
-    k = config["num_experts_per_tok"]
-    # transformers 5 writes some of these under its own attribute names (Qwen3-MoE: num_local_experts)
-    e = next((config[n] for n in ("n_routed_experts", "num_experts", "num_local_experts") if config.get(n)), None)
-    if e is None:
-        raise ValueError(f"config of model_type {kind!r} names no routed expert count")
-    if kind == "deepseek_v3":
-        return RouterConfig(
-            num_experts=e, top_k=k, scoring="sigmoid",
-            renormalize=bool(config.get("norm_topk_prob", True)), n_group=config.get("n_group") or 1,
-            topk_group=config.get("topk_group") or 1, group_score="top2_sum", correction_bias=True,
-            routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
-        )  # fmt: skip
-    if kind == "deepseek_v2":
-        grouped = config.get("topk_method", "greedy") == "group_limited_greedy"
-        return RouterConfig(
-            num_experts=e, top_k=k, scoring="softmax", renormalize=False,
-            n_group=(config.get("n_group") or 1) if grouped else 1, topk_group=(config.get("topk_group") or 1) if grouped else 1,
-            group_score="max", routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
-        )  # fmt: skip
-    if kind in ("qwen3_moe", "qwen2_moe"):
-        return RouterConfig(num_experts=e, top_k=k, renormalize=bool(config.get("norm_topk_prob", False)))
-    if kind == "mixtral":
-        return RouterConfig(num_experts=e, top_k=k, renormalize=True)
-    raise ValueError(f"no router rule for model_type {kind!r}")
 
 
 def route(

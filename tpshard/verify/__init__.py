@@ -11,9 +11,12 @@ to stage (tpshard.runtime.send_forward / recv_forward). Backend: `choose_launch`
 on shared GPUs or the CPU; announced). Only rank 0 reads the source.
 Not here: the layers (tpshard.runtime), the slicing rules (the plan); verify only reads the manifest.
 
-Modules: build (layers from ShardSpecs), layers_check (layer-level), tensors_check (every byte:
-checksums, whole copies, padding), model (the TP decoder), run (what each rank does, preflight),
-report (results, tolerances, report.json, junit.xml), verdict (exit codes under torchrun).
+Modules, each importing only those listed before it: report (results, tolerances, report.json,
+junit.xml), layer_specs (a layer's specs, a rank's loaded layer), layer_inputs (the seeded inputs),
+moe_layers (the FusedMoE and ReplicatedLinear kinds), build (layers from ShardSpecs), layers_check
+(layer-level), tensors_check (every byte: checksums, whole copies, padding), decoder (the dense TP
+decoder), moe_model (the MoE / MLA decoder), model (what --model runs, the logits' verdict), run
+(what each rank does, preflight), verdict (exit codes under torchrun).
 """
 
 from __future__ import annotations

@@ -24,12 +24,9 @@ rank, so replicated"), and verify must show its numbers, not repair it.
 
 from __future__ import annotations
 
-import re
-from collections import defaultdict
-from dataclasses import dataclass, field
-
 import torch
 
+import tpshard.verify.moe_layers as moe_layers
 from tpshard.manifest import Plan, ShardSpec
 from tpshard.quant.shards import expected_physical_shape
 from tpshard.runtime import (
@@ -41,8 +38,9 @@ from tpshard.runtime import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from tpshard.runtime.quant_methods import ReferenceQuantMethod, quant_spec_of
+from tpshard.runtime.reference_quant import ReferenceQuantMethod, quant_spec_of
 from tpshard.topology import Topology
+from tpshard.verify.layer_specs import TIED_LM_HEAD, Built, LayerSpecs
 
 # How a parameter of a sharded layer is applied, by the kind its spec records.
 APPLIED = {
@@ -50,137 +48,10 @@ APPLIED = {
     "replicated": "applied by every rank (a replicated parameter), so a row layer's reduction sums it",
 }
 
-TIED_LM_HEAD = "lm_head"
-
-
-@dataclass
-class LayerSpecs:
-    """All specs of one engine layer (every rank), and the ones naming a parameter of it."""
-
-    layer: str
-    layer_class: str
-    specs: list[ShardSpec]
-    hidden: int = 0  # the model's hidden size: the uncut dim of a quantized linear
-
-    @property
-    def quant(self) -> str:
-        """The quantized format of the layer's weights ("" for a dense layer)."""
-        return next((s.quant for s in self.specs if s.quant), "")
-
-    @property
-    def group(self) -> str:
-        """The group the layer's outputs are reduced or gathered over, which decides its inputs."""
-        from tpshard.verify.moe_layers import reduction_group
-
-        if reduction_group(self.layer_class):
-            return reduction_group(self.layer_class)
-        # The weights decide the group; a bias recorded over another group is an alignment problem.
-        w = self.main(self.pieces()[0]) if self.pieces() else None
-        return (w or self.specs[0]).group
-
-    def _is_weight(self, s: ShardSpec) -> bool:
-        return bool(s.quant) or s.name.endswith(".weight")
-
-    def pieces(self) -> list[str]:
-        seen: dict[str, None] = {}
-        for s in self.specs:
-            if self._is_weight(s):
-                seen.setdefault(s.piece)
-        order = {"q": 0, "k": 1, "v": 2, "gate": 0, "up": 1, "q_a": 0, "kv_a": 1}  # the engines' fused order
-        return sorted(seen, key=lambda p: (order.get(p, 9), p))
-
-    def first(self, piece: str = "", param: str = "weight") -> ShardSpec | None:
-        for s in self.specs:
-            if s.piece == piece and s.name.rsplit(".", 1)[1] == param:
-                return s
-        return None
-
-    def main(self, piece: str = "") -> ShardSpec | None:
-        """The spec that carries a piece's cut: its dense weight, or a quantized tensor cut along N or K."""
-        if not self.quant:
-            return self.first(piece)
-        quant = [s for s in self.specs if s.quant and s.piece == piece]
-        return next((s for s in quant if s.logical_dim is not None), quant[0] if quant else None)
-
-    def module(self, piece: str = "") -> str:
-        """The HF module of a piece (model.layers.0.self_attn.q_proj): its QuantSpec's key in the plan."""
-        return self.main(piece).source.rpartition(".")[0]
-
-    def logical_shape(self, piece: str = "") -> tuple[int, int]:
-        """[N, K] of one piece: the source weight's shape; for a quantized piece the logical size
-        along its cut dim and the hidden size on the other."""
-        w = self.main(piece)
-        if w is None:
-            raise ValueError(f"{self.layer}: the manifest has no weight for piece {piece!r}")
-        if not w.quant:
-            return w.source_shape[0], w.source_shape[-1]
-        fp8 = self.first(piece)  # FP8 weights hold one value per byte: their shape is the logical [N, K]
-        if fp8 is not None and fp8.quant and fp8.dtype.startswith("F8"):
-            return fp8.source_shape[0], fp8.source_shape[-1]
-        if w.logical_dim is None:
-            raise ValueError(f"{w.name}: a quantized tensor with no logical cut; verify cannot size {self.layer}")
-        nk = [self.hidden, self.hidden]  # packed formats: q/k/v/gate/up read, o/down write the residual stream
-        nk[w.logical_dim] = w.logical_size
-        return nk[0], nk[1]
-
-    def per_rank(self, piece: str = "") -> int:
-        """A quantized piece's logical size per rank along its cut dim, padding included."""
-        w = self.main(piece)
-        return w.logical_length + w.logical_pad
-
-    def stages(self, topo: Topology) -> tuple[int, ...]:
-        """The pipeline stages whose ranks hold any tensor of the layer, as the manifest records them:
-        every rank of these stages builds and runs it (a rank of such a stage that lacks a piece
-        reports it as never loaded); ranks of other stages skip it."""
-        return tuple(sorted({topo.pp_rank(r) for s in self.specs for r in s.ranks}))
-
-    def has_bias(self, kind: str | None = None) -> bool:
-        return any(s.name.endswith(".bias") and (kind is None or s.kind == kind) for s in self.specs)
-
-
-def sharded_layers(plan: Plan) -> list[LayerSpecs]:
-    """Every non-replicated engine layer of the plan, in plan order; a tied lm_head appended."""
-    by_layer: dict[str, list[ShardSpec]] = defaultdict(list)
-    for s in plan.shards:
-        if s.layer_class != "Replicated":
-            by_layer[s.layer].append(s)
-    hidden = plan.model.hidden_size
-    layers = [LayerSpecs(name, specs[0].layer_class, specs, hidden) for name, specs in by_layer.items()]
-    if plan.model.tie_word_embeddings and TIED_LM_HEAD not in by_layer:
-        embed = next((lay for lay in layers if lay.layer_class == "VocabParallelEmbedding"), None)
-        if embed is not None:  # the engines' tie: lm_head reuses the embedding's shards and group
-            layers.append(LayerSpecs(TIED_LM_HEAD, "ParallelLMHead", embed.specs, hidden))
-    return sorted(layers, key=_forward_order)
-
-
-_CLASS_ORDER = {"VocabParallelEmbedding": 0, "QKVParallelLinear": 1, "ReplicatedLinear": 1, "RowParallelLinear": 4, "ParallelLMHead": 9}
-
-
-def _forward_order(lay: LayerSpecs) -> tuple:
-    """Embedding, then each decoder layer (qkv, o_proj, gate_up, down), then lm_head."""
-    m = re.search(r"\.layers\.(\d+)\.", lay.layer + ".")
-    index = int(m.group(1)) if m else (-1 if _CLASS_ORDER.get(lay.layer_class) == 0 else 1 << 30)
-    mlp = "mlp" in lay.layer or "block_sparse_moe" in lay.layer
-    return (index, mlp, _CLASS_ORDER.get(lay.layer_class, 2), lay.layer)
-
-
-@dataclass
-class Built:
-    """One rank's loaded layer, plus what went wrong loading it (alignment problems)."""
-
-    spec: LayerSpecs
-    module: torch.nn.Module
-    group: LogicalGroup
-    every_rank_bias: torch.Tensor | None = None  # a row bias recorded as replicated
-    problems: list[str] = field(default_factory=list)
-
-
 def build_layer(
     lay: LayerSpecs, plan: Plan, rank: int, tensors, *, dtype: torch.dtype, device: torch.device
 ) -> Built:
     """Construct `lay` for world rank `rank` from its specs and load this rank's tensors into it."""
-    from tpshard.verify import moe_layers
-
     if lay.layer_class in moe_layers.MOE_CLASSES:  # routed experts, replicated linears (MoE / MLA plans)
         return moe_layers.build(lay, plan, rank, tensors, dtype=dtype, device=device)
     topo: Topology = plan.topology
@@ -326,13 +197,3 @@ def _compare_info(built: Built, where: str, rank: int, s: ShardSpec, shape: tupl
             f"{where} on rank {rank}: manifest says group {got[0]} x{got[1]} rank {got[2]}/{got[3]} shape"
             f" {list(got[4])}; the {built.spec.layer_class} expects group {want[0]} x{want[1]} rank {want[2]}/{want[3]} shape {list(want[4])}"
         )
-
-
-def run_row(built: Built, x: torch.Tensor) -> torch.Tensor:
-    """A row layer's forward with its bias applied as recorded (once, or by every rank)."""
-    module: RowParallelLinear = built.module  # type: ignore[assignment]
-    if built.every_rank_bias is None:
-        return module(x)
-    module.reduce_results = False
-    partial = module(x) + built.every_rank_bias  # [..., N], this rank's partial sum plus the bias
-    return module.group.all_reduce(partial)

@@ -23,43 +23,22 @@ like (another group rank's slice, a bias counted N times, the vocab rows of one 
 
 from __future__ import annotations
 
-import zlib
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+import tpshard.verify.moe_layers as moe_layers
 from tpshard.manifest import Plan
 from tpshard.quant.formats import dequantize
-from tpshard.runtime.quant_methods import INPUT_SCALES, quant_spec_of, quantize_input
-from tpshard.verify import moe_layers
-from tpshard.verify.build import Built, LayerSpecs, run_row
+from tpshard.runtime.reference_quant import INPUT_SCALES, quant_spec_of, quantize_input
+from tpshard.verify.layer_inputs import layer_input
+from tpshard.verify.layer_specs import Built, LayerSpecs, run_row
 from tpshard.verify.report import LayerResult
 
 COLUMN = ("QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear")
 MAX_MESSAGES = 6
-
-
-def generator(seed: int, what: str, batch: int) -> torch.Generator:
-    """Same numbers on every rank and in every process: seeded from (seed, layer, batch) only."""
-    return torch.Generator().manual_seed(zlib.crc32(f"{seed}/{what}/{batch}".encode()))
-
-
-def layer_input(lay: LayerSpecs, batch: int, *, seed: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
-    """Token ids [n] for an embedding, else activations [tokens, in] rounded to the compute dtype."""
-    w = lay.main(lay.pieces()[0])
-    g = generator(seed, lay.layer, batch)
-    if lay.layer_class == "VocabParallelEmbedding":
-        vocab = w.source_shape[0]
-        n = max(tokens, 2 * w.group_size)
-        # Stratified over the vocab, so every rank's rows are looked up; both ends included.
-        u = torch.rand(n, generator=g, dtype=torch.float64)
-        ids = ((torch.arange(n, dtype=torch.float64) + u) * vocab / n).long().clamp(0, vocab - 1)
-        ids[0], ids[-1] = 0, vocab - 1
-        return ids
-    k = moe_layers.input_size(lay) if lay.layer_class == "ReplicatedLinear" else lay.logical_shape(lay.pieces()[0])[1]
-    return torch.randn(tokens, k, generator=g).to(dtype)
 
 
 def batch_of(plan: Plan, group: str, rank: int) -> int:

@@ -23,7 +23,8 @@ path. This module adds the two layer classes the MoE plans bring:
   model's RouterConfig) and every rank's routing weights [T, E] must equal the source's, which is
   what exercises the correction bias.
 
-Not here: the slicing rules (the plan), the dense layer kinds (build.py, layers_check.py).
+Not here: the slicing rules (the plan), the dense layer kinds (build.py, layers_check.py), the
+seeded inputs (layer_inputs.py).
 """
 
 from __future__ import annotations
@@ -35,11 +36,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tpshard.arch import RouterConfig, router_config
 from tpshard.manifest import Plan
-from tpshard.runtime import ColumnParallelLinear, LogicalGroup, MergedColumnParallelLinear
 from tpshard.quant.formats import dequantize
-from tpshard.runtime.moe import FusedMoE, RouterConfig, route, router_config
-from tpshard.runtime.quant_methods import quant_spec_of
+from tpshard.runtime import ColumnParallelLinear, LogicalGroup, MergedColumnParallelLinear
+from tpshard.runtime.moe import FusedMoE, route
+from tpshard.runtime.reference_quant import quant_spec_of
+from tpshard.verify.layer_inputs import generator, layer_input
+from tpshard.verify.layer_specs import Built
 from tpshard.verify.report import LayerResult
 
 MOE_CLASSES = ("FusedMoE", "ReplicatedLinear")
@@ -49,12 +53,6 @@ CORRECTION_BIAS = "e_score_correction_bias"
 MAX_MESSAGES = 6
 
 
-def reduction_group(layer_class: str) -> str | None:
-    """The group a layer's outputs are reduced over when it is not its weights' group: the routed
-    experts are cut over moe_tp inside EP slots, and their partial sums are all-reduced over tp."""
-    return "tp" if layer_class == "FusedMoE" else None
-
-
 def hf_config(tensors) -> dict:
     """config.json as the rank's own folder holds it (split copies it into every rank folder)."""
     path = Path(tensors.folder) / "config.json"
@@ -62,15 +60,6 @@ def hf_config(tensors) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read the model config {path}: {e}") from None
-
-
-def input_size(lay) -> int:
-    """K of a ReplicatedLinear: its weight's last dim (whole, so the source shape), also for FP8
-    weights (one byte per value); packed formats are not sized here."""
-    w = next((s for s in lay.specs if s.name.endswith(".weight")), None)
-    if w is None or (w.quant and not w.dtype.startswith("F8")):
-        raise ValueError(f"{lay.layer}: verify cannot size a {lay.quant or 'weightless'} ReplicatedLinear")
-    return w.source_shape[-1]
 
 
 def is_router(lay) -> bool:
@@ -83,10 +72,8 @@ def is_router(lay) -> bool:
 
 def build(lay, plan: Plan, rank: int, tensors, *, dtype: torch.dtype, device: torch.device):
     """The Built of a FusedMoE or ReplicatedLinear layer on `rank`, loaded from its own files."""
-    from tpshard.verify.build import Built
-
     if lay.layer_class == "FusedMoE":
-        return _build_experts(lay, plan, rank, tensors, dtype=dtype, device=device, built_cls=Built)
+        return _build_experts(lay, plan, rank, tensors, dtype=dtype, device=device)
     group = LogicalGroup.of(plan.topology, "replicated", rank)
     pieces = lay.pieces()
     mine = [s for s in lay.specs if rank in s.ranks]
@@ -179,13 +166,13 @@ def _experts_numbers(lay, plan: Plan) -> tuple[int, int, int]:
     return e, w1[0].source_shape[0], w1[0].source_shape[-1]
 
 
-def _build_experts(lay, plan: Plan, rank: int, tensors, *, dtype, device, built_cls):
+def _build_experts(lay, plan: Plan, rank: int, tensors, *, dtype, device):
     topo = plan.topology
     tp = LogicalGroup.of(topo, "tp", rank)
     e, i, h = _experts_numbers(lay, plan)
     wdtype = torch.float32 if lay.quant else dtype  # quantized: dequantized float32, as ReferenceQuantMethod
     module = FusedMoE(e, h, i, group=tp, ep_size=topo.ep, dtype=wdtype, name=lay.layer).to(device)
-    built = built_cls(lay, module, tp)
+    built = Built(lay, module, tp)
     misplaced: dict[int, int] = {}  # expert -> EP slot the manifest gives it, where that is not its block
     quant: dict[tuple[int, str], list] = defaultdict(list)  # (expert, piece) -> its quantized specs on this rank
     for s in lay.specs:
@@ -246,8 +233,6 @@ def _build_experts(lay, plan: Plan, rank: int, tensors, *, dtype, device, built_
 
 def experts_inputs(lay, plan: Plan, *, seed: int, tokens: int, dtype: torch.dtype):
     """(x [T, H], ids [T, k], weights [T, k]) of the routed run: T >= E so that every expert is picked."""
-    from tpshard.verify.layers_check import generator
-
     e, _, h = _experts_numbers(lay, plan)
     k = max(1, min(plan.model.num_experts_per_tok or 2, e))
     t = max(tokens, e)
@@ -334,8 +319,6 @@ def compare(lay, plan: Plan, sent: dict[int, dict], src, *, seed: int, tokens: i
 
 
 def _compare_replicated(lay, plan, sent, src, *, seed, tokens, dtype, tol, findings, problems) -> tuple[float, float]:
-    from tpshard.verify.layers_check import layer_input
-
     weights = {p: _source_weight(lay, plan, src, [s for s in lay.specs if s.piece == p]) for p in lay.pieces()}
     biases = {p: (src[b.source] if (b := lay.first(p, "bias")) is not None else None) for p in lay.pieces()}
     router = None

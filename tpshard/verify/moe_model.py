@@ -1,7 +1,7 @@
 """Model-level verification of the MoE and MLA architectures: a tensor-parallel decoder vs transformers.
 
-DeepseekV3 (and V2), Qwen3-MoE, Qwen2-MoE, Mixtral. The decoder is tpshard.verify.model's
-TPDecoder (embedding, norms, GQA attention, lm_head, attention-DP gather and scatter) with two
+The architectures whose `Arch.verify` is "moe" (tpshard/arch/): DeepseekV3 (and V2), Qwen3-MoE,
+Qwen2-MoE, Mixtral. The decoder is tpshard.verify.decoder's TPDecoder (embedding, norms, GQA attention, lm_head, attention-DP gather and scatter) with two
 layer kinds added, both from tpshard.runtime and built from the manifest like every other layer:
 
 - attention: MLA (`MLAAttention` over the attention group: replicated `fused_qkv_a_proj_with_mqa`
@@ -25,16 +25,16 @@ from pathlib import Path
 
 import torch
 
+from tpshard.arch import ARCHITECTURES, router_config
 from tpshard.manifest import Plan
 from tpshard.runtime import LogicalGroup
 from tpshard.runtime.mla import MLAAttention, MLAConfig
-from tpshard.runtime.moe import MoEBlock, router_config
-from tpshard.verify.build import Built
-from tpshard.verify.model import INPUT_NORM, POST_NORM, TPDecoder, rms_norm
+from tpshard.runtime.moe import MoEBlock
+from tpshard.verify.decoder import INPUT_NORM, POST_NORM, TPDecoder, rms_norm
+from tpshard.verify.layer_specs import Built
 
 # The RoPE tables come from the config's `rope_parameters`, which transformers 5 introduced.
 MIN_TRANSFORMERS = (5, 0)
-SUPPORTED = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
 MLA_LAYERS = ("fused_qkv_a_proj_with_mqa", "kv_a_proj_with_mqa", "q_proj", "q_b_proj", "kv_b_proj", "o_proj")
 MLA_NORMS = ("q_a_layernorm", "kv_a_layernorm")
 
@@ -138,4 +138,6 @@ def _has_experts(layers: dict) -> bool:
 
 
 def is_moe(plan: Plan) -> bool:
-    return plan.model.architecture in SUPPORTED
+    """The plan's architecture runs this decoder under --model (`Arch.verify` "moe")."""
+    arch = ARCHITECTURES.get(plan.model.architecture)
+    return arch is not None and arch.verify == "moe"

@@ -20,8 +20,10 @@ from tpshard.manifest import read_manifest
 from tpshard.rank import open_rank
 from tpshard.runtime import DistInfo, bind_groups
 from tpshard.runtime.objects import all_true, broadcast_from_root, gather_to_root
-from tpshard.verify.build import build_layer, sharded_layers
-from tpshard.verify.layers_check import SourceTensors, batch_of, compare_layer, layer_input, rank_outputs
+from tpshard.verify.build import build_layer
+from tpshard.verify.layer_inputs import layer_input
+from tpshard.verify.layer_specs import sharded_layers
+from tpshard.verify.layers_check import SourceTensors, batch_of, compare_layer, rank_outputs
 from tpshard.verify.report import LAYER_TOLERANCE, MODEL_TOLERANCE, ModelResult, VerifyReport
 from tpshard.verify.tensors_check import judge_facts, rank_facts
 
@@ -211,7 +213,8 @@ def _verify_job(info: DistInfo, job: Job) -> VerifyReport:
 
 def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
     from tpshard.arch import arch_for
-    from tpshard.verify.model import TPDecoder, compare_logits, hf_logits, model_tokens, rope_config
+    from tpshard.verify.decoder import TPDecoder, rope_config
+    from tpshard.verify.model import compare_logits, hf_logits, model_tokens
     from tpshard.verify.moe_layers import hf_config
     from tpshard.verify.moe_model import MoEDecoder, is_moe
 

@@ -1,4 +1,6 @@
-"""Reference quant methods for quantized shards: dequantize with torch, then matmul.
+"""The quant method for quantized shards: dequantize with torch, then matmul (a reference, not a kernel).
+
+The protocol it implements, and the unquantized method, are tpshard.runtime.linear_method's.
 
 `ReferenceQuantMethod(spec)` implements the QuantMethod protocol for every format of
 `tpshard.quant.formats.LAYOUTS`. It is a correctness reference, not a kernel: each piece of the
@@ -31,8 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpshard.quant.formats import QuantSpec, dequantize
-from tpshard.runtime.quant_method import new_param
-
+from tpshard.runtime.linear_method import new_param
 
 # Static activation scales, by suffix: the input of the layer is quantized with them.
 INPUT_SCALES = ("input_scale", "input_global_scale")

@@ -1,4 +1,7 @@
-"""The compute contract: a quant method owns a linear layer's weight parameters and its GEMM.
+"""How a linear layer holds and applies its weight: the QuantMethod protocol (the compute
+contract), `new_param`, and the unquantized method every dense layer uses.
+
+A quant method owns a linear layer's weight parameters and its GEMM.
 
 Layers only pass per-rank shapes; what parameters exist (a plain `weight`, or packed codes plus
 scales) and how `x @ W^T` is computed is the quant method's business, as in vLLM/SGLang. Each
@@ -10,8 +13,8 @@ needs to place a presharded piece (q, k, v, gate, up) without knowing the format
 - `packed_factor` (default 1): how many logical output features one element along `output_dim`
   holds (int4 codes packed 8 per int32 along the output dim: 8).
 
-Not here: quantized reference methods (they implement the same protocol in their own modules),
-and any collective (layers do those).
+Not here: the method for quantized shards (tpshard.runtime.reference_quant implements the same
+protocol), and any collective (layers do those).
 """
 
 from __future__ import annotations
