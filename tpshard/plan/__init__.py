@@ -10,8 +10,9 @@ load rules of one tensor), `refusals` (topologies and pipelines refused up front
 slots, complete expert sets), `files` (the file layout and headers), `make` (make_plan).
 """
 
+from tpshard.cuts import ceil_div, even_cuts
 from tpshard.manifest import FILE_METADATA
-from tpshard.plan.dense import PADDED_ROLES, Layout, ceil_div, cut_tensor, even_cuts, expected_shape, group_of
+from tpshard.plan.dense import PADDED_ROLES, Layout, cut_tensor, expected_shape, group_of
 from tpshard.plan.refusals import refuse_pipeline, refuse_topology
 from tpshard.plan.files import file_header, spec_layout
 from tpshard.plan.make import make_plan

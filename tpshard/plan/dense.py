@@ -15,8 +15,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from tpshard.arch import SHAPES, Arch, Rule
+from tpshard.cuts import Cutting, ceil_div, even_cuts
 from tpshard.errors import PlanError
-from tpshard.manifest import Kind, ModelInfo, Options
+from tpshard.manifest import Cut, Kind, ModelInfo, Options
 from tpshard.plan.kinds import TensorKind
 from tpshard.safetensors_format import TensorInfo
 from tpshard.topology import GroupName, Topology
@@ -27,15 +28,6 @@ from tpshard.topology import GroupName, Topology
 PADDED_ROLES = ("mlp", "dense_mlp", "shared_expert")
 
 
-class Cut(NamedTuple):
-    """One group rank's piece of a tensor: source[dim][start : start+length] then `pad` zeros."""
-
-    group_rank: int
-    start: int
-    length: int
-    pad: int
-
-
 class Layout(NamedTuple):
     """Everything a rule is applied with, besides the tensor itself."""
 
@@ -43,18 +35,6 @@ class Layout(NamedTuple):
     model: ModelInfo
     options: Options
     arch: Arch
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def even_cuts(n: int, parts: int, per: int) -> list[Cut]:
-    """`parts` pieces of `per` along a dim of size n; trailing pieces are zero-padded past n."""
-    return [
-        Cut(r, r * per, max(0, min(per, n - r * per)), per - max(0, min(per, n - r * per)))
-        for r in range(parts)
-    ]
 
 
 def group_of(rule: Rule, ctx: Layout) -> GroupName:
@@ -80,14 +60,6 @@ def expected_shape(rule: Rule, model: ModelInfo) -> tuple[int, int] | None:
     return SHAPES[rule.shape](model) if rule.shape else None
 
 
-class Cutting(NamedTuple):
-    kind: Kind
-    dim: int | None
-    factor: int
-    group_size: int
-    cuts: list[Cut]
-
-
 def cut_tensor(name: str, info: TensorInfo, rule: Rule, param: str, ctx: Layout) -> Cutting:
     """How one tensor is cut over its layer's group: the load contract of one weight."""
     topology, model, options = ctx.topology, ctx.model, ctx.options
@@ -105,7 +77,7 @@ def cut_tensor(name: str, info: TensorInfo, rule: Rule, param: str, ctx: Layout)
     def whole(kind: Kind) -> Cutting:
         length = shape[0] if shape else 1
         # factor = group size: every rank of the group holds the one replica
-        return Cutting(kind, None, g, 1, [Cut(0, 0, length, 0)])
+        return Cutting(kind, None, g, 1, [Cut(0, 0, length, 0, 0)])
 
     if cls in ("Replicated", "ReplicatedLinear"):
         return whole("replicated")

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from tpshard.manifest import SPEC_DEFAULTS, TENSOR_FIELDS, Cut as ManifestCut
+from msgspec.structs import replace
+
+from tpshard.manifest import SPEC_DEFAULTS, TENSOR_FIELDS, Cut
 from tpshard.safetensors_format import entry_text, nbytes_of
 from tpshard.topology import Topology
 
@@ -20,8 +22,7 @@ from tpshard.topology import Topology
 class KindCut(NamedTuple):
     """One cut of a kind of tensor, with what the file layout needs of it."""
 
-    fields: tuple  # Cut's fields before `file`: group_rank, start, length, pad
-    logical: tuple  # Cut's fields after `file`, trailing defaults left out
+    cut: Cut  # with file 0: each tensor of the kind has its own files (plan_cuts)
     ranks: tuple[int, ...]
     dtype: str
     shape: tuple[int, ...]  # the shard's shape
@@ -46,27 +47,24 @@ class TensorKind:
             r = {**SPEC_DEFAULTS, **r}
             if any(r[f] != first[f] for f in _KIND_FIELDS) or r["source_shape"] != first["source_shape"]:
                 raise AssertionError(f"the cuts of one kind of tensor disagree: {first} / {r}")
-            logical = (r["logical_start"], r["logical_length"], r["logical_pad"], r["value"])
-            while logical and logical[-1] == _LOGICAL_DEFAULTS[len(logical) - 1]:
-                logical = logical[:-1]
+            cut = Cut(r["group_rank"], r["start"], r["length"], r["pad"], 0, r["logical_start"], r["logical_length"], r["logical_pad"], r["value"])
             self.cuts.append(KindCut(
-                (r["group_rank"], r["start"], r["length"], r["pad"]), logical, r["ranks"], r["dtype"], tuple(r["shape"]),
+                cut, r["ranks"], r["dtype"], tuple(r["shape"]),
                 nbytes_of(r["dtype"], r["shape"]), len(entry_text(r["dtype"], tuple(r["shape"]))), file_label(r, topology),
             ))  # fmt: skip
             self.padded |= bool(r["pad"]) and r["kind"] != "vocab"
-        self._cuts: dict[tuple[int, ...], tuple[ManifestCut, ...]] = {}
+        self._cuts: dict[tuple[int, ...], tuple[Cut, ...]] = {}
 
-    def plan_cuts(self, files: tuple[int, ...]) -> tuple[ManifestCut, ...]:
+    def plan_cuts(self, files: tuple[int, ...]) -> tuple[Cut, ...]:
         """The manifest cuts of a tensor of this kind whose shards lie in `files`: shared by every
         tensor whose shards land in the same files (most of them)."""
         if files not in self._cuts:
-            self._cuts[files] = tuple(ManifestCut(*c.fields, f, *c.logical) for c, f in zip(self.cuts, files))
+            self._cuts[files] = tuple(replace(c.cut, file=f) for c, f in zip(self.cuts, files))
         return self._cuts[files]
 
 
 # TensorPlan's fields that a kind fixes (the names, layer and expert id are each tensor's own).
 _KIND_FIELDS = tuple(f for f in TENSOR_FIELDS if f not in ("layer", "expert"))
-_LOGICAL_DEFAULTS = (0, 0, 0, None)
 
 
 class Entry(NamedTuple):

@@ -12,7 +12,8 @@ import msgspec
 
 from tpshard.arch import Rule
 from tpshard.errors import PlanError
-from tpshard.plan.dense import PADDED_ROLES, Cut, Layout, cut_tensor, even_cuts, expected_shape, group_of
+from tpshard.cuts import even_cuts
+from tpshard.plan.dense import PADDED_ROLES, Layout, cut_tensor, expected_shape, group_of
 from tpshard.plan.kinds import TensorKind
 from tpshard.quant.formats import QuantSpec, alignment
 from tpshard.quant import shards as qshards
@@ -70,7 +71,7 @@ class QuantLayers:
         """(cutting, logical cuts, group, misalignments, --pad-blocks hint) of a layer [n, k]."""
         logical = msgspec.structs.replace(info, shape=(n, k))
         cutting = cut_tensor(f"{module}.weight", logical, rule, "weight", self.ctx)
-        cuts = [qshards.LogicalCut(*c) for c in cutting.cuts]
+        cuts = cutting.cuts
         group = group_of(rule, self.ctx) if cutting.dim is not None else "replicated"
         bad, pad_hint = [], ""
         if cutting.dim is not None:
@@ -81,8 +82,8 @@ class QuantLayers:
                 atom = alignment(qspec, n, k)[cutting.dim]
                 per = qshards.pad_blocks_per(qspec, full, cutting.group_size, atom)
                 if self.options.pad_blocks:
-                    cuts = [qshards.LogicalCut(*c) for c in even_cuts(full, cutting.group_size, per)]
-                    cutting = cutting._replace(cuts=[Cut(*c) for c in cuts])
+                    cuts = even_cuts(full, cutting.group_size, per)
+                    cutting = cutting._replace(cuts=cuts)
                     bad = qshards.misalignments(qspec, roles, cutting.dim, full, cuts)
                 else:
                     pad_hint = f" Pass --pad-blocks to zero-pad each rank to {per} ({per // atom} blocks)."

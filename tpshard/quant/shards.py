@@ -18,8 +18,8 @@ import math
 import re
 from collections import defaultdict
 from fractions import Fraction
-from typing import NamedTuple
 
+from tpshard.manifest import Cut
 from tpshard.quant.formats import QuantSpec, TensorRole, replicated_on, step_ratio
 
 # What each step is, for messages: the unit a rank boundary must not split.
@@ -45,15 +45,6 @@ ENGINE_MULTIPLES: dict[str, tuple[str, int, int]] = {
 }
 
 
-class LogicalCut(NamedTuple):
-    """One group rank's logical range of the split dim of a quantized layer."""
-
-    group_rank: int
-    start: int
-    length: int
-    pad: int
-
-
 def side_of(dim: int) -> str:
     return "output" if dim == 0 else "input"
 
@@ -63,7 +54,7 @@ def pad_blocks_per(spec: QuantSpec, full: int, parts: int, atom: int) -> int:
     return math.ceil(full / (parts * atom)) * atom
 
 
-def misalignments(spec: QuantSpec, roles: tuple[TensorRole, ...], dim: int, full: int, cuts) -> list[tuple[TensorRole, LogicalCut, str, int]]:
+def misalignments(spec: QuantSpec, roles: tuple[TensorRole, ...], dim: int, full: int, cuts: list[Cut]) -> list[tuple[TensorRole, Cut, str, int]]:
     """(role, cut, step, atom) for every tensor and rank whose logical range is off its step's atom."""
     side = side_of(dim)
     found = []
@@ -80,7 +71,7 @@ def misalignments(spec: QuantSpec, roles: tuple[TensorRole, ...], dim: int, full
 
 
 def misalignment_message(
-    prefix: str, spec: QuantSpec, role: TensorRole, bad: list[tuple[LogicalCut, tuple[int, ...]]], step: str,
+    prefix: str, spec: QuantSpec, role: TensorRole, bad: list[tuple[Cut, tuple[int, ...]]], step: str,
     atom: int, dim: int, full: int, group: str, group_size: int, pad_hint: str,
 ) -> str:  # fmt: skip
     """One line per tensor: the unit it breaks, the first offending rank's numbers, every offending rank."""
@@ -109,7 +100,7 @@ def expected_physical_shape(spec: QuantSpec, role: TensorRole, shape: tuple[int,
     return tuple(out)
 
 
-def physical_cut(spec: QuantSpec, role: TensorRole, dim: int, full: int, cut: LogicalCut) -> tuple[int, int, int, int, Fraction, int, str] | None:
+def physical_cut(spec: QuantSpec, role: TensorRole, dim: int, full: int, cut: Cut) -> tuple[int, int, int, int, Fraction, int, str] | None:
     """(physical dim, start, length, pad, ratio, atom, step) of one rank's cut, or None if whole.
 
     The logical range must be aligned (see `misalignments`); a range ending at `full` takes the
