@@ -4,7 +4,7 @@ What this file is: `cut_tensor`, the only slicing rule of unquantized weights (c
 GQA replicas, merged gate/up, vocab padding, --pad of non-divisible MLP dims), the group a rule's
 layer is cut over (`group_of`), and `dense_kind`, which makes the per-rank records of one kind of
 unquantized tensor from that cut. A quantized linear is cut by the same rules in its logical [N, K]
-coordinates, then per tensor of its format by tpshard.quant.
+coordinates (`logical_layers`), then per tensor of its format by tpshard.quant.layers.
 
 What it is not: no walk over a checkpoint (tpshard.plan.make), no refusal of a topology
 (tpshard.plan.refusals), no file layout (tpshard.plan.files).
@@ -12,13 +12,18 @@ What it is not: no walk over a checkpoint (tpshard.plan.make), no refusal of a t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
+
+import msgspec
 
 from tpshard.arch import SHAPES, Arch, Rule
 from tpshard.cuts import Cutting, ceil_div, even_cuts
 from tpshard.errors import PlanError
 from tpshard.manifest import Cut, Kind, ModelInfo, Options
 from tpshard.plan.kinds import TensorKind
+from tpshard.quant.formats import QuantSpec
+from tpshard.quant.layers import LogicalLayer
 from tpshard.safetensors_format import TensorInfo
 from tpshard.topology import GroupName, Topology
 
@@ -165,3 +170,24 @@ def dense_kind(
             )
         kinds[key] = TensorKind(records, ctx.topology)
     return kinds[key]
+
+
+def logical_layers(ctx: Layout) -> Callable[[str, TensorInfo, QuantSpec, Rule], LogicalLayer]:
+    """The dense rules' cut of each quantized linear, in its logical [N, K] (QuantLayers' `layer_of`):
+    one LogicalLayer per kind of layer, the same object for every module of the kind."""
+    layers: dict[tuple, LogicalLayer] = {}
+
+    def layer_of(module: str, info: TensorInfo, qspec: QuantSpec, rule: Rule) -> LogicalLayer:
+        shape = expected_shape(rule, ctx.model)
+        if shape is None:
+            raise PlanError(f"{module}: quantized ({qspec.format}), but {rule.layer_class} has no quantized load rule")
+        n, k = shape
+        # Every expert (and every layer) of one kind cuts the same way: work it out once.
+        key = (rule.layer_class, rule.role, rule.piece, n, k)
+        if key not in layers:
+            cutting = cut_tensor(f"{module}.weight", msgspec.structs.replace(info, shape=(n, k)), rule, "weight", ctx)
+            group = group_of(rule, ctx) if cutting.dim is not None else "replicated"
+            layers[key] = LogicalLayer(rule.layer_class, rule.piece, rule.role in PADDED_ROLES, n, k, cutting, group)
+        return layers[key]
+
+    return layer_of

@@ -120,7 +120,7 @@ def tensor_plans(entries: list[Entry], first: array, file_of: array) -> tuple[Te
     for entry, a, b in zip(entries, first, itertools.islice(first, 1, None)):
         kind = entry.kind
         if not kind.cuts:
-            continue  # a misaligned quantized cut: refused by QuantLayers.finish
+            continue  # a misaligned quantized cut: refused by tpshard.quant.layers.QuantLayers.finish
         template = templates.get(id(kind))
         if template is None:
             template = templates[id(kind)] = TensorPlan(name="", layer="", cuts=(), **kind.shared)

@@ -19,13 +19,13 @@ from tpshard.collector import paused
 from tpshard.completeness import check_complete
 from tpshard.errors import PlanError
 from tpshard.manifest import FileShards, Options, Plan
-from tpshard.plan.dense import Layout, dense_kind, group_of
+from tpshard.plan.dense import Layout, dense_kind, group_of, logical_layers
 from tpshard.plan.experts import Experts
 from tpshard.plan.files import layout_files, tensor_plans
 from tpshard.plan.kinds import Entry, TensorKind
-from tpshard.plan.quantized import QuantLayers
 from tpshard.plan.refusals import refuse_pipeline, refuse_topology
 from tpshard.quant.config import read_quant_config
+from tpshard.quant.layers import QuantLayers
 from tpshard.topology import Topology
 
 
@@ -60,7 +60,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
     unknown: list[str] = []
     kinds: dict[tuple, TensorKind] = {}  # unquantized tensors (dense_kind)
     quant = read_quant_config(ckpt.path, ckpt.config)
-    qlayers = QuantLayers(ctx)
+    qlayers = QuantLayers(topology, options.pad_blocks, logical_layers(ctx), lambda records: TensorKind(records, topology))
     experts = Experts(ctx)
     # Source order by (file, offset): the writer then reads each file front to back.
     for name, info in sorted(ckpt.tensors.items(), key=lambda kv: (kv[1].file, kv[1].begin)):
@@ -84,7 +84,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
         if qspec is not None and param != "bias":
             if head_copy and name == "model.embed_tokens.weight":
                 raise PlanError(f"{name}: quantized ({qspec.format}) and tied to lm_head; a pipeline's lm_head copy of it is not built")
-            entries.append(Entry(name, name, layer, expert, qlayers.kind(name, info, module, param, qspec, rule, layer, ep_slot, stages)))
+            entries.append(Entry(name, name, layer, expert, qlayers.kind(name, info, module, param, qspec, rule, ep_slot, stages)))
             continue
         targets = [(name, rule, layer, stages)]
         if head_copy and name == "model.embed_tokens.weight":

@@ -1,13 +1,13 @@
 """The load contract of quantized tensors: a layer's logical cut converted into each tensor's physical cut.
 
-What this file is: pure functions that `tpshard.plan` calls for a quantized linear. The layer is cut
-in its logical [N, K] coordinates by the dense rules (same groups, heads, replicas, padding); here
-that cut becomes, for every on-disk tensor of the format, one narrow along one physical dim (or a
-whole copy, or a rewritten value), by the format's row in `tpshard.quant.formats.LAYOUTS`. Every
-conversion is recorded on the ShardSpec (quant, step, ratio, atom, logical_*) so `check` can redo
-it. Also the alignment pre-flight: cuts that would split a pack word, a group, a Marlin tile or an
-FP8 block are errors (with the tensor, the rank and the numbers); what only engine kernels need is
-a warning.
+What this file is: pure functions that `tpshard.quant.layers` calls for a quantized linear. The
+layer is cut in its logical [N, K] coordinates by the dense rules (same groups, heads, replicas,
+padding); here that cut becomes, for every on-disk tensor of the format, one narrow along one
+physical dim (or a whole copy, or a rewritten value), by the format's row in
+`tpshard.quant.formats.LAYOUTS`. Every conversion is recorded on the ShardSpec (quant, step, ratio,
+atom, logical_*) so `check` can redo it. Also the alignment pre-flight: cuts that would split a
+pack word, a group, a Marlin tile or an FP8 block are errors (with the tensor, the rank and the
+numbers); what only engine kernels need is a warning.
 
 What it is not: no file I/O, no config parsing (tpshard.quant.config), no bytes.
 """
@@ -19,7 +19,7 @@ import re
 from collections import defaultdict
 from fractions import Fraction
 
-from tpshard.manifest import Cut
+from tpshard.manifest import Cut, shard_shape
 from tpshard.quant.formats import QuantSpec, TensorRole, replicated_on, step_ratio
 
 # What each step is, for messages: the unit a rank boundary must not split.
@@ -139,7 +139,6 @@ def engine_warnings(findings: dict[tuple, list[str]]) -> list[str]:
 
 def alignment_rows(plan) -> list[dict]:
     """Pre-flight table: per quantized tensor (layers and experts folded) the cut, atom and per-rank sizes."""
-    from tpshard.manifest import shard_shape
     from tpshard.report import generic_name
 
     rows: dict[str, dict] = {}

@@ -1,114 +1,152 @@
-"""Quantized linears of a checkpoint: the layer's logical cut (dense rules) converted per tensor.
+"""The quantized cut: each tensor of a checkpoint's quantized linears, cut per rank from its layer's cut.
 
-What it is not: no dense rule (tpshard.plan.dense), no file layout.
+What this file is: `QuantLayers`, which the plan (tpshard.plan.make) hands every quantized tensor
+and which answers with the tensor's kind, made from its per-rank records once per kind of tensor,
+as the plan cuts a dense weight once per kind with `tpshard.plan.dense.cut_tensor`. The layer is
+cut in its logical [N, K] coordinates by the dense rules (`LogicalLayer`: same groups, heads,
+replicas, padding); here that cut is checked against the format's units (pack words, groups,
+Marlin tiles, FP8 blocks), re-cut to whole blocks under --pad-blocks, and converted for each
+on-disk tensor of the format into one narrow of one physical dim, a whole copy or a rewritten
+value (tpshard.quant.shards). Refusals are collected over the whole checkpoint, so that `finish`
+names every misaligned (tensor, rank) and every missing tensor at once; what only engine kernels
+need is a warning.
+
+What it is not: no dense rule (which dim, which group: tpshard.plan.dense), no config parsing
+(tpshard.quant.config), no file layout, no bytes.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import msgspec
 
-from tpshard.arch import Rule
+from tpshard.cuts import Cutting, even_cuts
 from tpshard.errors import PlanError
-from tpshard.cuts import even_cuts
-from tpshard.plan.dense import PADDED_ROLES, Layout, cut_tensor, expected_shape, group_of
-from tpshard.plan.kinds import TensorKind
 from tpshard.quant.formats import QuantSpec, alignment
-from tpshard.quant import shards as qshards
+from tpshard.quant.shards import (
+    ENGINE_MULTIPLES, PAD_BLOCK_FORMATS, engine_warnings, expected_physical_shape, group_findings, misalignment_message,
+    misalignments, pad_blocks_per, physical_cut,
+)  # fmt: skip
 from tpshard.safetensors_format import TensorInfo
+from tpshard.topology import GroupName, Topology
 
 _LAYER_OR_EXPERT = re.compile(r"\.\d+\.")
 
+K = TypeVar("K")
 
-class QuantLayers:
+
+@dataclass(frozen=True, eq=False)
+class LogicalLayer:
+    """One kind of quantized linear [n, k] as the dense rules cut it, in logical coordinates.
+
+    The plan makes one per kind of layer (class, role, piece, N, K) and hands the same object out
+    for every module of that kind, so it is compared (and hashed) by identity."""
+
+    layer_class: str
+    piece: str
+    padded: bool  # a plain MLP linear, which --pad-blocks may zero-pad to whole blocks
+    n: int
+    k: int
+    cutting: Cutting  # along N (dim 0) or K (dim 1); dim None: whole
+    group: GroupName  # "replicated" when whole
+
+
+class QuantLayers(Generic[K]):
     """Specs of quantized linears: the layer's logical cut (dense rules) converted per tensor.
 
+    `layer_of(module, info, qspec, rule)` is the plan's: the LogicalLayer of a module, asked once
+    per module (after its first tensor's suffix is known to the format, so that a tensor the format
+    has not is refused first, as such); `rule` is the plan's, passed through. `make_kind(records)`
+    makes the plan's kind of a tensor from its per-rank records (dicts of ShardSpec fields).
     Collects alignment errors over the whole checkpoint, so that `finish` refuses once with every
     (tensor, rank, misalignment), and engine-kernel warnings.
     """
 
-    def __init__(self, ctx: Layout):
-        self.ctx = ctx
-        self.topology, self.model, self.options = ctx.topology, ctx.model, ctx.options
-        self.layers: dict[str, tuple] = {}  # module -> (logical cutting, n, k, misaligned suffixes)
+    def __init__(
+        self, topology: Topology, pad_blocks: bool, layer_of: Callable[[str, TensorInfo, QuantSpec, object], LogicalLayer],
+        make_kind: Callable[[list[dict]], K],
+    ):  # fmt: skip
+        self.topology, self.pad_blocks = topology, pad_blocks
+        self.layer_of, self.make_kind = layer_of, make_kind
+        self.layers: dict[str, tuple[LogicalLayer, Cutting, list]] = {}  # module -> (layer, its cutting, aligned cuts or [])
         self.suffixes: dict[str, tuple[QuantSpec, set[str]]] = {}
-        self.cuttings: dict[tuple, tuple] = {}  # (layer kind, n, k, format) -> _logical_cut(...)
+        self.fits: dict[tuple[LogicalLayer, QuantSpec], tuple] = {}  # -> _fit(...)
         self.errors: list[tuple[str, str]] = []  # (tensor, message)
-        self.engine = qshards.group_findings()
-        self.kinds: dict[tuple, TensorKind] = {}
+        self.engine = group_findings()
+        self.kinds: dict[tuple, K] = {}
 
-    def _layer(self, module: str, info: TensorInfo, qspec: QuantSpec, rule: Rule, layer: str, ep_slot: int | None):
+    def _layer(self, module: str, info: TensorInfo, qspec: QuantSpec, rule: object, ep_slot: int | None):
         if module in self.layers:
             return self.layers[module]
-        shape = expected_shape(rule, self.model)
-        if shape is None:
-            raise PlanError(f"{module}: quantized ({qspec.format}), but {rule.layer_class} has no quantized load rule")
-        n, k = shape
-        # Every expert (and every layer) of one kind cuts the same way: work it out once.
-        key = (rule.layer_class, rule.role, rule.piece, n, k, qspec)
-        if key not in self.cuttings:
-            self.cuttings[key] = self._logical_cut(module, info, qspec, rule, n, k)
-        cutting, cuts, group, bad, pad_hint = self.cuttings[key]
+        layer = self.layer_of(module, info, qspec, rule)
+        # Every module of one kind of layer fits the format alike: worked out once.
+        key = (layer, qspec)
+        if key not in self.fits:
+            self.fits[key] = self._fit(layer, qspec)
+        cutting, bad, pad_hint = self.fits[key]
+        cuts = cutting.cuts
         if cutting.dim is not None:
-            full = (n, k)[cutting.dim]
+            full = (layer.n, layer.k)[cutting.dim]
             by_role: dict[str, tuple] = {}
             for role, c, step, atom in bad:
-                ranks = self.topology.ranks_of(group, c.group_rank, cutting.factor, ep_slot)
+                ranks = self.topology.ranks_of(layer.group, c.group_rank, cutting.factor, ep_slot)
                 by_role.setdefault(role.suffix, (role, step, atom, []))[3].append((c, ranks))
             for role, step, atom, cut_ranks in by_role.values():
-                self.errors.append((f"{module}.{role.suffix}", qshards.misalignment_message(
-                    module, qspec, role, cut_ranks, step, atom, cutting.dim, full, group, cutting.group_size, pad_hint,
+                self.errors.append((f"{module}.{role.suffix}", misalignment_message(
+                    module, qspec, role, cut_ranks, step, atom, cutting.dim, full, layer.group, cutting.group_size, pad_hint,
                 )))  # fmt: skip
-            self._engine_check(module, qspec, rule, group, cutting, n, k)
+            self._engine_check(module, qspec, layer, cutting)
             if bad:
                 cuts = []  # refused in finish(); no spec is made from a misaligned cut
-        self.layers[module] = (cutting, cuts, n, k, group)
+        self.layers[module] = (layer, cutting, cuts)
         return self.layers[module]
 
-    def _logical_cut(self, module: str, info: TensorInfo, qspec: QuantSpec, rule: Rule, n: int, k: int):
-        """(cutting, logical cuts, group, misalignments, --pad-blocks hint) of a layer [n, k]."""
-        logical = msgspec.structs.replace(info, shape=(n, k))
-        cutting = cut_tensor(f"{module}.weight", logical, rule, "weight", self.ctx)
-        cuts = cutting.cuts
-        group = group_of(rule, self.ctx) if cutting.dim is not None else "replicated"
+    def _fit(self, layer: LogicalLayer, qspec: QuantSpec):
+        """(cutting, misalignments, --pad-blocks hint) of a layer in this format: the dense rules'
+        cutting, or under --pad-blocks its re-cut to whole blocks."""
+        cutting = layer.cutting
         bad, pad_hint = [], ""
         if cutting.dim is not None:
+            n, k = layer.n, layer.k
             full = (n, k)[cutting.dim]
             roles = qspec.roles()
-            bad = qshards.misalignments(qspec, roles, cutting.dim, full, cuts)
-            if bad and qspec.format in qshards.PAD_BLOCK_FORMATS and rule.role in PADDED_ROLES:
+            bad = misalignments(qspec, roles, cutting.dim, full, cutting.cuts)
+            if bad and qspec.format in PAD_BLOCK_FORMATS and layer.padded:
                 atom = alignment(qspec, n, k)[cutting.dim]
-                per = qshards.pad_blocks_per(qspec, full, cutting.group_size, atom)
-                if self.options.pad_blocks:
-                    cuts = even_cuts(full, cutting.group_size, per)
-                    cutting = cutting._replace(cuts=cuts)
-                    bad = qshards.misalignments(qspec, roles, cutting.dim, full, cuts)
+                per = pad_blocks_per(qspec, full, cutting.group_size, atom)
+                if self.pad_blocks:
+                    cutting = cutting._replace(cuts=even_cuts(full, cutting.group_size, per))
+                    bad = misalignments(qspec, roles, cutting.dim, full, cutting.cuts)
                 else:
                     pad_hint = f" Pass --pad-blocks to zero-pad each rank to {per} ({per // atom} blocks)."
-            elif bad and rule.layer_class == "FusedMoE":
+            elif bad and layer.layer_class == "FusedMoE":
                 pad_hint = (
                     f" SGLang's FusedMoE refuses it too: choose --ep so that moe_tp = tp / ep leaves whole"
                     f" {bad[0][3]}-blocks of the expert intermediate size {full} per rank."
                 )
-        return cutting, cuts, group, bad, pad_hint
+        return cutting, bad, pad_hint
 
-    def _engine_check(self, module, qspec, rule, group, cutting, n, k) -> None:
-        if qspec.format not in qshards.ENGINE_MULTIPLES or cutting.dim is None:
+    def _engine_check(self, module: str, qspec: QuantSpec, layer: LogicalLayer, cutting: Cutting) -> None:
+        if qspec.format not in ENGINE_MULTIPLES or cutting.dim is None:
             return
-        kernel, n_mult, k_mult = qshards.ENGINE_MULTIPLES[qspec.format]
+        kernel, n_mult, k_mult = ENGINE_MULTIPLES[qspec.format]
         per = cutting.cuts[0].length + cutting.cuts[0].pad
-        n_r, k_r = (per, k) if cutting.dim == 0 else (n, per)
-        g = self.topology.group_size(group)
+        n_r, k_r = (per, layer.k) if cutting.dim == 0 else (layer.n, per)
+        g = self.topology.group_size(layer.group)
         for nk, size, mult in (("N", n_r, n_mult), ("K", k_r, k_mult)):
             if size % mult:
-                self.engine[(qspec.format, kernel, nk, size, mult, rule.layer_class, group, g)].append(module)
+                self.engine[(qspec.format, kernel, nk, size, mult, layer.layer_class, layer.group, g)].append(module)
 
     def kind(
-        self, name: str, info: TensorInfo, module: str, suffix: str, qspec: QuantSpec, rule: Rule, layer: str,
+        self, name: str, info: TensorInfo, module: str, suffix: str, qspec: QuantSpec, rule: object,
         ep_slot: int | None = None, stages: tuple[int, ...] | None = None,
-    ) -> TensorKind:  # fmt: skip
+    ) -> K:  # fmt: skip
+        """The kind of the quantized tensor `name` (`module`.`suffix`, as on disk)."""
         try:
             role = qspec.role(suffix)
         except KeyError:
@@ -117,7 +155,8 @@ class QuantLayers:
                 f"{name}: config.json quantizes {module} as {qspec.format} ({qspec.bits}-bit), whose tensors are"
                 f" {', '.join(have)}; '{suffix}' is not one of them (is the module left unquantized? see docs/quantization.md)"
             ) from None
-        cutting, cuts, n, k, group = self._layer(module, info, qspec, rule, layer, ep_slot)
+        layer, cutting, cuts = self._layer(module, info, qspec, rule, ep_slot)
+        n, k = layer.n, layer.k
         self.suffixes.setdefault(module, (qspec, set()))[1].add(suffix)
         if role.dtype is not None and info.dtype != role.dtype:
             raise PlanError(f"{name}: dtype {info.dtype} on disk; {qspec.format} stores {suffix} as {role.dtype}")
@@ -127,16 +166,17 @@ class QuantLayers:
                 f"{name}: shape {list(info.shape)} on disk, but a {qspec.format} {qspec.bits}-bit layer"
                 f" [N={n}, K={k}] (group {qspec.group_size}) stores {suffix} as {list(want)}"
             )
-        # Every expert and layer of one kind cuts alike (TensorKind).
-        key = (rule.layer_class, rule.role, rule.piece, n, k, qspec, suffix, info.dtype, info.shape, ep_slot, stages, bool(cuts))
+        # Every expert and layer of one kind cuts alike.
+        key = (layer, qspec, suffix, info.dtype, info.shape, ep_slot, stages, bool(cuts))
         if key not in self.kinds:
-            self.kinds[key] = TensorKind(self._records(info, qspec, role, rule, cutting, cuts, n, k, group, ep_slot, stages), self.topology)
+            self.kinds[key] = self.make_kind(self._records(info, qspec, role, layer, cutting, cuts, ep_slot, stages))
         return self.kinds[key]
 
-    def _records(self, info, qspec, role, rule, cutting, cuts, n, k, group, ep_slot, stages) -> list[dict]:
+    def _records(self, info, qspec, role, layer, cutting, cuts, ep_slot, stages) -> list[dict]:
         """The per-rank records of one kind of quantized tensor, without its names."""
+        n, k, group = layer.n, layer.k, layer.group
         base = dict(
-            layer_class=rule.layer_class, piece=rule.piece, dtype=info.dtype,
+            layer_class=layer.layer_class, piece=layer.piece, dtype=info.dtype,
             source_shape=info.shape, quant=qspec.format, logical_dim=cutting.dim, logical_size=(n, k)[cutting.dim or 0],
             ep_slot=ep_slot,
         )  # fmt: skip
@@ -212,9 +252,9 @@ class QuantLayers:
             raise PlanError(
                 f"{len(self.errors)} quantized tensor cut(s) do not align at {self.topology.describe()}; nothing was written:\n  {shown}{more}"
             )
-        return qshards.engine_warnings(self.engine)
+        return engine_warnings(self.engine)
 
 
 # The same quantized cut recurs for every expert and layer; Fraction arithmetic is worth caching.
-_expected_physical_shape = functools.lru_cache(maxsize=4096)(qshards.expected_physical_shape)
-_physical_cut = functools.lru_cache(maxsize=16384)(qshards.physical_cut)
+_expected_physical_shape = functools.lru_cache(maxsize=4096)(expected_physical_shape)
+_physical_cut = functools.lru_cache(maxsize=16384)(physical_cut)
