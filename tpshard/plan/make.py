@@ -1,10 +1,11 @@
 """make_plan: a checkpoint's tensors matched to their rules and cut, then laid out in files.
 
 What this file is: the walk over a checkpoint's tensors in source order, each matched to its rule,
-placed (EP slot, pipeline stages) and cut once per kind (dense rules, or tpshard.quant for a
-quantized linear); then the refusals of what is missing and the Plan, its files laid out.
+placed (EP slot, pipeline stages) and cut once per kind (tpshard.plan.dense, or
+tpshard.quant.layers for a tensor of a quantized linear); then the refusals of what is missing,
+and the Plan, its files laid out.
 
-What it is not: no slicing rule (tpshard.plan.dense, tpshard.quant), no file layout
+What it is not: no slicing rule (tpshard.plan.dense, tpshard.quant.layers), no file layout
 (tpshard.plan.files).
 """
 
