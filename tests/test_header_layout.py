@@ -10,10 +10,10 @@ import os
 import pytest
 
 import tpshard
-from tpshard import plan as plan_module
 from tpshard.checkpoint import open_checkpoint
 from tpshard.manifest import Options, read_manifest
 from tpshard.plan import FILE_METADATA, file_header, make_plan
+from tpshard.plan import files as plan_files  # where make_plan lays out its files
 from tpshard import safetensors_format
 from tpshard.safetensors_format import ALIGN, DTYPE_SIZE, build_header, by_kind, header_layout, kinds_header_pieces, nbytes_of, plain_json
 from tpshard.topology import Topology
@@ -110,7 +110,7 @@ def test_make_plan_lays_out_alike_both_ways(llama, monkeypatch):
     plain JSON, and else through kinds_header_layout (which builds the header of names JSON
     escapes): the same layout."""
     counted = make_plan(open_checkpoint(llama), Topology(tp=8))
-    monkeypatch.setattr(plan_module, "plain_names", lambda names, metadata: False)
+    monkeypatch.setattr(plan_files, "plain_names", lambda names, metadata: False)
     built = make_plan(open_checkpoint(llama), Topology(tp=8))
     assert built.__dict__["_layouts"] == counted.__dict__["_layouts"]
 
@@ -128,13 +128,13 @@ def test_a_plan_read_from_a_manifest_lays_out_alike(llama, tmp_path):
 def test_a_wrong_planned_header_size_is_refused_not_written(llama, tmp_path, monkeypatch):
     """A header whose length is not the planned one would put every tensor at the wrong offset: the
     writer raises before any output is put in place."""
-    counted = plan_module.plain_layout
+    counted = plan_files.plain_layout
 
     def eight_bytes_short(text, sizes, metadata=None):
         size, offsets = counted(text, sizes, metadata)
         return size - 8, [o - 8 for o in offsets]
 
-    monkeypatch.setattr(plan_module, "plain_layout", eight_bytes_short)
+    monkeypatch.setattr(plan_files, "plain_layout", eight_bytes_short)
     with pytest.raises(AssertionError, match="the header built is .* bytes, the plan laid it out as"):
         tpshard.split(llama, tmp_path / "out", Topology(tp=2))
     assert [e for e in os.listdir(tmp_path) if e == "out" or e.startswith(".out.")] == []
@@ -145,7 +145,7 @@ def test_headers_built_by_json_write_the_same_output(llama, tmp_path, monkeypatc
     forced for plain names, it writes the very bytes of the direct way, and check finds them right."""
     tpshard.split(llama, tmp_path / "direct", Topology(tp=4))
     monkeypatch.setattr(safetensors_format, "plain_names", lambda names, metadata: False)
-    monkeypatch.setattr(plan_module, "plain_names", lambda names, metadata: False)
+    monkeypatch.setattr(plan_files, "plain_names", lambda names, metadata: False)
     tpshard.split(llama, tmp_path / "by-json", Topology(tp=4))
     for path in sorted((tmp_path / "direct").rglob("*")):
         if path.is_file():

@@ -50,19 +50,19 @@ def round_robin_split(model: Path, out: Path, topo: Topology) -> None:
     """A split by a plan that deals experts to EP slots round-robin (e % ep) instead of in blocks:
     self-consistent (its manifest, files and checksums agree, every source tensor reassembles),
     but each rank holds experts its FusedMoE never owns."""
-    from tpshard import plan as plan_mod
+    from tpshard.plan.experts import Experts
 
-    place = plan_mod._Experts.place
+    place = Experts.place
 
     def round_robin(self, name, rule, expert):
         slot = place(self, name, rule, expert)
         return None if slot is None else expert % topo.ep
 
-    plan_mod._Experts.place = round_robin
+    Experts.place = round_robin
     try:
         tpshard.split(model, out, topo)
     finally:
-        plan_mod._Experts.place = place
+        Experts.place = place
 
 
 def broken_outputs(model: Path, good: Path, root: Path) -> dict[str, Path]:

@@ -68,19 +68,19 @@ def unshare(out: Path, rank: int, name: str) -> None:
 def split_with_layer_on_stage(model: Path, out: Path, topo: Topology, layer: int, stage: int) -> None:
     """A split whose plan puts every tensor of decoder layer `layer` on `stage`: self-consistent (its
     files, checksums and reassembly agree), but the engine builds that layer on another stage."""
-    from tpshard import plan as plan_mod
+    from tpshard.plan import refusals  # refuse_pipeline's stages of each tensor
     from tpshard.stages import layer_of
 
-    real = plan_mod.tensor_stages
+    real = refusals.tensor_stages
 
     def moved(name, counts, **kw):
         return (stage,) if layer_of(name) == layer else real(name, counts, **kw)
 
-    plan_mod.tensor_stages = moved
+    refusals.tensor_stages = moved
     try:
         tpshard.split(model, out, topo)
     finally:
-        plan_mod.tensor_stages = real
+        refusals.tensor_stages = real
 
 
 def broken_outputs(model: Path, good: Path, root: Path) -> dict[str, Path]:

@@ -1,7 +1,12 @@
-"""Quantized on-disk formats: bit packing (`packing`) and per-format layouts + dequantize (`formats`).
+"""Quantized on-disk formats, and the cut of quantized linears.
 
-This package knows how each format lays out one linear layer and how logical N/K offsets map onto
-each tensor's physical dims. It does not parse configs per module, plan shards or touch files.
+The package, in dependency order: `units` (code widths, Marlin's tile), `formats` (per-format
+layouts, logical -> physical offsets, dequantize; torch only inside the functions that compute),
+`packing` (bit packing, torch), `config` (a checkpoint's quantization_config resolved per module),
+`shards` (one layer's logical cut converted per tensor, alignment checks) and `layers` (every
+quantized tensor of a checkpoint cut per rank, for tpshard.plan). It does not decide the dense
+rules (tpshard.plan.dense) or touch files. Its modules import each other by full path, never
+through this file, which re-exports the names of `formats`.
 """
 
 from tpshard.quant.formats import (

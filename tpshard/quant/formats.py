@@ -31,13 +31,12 @@ from typing import TYPE_CHECKING, Literal, Mapping
 
 import msgspec
 
+from tpshard.quant.units import MARLIN_TILE, SUPPORTED_BITS
+
+# torch (and tpshard.quant.packing, which needs it) is imported inside the functions that compute:
+# planning reads only the layout table, and the CLI should not pay torch's import for it.
 if TYPE_CHECKING:
     import torch
-
-# torch is imported inside the functions that compute: planning reads only the layout table, and
-# the CLI should not pay torch's import for it.
-SUPPORTED_BITS = (2, 3, 4, 8)
-MARLIN_TILE = 16  # Marlin B rows are 16-row K strips; tiles are 16x16
 
 FormatName = Literal[
     "gptq",  # AutoGPTQ / GPTQModel checkpoint_format "gptq" (v1: qzeros store z - 1)
@@ -351,7 +350,7 @@ def dequantize(spec: QuantSpec, tensors: Mapping[str, torch.Tensor], *, k: int |
     """
     import torch
 
-    from tpshard.quant import packing
+    import tpshard.quant.packing as packing
 
     t = dict(tensors)
     missing = sorted({r.suffix for r in spec.roles()} - set(t) - {"g_idx"})
@@ -420,7 +419,7 @@ def pack_layer(
     """
     import torch
 
-    from tpshard.quant import packing
+    import tpshard.quant.packing as packing
 
     f, b = spec.format, spec.bits
     n, k = codes.shape
@@ -500,7 +499,7 @@ def random_layer(
     """
     import torch
 
-    from tpshard.quant import packing
+    import tpshard.quant.packing as packing
 
     scale_dtype = scale_dtype or torch.float16
     gen = torch.Generator().manual_seed(seed)

@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from tpshard.quant.formats import MARLIN_TILE, SUPPORTED_BITS
+from tpshard.quant.units import MARLIN_TILE, SUPPORTED_BITS
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column 8c + AWQ_ORDER[i]
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # inverse permutation of AWQ_ORDER

@@ -1,13 +1,13 @@
 """The load contract of quantized tensors: a layer's logical cut converted into each tensor's physical cut.
 
-What this file is: pure functions that `tpshard.plan` calls for a quantized linear. The layer is cut
-in its logical [N, K] coordinates by the dense rules (same groups, heads, replicas, padding); here
-that cut becomes, for every on-disk tensor of the format, one narrow along one physical dim (or a
-whole copy, or a rewritten value), by the format's row in `tpshard.quant.formats.LAYOUTS`. Every
-conversion is recorded on the ShardSpec (quant, step, ratio, atom, logical_*) so `check` can redo
-it. Also the alignment pre-flight: cuts that would split a pack word, a group, a Marlin tile or an
-FP8 block are errors (with the tensor, the rank and the numbers); what only engine kernels need is
-a warning.
+What this file is: pure functions that `tpshard.quant.layers` calls for a quantized linear. The
+layer is cut in its logical [N, K] coordinates by the dense rules (same groups, heads, replicas,
+padding); here that cut becomes, for every on-disk tensor of the format, one narrow along one
+physical dim (or a whole copy, or a rewritten value), by the format's row in
+`tpshard.quant.formats.LAYOUTS`. Every conversion is recorded on the ShardSpec (quant, step, ratio,
+atom, logical_*) so `check` can redo it. Also the alignment pre-flight: cuts that would split a
+pack word, a group, a Marlin tile or an FP8 block are errors (with the tensor, the rank and the
+numbers); what only engine kernels need is a warning.
 
 What it is not: no file I/O, no config parsing (tpshard.quant.config), no bytes.
 """
@@ -18,8 +18,8 @@ import math
 import re
 from collections import defaultdict
 from fractions import Fraction
-from typing import NamedTuple
 
+from tpshard.manifest import Cut, shard_shape
 from tpshard.quant.formats import QuantSpec, TensorRole, replicated_on, step_ratio
 
 # What each step is, for messages: the unit a rank boundary must not split.
@@ -45,15 +45,6 @@ ENGINE_MULTIPLES: dict[str, tuple[str, int, int]] = {
 }
 
 
-class LogicalCut(NamedTuple):
-    """One group rank's logical range of the split dim of a quantized layer."""
-
-    group_rank: int
-    start: int
-    length: int
-    pad: int
-
-
 def side_of(dim: int) -> str:
     return "output" if dim == 0 else "input"
 
@@ -63,7 +54,7 @@ def pad_blocks_per(spec: QuantSpec, full: int, parts: int, atom: int) -> int:
     return math.ceil(full / (parts * atom)) * atom
 
 
-def misalignments(spec: QuantSpec, roles: tuple[TensorRole, ...], dim: int, full: int, cuts) -> list[tuple[TensorRole, LogicalCut, str, int]]:
+def misalignments(spec: QuantSpec, roles: tuple[TensorRole, ...], dim: int, full: int, cuts: list[Cut]) -> list[tuple[TensorRole, Cut, str, int]]:
     """(role, cut, step, atom) for every tensor and rank whose logical range is off its step's atom."""
     side = side_of(dim)
     found = []
@@ -80,7 +71,7 @@ def misalignments(spec: QuantSpec, roles: tuple[TensorRole, ...], dim: int, full
 
 
 def misalignment_message(
-    prefix: str, spec: QuantSpec, role: TensorRole, bad: list[tuple[LogicalCut, tuple[int, ...]]], step: str,
+    prefix: str, spec: QuantSpec, role: TensorRole, bad: list[tuple[Cut, tuple[int, ...]]], step: str,
     atom: int, dim: int, full: int, group: str, group_size: int, pad_hint: str,
 ) -> str:  # fmt: skip
     """One line per tensor: the unit it breaks, the first offending rank's numbers, every offending rank."""
@@ -109,7 +100,7 @@ def expected_physical_shape(spec: QuantSpec, role: TensorRole, shape: tuple[int,
     return tuple(out)
 
 
-def physical_cut(spec: QuantSpec, role: TensorRole, dim: int, full: int, cut: LogicalCut) -> tuple[int, int, int, int, Fraction, int, str] | None:
+def physical_cut(spec: QuantSpec, role: TensorRole, dim: int, full: int, cut: Cut) -> tuple[int, int, int, int, Fraction, int, str] | None:
     """(physical dim, start, length, pad, ratio, atom, step) of one rank's cut, or None if whole.
 
     The logical range must be aligned (see `misalignments`); a range ending at `full` takes the
@@ -148,7 +139,6 @@ def engine_warnings(findings: dict[tuple, list[str]]) -> list[str]:
 
 def alignment_rows(plan) -> list[dict]:
     """Pre-flight table: per quantized tensor (layers and experts folded) the cut, atom and per-rank sizes."""
-    from tpshard.manifest import shard_shape
     from tpshard.report import generic_name
 
     rows: dict[str, dict] = {}

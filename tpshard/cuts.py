@@ -1,0 +1,38 @@
+"""A tensor's cut over its group's ranks, as the rules decide it, and even pieces of one dim.
+
+What this file is: `Cutting` (the kind of cut, the dim, the replica factor, how many pieces, and
+each group rank's piece as a `tpshard.manifest.Cut`), `even_cuts` and `ceil_div`: the arithmetic
+that the dense rules (tpshard.plan.dense) and the quantized cut (tpshard.quant.layers, which
+re-cuts a layer to whole blocks under --pad-blocks) both write their cuts with.
+
+What it is not: no rule (which dim, which group: tpshard.plan.dense), no file: a cut decided here
+names file 0 until the plan lays its tensor out (tpshard.plan.kinds.TensorKind.plan_cuts).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from tpshard.manifest import Cut, Kind
+
+
+class Cutting(NamedTuple):
+    """How one tensor (or a quantized layer, in its logical [N, K]) is cut over its group."""
+
+    kind: Kind
+    dim: int | None  # None: whole, one replica held by every rank of the group
+    factor: int  # consecutive group ranks holding one piece (GQA kv replicas); the group size when whole
+    group_size: int  # how many pieces
+    cuts: list[Cut]  # a piece per group rank of `group_size`, file 0 until laid out
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def even_cuts(n: int, parts: int, per: int) -> list[Cut]:
+    """`parts` pieces of `per` along a dim of size n; trailing pieces are zero-padded past n."""
+    return [
+        Cut(r, r * per, max(0, min(per, n - r * per)), per - max(0, min(per, n - r * per)), 0)
+        for r in range(parts)
+    ]

@@ -1,0 +1,193 @@
+"""The dense load rules: how one tensor is cut over its layer's group, from its rule and shape.
+
+What this file is: `cut_tensor`, the only slicing rule of unquantized weights (column, row, QKV with
+GQA replicas, merged gate/up, vocab padding, --pad of non-divisible MLP dims), the group a rule's
+layer is cut over (`group_of`), and `dense_kind`, which makes the per-rank records of one kind of
+unquantized tensor from that cut. A quantized linear is cut by the same rules in its logical [N, K]
+coordinates (`logical_layers`), then per tensor of its format by tpshard.quant.layers.
+
+What it is not: no walk over a checkpoint (tpshard.plan.make), no refusal of a topology
+(tpshard.plan.refusals), no file layout (tpshard.plan.files).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import msgspec
+
+from tpshard.arch import SHAPES, Arch, Rule
+from tpshard.cuts import Cutting, ceil_div, even_cuts
+from tpshard.errors import PlanError
+from tpshard.manifest import Cut, Kind, ModelInfo, Options
+from tpshard.plan.kinds import TensorKind
+from tpshard.quant.formats import QuantSpec
+from tpshard.quant.layers import LogicalLayer
+from tpshard.safetensors_format import TensorInfo
+from tpshard.topology import GroupName, Topology
+
+# MLP roles whose intermediate dim may be zero-padded (--pad, --pad-blocks): plain linears over
+# tp, where padded gate/up rows meet padded down columns. Routed experts are never padded
+# (SGLang's FusedMoE asserts I_e % moe_tp == 0), attention never (whole heads).
+PADDED_ROLES = ("mlp", "dense_mlp", "shared_expert")
+
+
+class Layout(NamedTuple):
+    """Everything a rule is applied with, besides the tensor itself."""
+
+    topology: Topology
+    model: ModelInfo
+    options: Options
+    arch: Arch
+
+
+def group_of(rule: Rule, ctx: Layout) -> GroupName:
+    """The group a rule's layer is cut over: the architecture says which for attention and embedding."""
+    match rule.role:
+        case "attn":
+            return ctx.arch.attn_group
+        case "embed":
+            return ctx.arch.embed_group
+        case "lm_head":
+            return "attn_tp" if ctx.options.dp_lm_head else "tp"
+        case "dense_mlp":
+            return "replicated" if ctx.topology.dense_tp == 1 else "tp"
+        case "expert":
+            return "moe_tp"
+        case "mlp" | "shared_expert":
+            return "tp"
+    return "replicated"
+
+
+def expected_shape(rule: Rule, model: ModelInfo) -> tuple[int, int] | None:
+    """[out, in] of a weight according to config.json."""
+    return SHAPES[rule.shape](model) if rule.shape else None
+
+
+def cut_tensor(name: str, info: TensorInfo, rule: Rule, param: str, ctx: Layout) -> Cutting:
+    """How one tensor is cut over its layer's group: the load contract of one weight."""
+    topology, model, options = ctx.topology, ctx.model, ctx.options
+    group = group_of(rule, ctx)
+    g = topology.group_size(group)
+    shape = info.shape
+    cls = rule.layer_class
+
+    expected = expected_shape(rule, model)
+    if expected and param == "weight" and shape != expected:
+        raise PlanError(f"{name}: shape {list(shape)} on disk, but config.json implies {list(expected)}")
+    if expected and param == "bias" and shape != (expected[0],):
+        raise PlanError(f"{name}: shape {list(shape)} on disk, but config.json implies [{expected[0]}]")
+
+    def whole(kind: Kind) -> Cutting:
+        length = shape[0] if shape else 1
+        # factor = group size: every rank of the group holds the one replica
+        return Cutting(kind, None, g, 1, [Cut(0, 0, length, 0, 0)])
+
+    if cls in ("Replicated", "ReplicatedLinear"):
+        return whole("replicated")
+    if cls == "RowParallelLinear" and param == "bias":
+        return whole("row_bias")
+    if param not in ("weight", "bias"):
+        raise PlanError(f"{name}: no rule for parameter '{param}' of {cls} {rule.layer}")
+
+    if cls in ("VocabParallelEmbedding", "ParallelLMHead"):
+        v = shape[0]
+        v_pad = ceil_div(v, options.vocab_multiple) * options.vocab_multiple
+        if v_pad % g:
+            raise PlanError(
+                f"{name}: vocab {v} padded to {v_pad} (multiple of {options.vocab_multiple}) does not"
+                f" divide over the {group} group of {g} ranks"
+            )
+        return Cutting("vocab", 0, 1, g, even_cuts(v, g, v_pad // g))
+
+    if (cls == "QKVParallelLinear" or rule.heads) and model.num_heads % g:
+        raise PlanError(
+            f"{name}: {model.num_heads} attention heads do not divide over the {group} group of {g} ranks"
+        )
+
+    if cls == "QKVParallelLinear":
+        if rule.piece == "q":
+            per = model.num_heads // g * model.head_dim
+            return Cutting("qkv_q", 0, 1, g, even_cuts(shape[0], g, per))
+        kv = model.num_kv_heads
+        if g % kv and kv % g:
+            raise PlanError(
+                f"{name}: {kv} kv heads and the {group} group of {g} ranks: neither divides the other,"
+                " so kv heads can be neither split nor replicated evenly"
+            )
+        head_rows = shape[0] // kv  # v_head_dim may differ from head_dim
+        if g >= kv:  # each rank holds 1 kv head; `g // kv` consecutive ranks share it
+            return Cutting(f"qkv_{rule.piece}", 0, g // kv, kv, even_cuts(shape[0], kv, head_rows))  # type: ignore[arg-type]
+        return Cutting(f"qkv_{rule.piece}", 0, 1, g, even_cuts(shape[0], g, kv // g * head_rows))  # type: ignore[arg-type]
+
+    if cls == "FusedMoE":  # w1/w3 by rows, w2 by columns, over the MoE-TP ranks of the expert's slot
+        dim = 1 if rule.piece == "w2" else 0
+        n = shape[dim]
+        if n % g:
+            raise PlanError(
+                f"{name}: expert intermediate size {n} does not divide over moe_tp {g} (tp {topology.tp} / ep"
+                f" {topology.ep}); SGLang's FusedMoE asserts it. Choose --ep so that tp / ep divides {n}"
+            )
+        return Cutting("row" if dim else "merged", dim, 1, g, even_cuts(n, g, n // g))
+
+    if cls in ("MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear"):
+        kind: Kind = {"MergedColumnParallelLinear": "merged", "ColumnParallelLinear": "column"}.get(cls, "row")  # type: ignore[assignment]
+        dim = 1 if kind == "row" else 0
+        n = shape[dim]
+        if n % g:
+            if not (options.pad and rule.role in PADDED_ROLES):
+                hint = " (pass --pad to zero-pad it)" if rule.role in PADDED_ROLES else ""
+                raise PlanError(f"{name}: dim {dim} of size {n} does not divide over the {group} group of {g} ranks{hint}")
+            return Cutting(kind, dim, 1, g, even_cuts(n, g, ceil_div(n, g)))
+        return Cutting(kind, dim, 1, g, even_cuts(n, g, n // g))
+
+    raise PlanError(f"{name}: layer class {cls} has no load rule")
+
+
+def dense_kind(
+    name: str, info: TensorInfo, rule: Rule, param: str, ep_slot: int | None, stages: tuple[int, ...] | None,
+    ctx: Layout, kinds: dict[tuple, TensorKind],
+) -> TensorKind:  # fmt: skip
+    """The kind of an unquantized tensor (`name` only names refusals)."""
+    key = (rule, param, info.dtype, info.shape, ep_slot, stages)
+    if key not in kinds:
+        cutting = cut_tensor(name, info, rule, param, ctx)
+        group = group_of(rule, ctx) if cutting.kind != "replicated" else "replicated"
+        records = []
+        for cut in cutting.cuts:
+            shape = list(info.shape)
+            if cutting.dim is not None:
+                shape[cutting.dim] = cut.length + cut.pad
+            records.append(
+                dict(
+                    layer_class=rule.layer_class, piece=rule.piece, kind=cutting.kind, dtype=info.dtype,
+                    source_shape=info.shape, shape=tuple(shape), dim=cutting.dim, start=cut.start, length=cut.length,
+                    pad=cut.pad, group=group, factor=cutting.factor, group_rank=cut.group_rank,
+                    group_size=cutting.group_size, ep_slot=ep_slot,
+                    ranks=ctx.topology.ranks_of(group, cut.group_rank, cutting.factor, ep_slot, stages),
+                )  # fmt: skip
+            )
+        kinds[key] = TensorKind(records, ctx.topology)
+    return kinds[key]
+
+
+def logical_layers(ctx: Layout) -> Callable[[str, TensorInfo, QuantSpec, Rule], LogicalLayer]:
+    """The dense rules' cut of each quantized linear, in its logical [N, K] (QuantLayers' `layer_of`):
+    one LogicalLayer per kind of layer, the same object for every module of the kind."""
+    layers: dict[tuple, LogicalLayer] = {}
+
+    def layer_of(module: str, info: TensorInfo, qspec: QuantSpec, rule: Rule) -> LogicalLayer:
+        shape = expected_shape(rule, ctx.model)
+        if shape is None:
+            raise PlanError(f"{module}: quantized ({qspec.format}), but {rule.layer_class} has no quantized load rule")
+        n, k = shape
+        # Every expert (and every layer) of one kind cuts the same way: work it out once.
+        key = (rule.layer_class, rule.role, rule.piece, n, k)
+        if key not in layers:
+            cutting = cut_tensor(f"{module}.weight", msgspec.structs.replace(info, shape=(n, k)), rule, "weight", ctx)
+            group = group_of(rule, ctx) if cutting.dim is not None else "replicated"
+            layers[key] = LogicalLayer(rule.layer_class, rule.piece, rule.role in PADDED_ROLES, n, k, cutting, group)
+        return layers[key]
+
+    return layer_of

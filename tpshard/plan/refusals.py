@@ -1,0 +1,95 @@
+"""Topologies and pipelines the engine refuses, refused before any tensor is cut.
+
+What this file is: `refuse_topology` (attention DP, --dp-lm-head, expert parallelism, --moe-dense-tp
+against the architecture and config.json: a one-line PlanError each, else warnings) and
+`refuse_pipeline` (at pp > 1: the stages holding each tensor and the engine's placement).
+
+What it is not: no per-tensor cut (tpshard.plan.dense), no check of the experts a checkpoint holds
+(tpshard.plan.experts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from tpshard.errors import PlanError
+from tpshard.plan.dense import Layout
+from tpshard.safetensors_format import TensorInfo
+from tpshard.stages import Placement, layer_of, placement, refuse_engine_layout, tensor_stages
+
+
+def refuse_topology(ctx: Layout, config: dict) -> list[str]:
+    """Topologies the engine refuses or would not build as asked (one line each); else warnings."""
+    t, m, a, o = ctx.topology, ctx.model, ctx.arch, ctx.options
+    engine = f"SGLang {a.engine}"
+    if a.check:
+        a.check(config, m)
+    if t.attn_dp > 1 and not a.attn_dp:
+        raise PlanError(
+            f"--attn-dp {t.attn_dp}: {m.architecture} has no attention-DP layout in {engine} (attention, embedding"
+            " and lm_head stay over the full tp group); split without --attn-dp"
+        )
+    if o.dp_lm_head and t.attn_dp == 1:
+        raise PlanError(
+            "--dp-lm-head needs --attn-dp > 1: SGLang turns --enable-dp-lm-head off without attention DP,"
+            " so lm_head would be cut over tp, not the layout asked for"
+        )
+    if o.dp_lm_head and not a.dp_lm_head:
+        raise PlanError(
+            f"--dp-lm-head: {engine} builds the {m.architecture} lm_head over the full tp group whatever"
+            " --enable-dp-lm-head says; split without --dp-lm-head"
+        )
+    warnings = []
+    if t.attn_dp > 1 and a.attn_group == "tp" and a.embed_group == "tp":
+        warnings.append(
+            f"{m.architecture}: {engine} cuts attention and the embedding over the full tp group also under"
+            f" attention DP, so --attn-dp {t.attn_dp} gives the layout of --attn-dp 1"
+            + (" except lm_head (--dp-lm-head)" if o.dp_lm_head else "")
+        )
+    elif t.attn_dp > 1 and a.attn_group == "tp":
+        warnings.append(
+            f"{m.architecture}: {engine} cuts attention over the full tp group also under attention DP;"
+            f" only the embedding follows --attn-dp {t.attn_dp}"
+        )
+    if not m.num_experts or a.sparse is None:
+        if t.ep > 1:
+            raise PlanError(f"--ep {t.ep}: {m.architecture} has no routed experts; expert parallelism needs a MoE model")
+    else:
+        e = m.num_experts
+        if e % t.ep:
+            raise PlanError(f"--ep {t.ep} does not divide the {e} routed experts of {m.architecture}: every EP slot holds experts / ep")
+        if a.experts_limit and t.span(a.experts_limit) > e:
+            raise PlanError(
+                f"{a.experts_limit} size {t.span(a.experts_limit)} is greater than the {e} routed experts of"
+                f" {m.architecture}; {engine} refuses it"
+            )
+        if m.moe_intermediate_size % t.moe_tp:
+            raise PlanError(
+                f"expert intermediate size {m.moe_intermediate_size} does not divide over moe_tp {t.moe_tp}"
+                f" (tp {t.tp} / ep {t.ep}); SGLang's FusedMoE asserts it. Choose --ep so that tp / ep divides it"
+            )
+    if t.moe_dense_tp is not None and not any(r.role == "dense_mlp" for r in a.rules):
+        raise PlanError(f"--moe-dense-tp applies to DeepSeek's dense MLP layers; {m.architecture} has none")
+    return warnings
+
+
+def refuse_pipeline(ctx: Layout, tensors: Mapping[str, TensorInfo]) -> tuple[Callable[[str], tuple[int, ...]], Placement] | None:
+    """At pp > 1: the stages holding each tensor (by name) and the engine's placement, or a
+    one-line refusal of a layout the engine cannot serve or tpshard does not know. None at pp 1."""
+    t, m, a = ctx.topology, ctx.model, ctx.arch
+    if t.pp == 1:
+        return None
+    where = placement(a, t.placed_for, tied=m.tie_word_embeddings, pp=t.pp)
+    refuse_engine_layout(t.placed_for, t, ctx.options.dp_lm_head)
+    if sum(t.pp_layers) != m.num_layers:
+        raise PlanError(f"--pp-layers {','.join(map(str, t.pp_layers))} adds up to {sum(t.pp_layers)} layers; the model has {m.num_layers}")
+    mtp = any((i := layer_of(name)) is not None and i >= m.num_layers for name in tensors)
+    counts = t.pp_layers
+
+    def stages_of(name: str) -> tuple[int, ...]:
+        stages = tensor_stages(name, counts, head=where.head, mtp=mtp, embed_last=where.embed_last)
+        if stages is None:
+            raise PlanError(f"{name}: no pipeline stage is known to hold it (not in a decoder layer, the embedding, the final norm or lm_head)")
+        return stages
+
+    return stages_of, where
