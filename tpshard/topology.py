@@ -98,10 +98,10 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         problem = self._problem()
         if problem is not None:
-            # The options of the CLI and the manifests tpshard reads back have always been refused in
-            # the CLI's flags (--attn-dp 3), which scripts and docs quote; a Topology a caller's code
-            # builds is refused in the fields it passed (attn_dp=3). msgspec's constructor, decoder and
-            # structs.replace are C, so the frame under this one is the Python code that asked.
+            # Built by tpshard itself (cli._topology from the options, a manifest decoded), the
+            # message names the CLI's flags (--attn-dp 3), byte for byte as it always has; built by a
+            # caller's code, it names the fields that code passed (attn_dp=3). msgspec's constructor,
+            # decoder and structs.replace are C, so the frame under this one is the Python that asked.
             caller = sys._getframe(0).f_back
             tpshard_code = caller is not None and caller.f_globals.get("__name__", "").startswith("tpshard.")
             raise TopologyError(problem(_flag if tpshard_code else _field))
