@@ -4,16 +4,19 @@ OutputError naming the file and the tensor; verify=False is the documented opt-o
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import tpshard
 from broken import file_specs
-from tpshard.errors import OutputError
+from tpshard.errors import OutputError, TpshardError, UsageError
 from tpshard.manifest import rank_dir, read_manifest
 from tpshard.plan import spec_layout
 from tpshard.topology import Topology
@@ -111,6 +114,81 @@ def test_truncated_file_and_link_out_of_the_output_are_refused(out, tmp_path):
     path.symlink_to(outside)
     refused(out, 1, files[(1,)], "plain file")
 
+
+
+# ---- the Python API: a context manager, a repr, arguments refused up front ----
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files through /proc")
+def test_open_rank_is_a_context_manager_that_closes_its_files(good):
+    before = _open_fds()
+    with tpshard.open_rank(good, 1) as tensors:
+        assert isinstance(tensors, tpshard.rank.RankTensors)
+        read = {k: tensors[k] for k in tensors}
+        assert _open_fds() - before  # reading opened the rank's files
+    assert _open_fds() == before
+    assert read.keys() == tpshard.load_rank(good, 1).keys()
+    with pytest.raises(KeyError):  # an error inside the block is not swallowed, and the files close
+        with tpshard.open_rank(good, 1) as tensors:
+            tensors[next(iter(tensors))]
+            tensors["no such tensor"]
+    assert _open_fds() == before
+
+
+def test_rank_tensors_repr_names_the_output_rank_and_count(good):
+    tensors = tpshard.open_rank(str(good), 2)
+    assert repr(tensors) == f"<RankTensors out={str(good)!r} rank=2 tensors={len(tensors)}>"
+    assert len(tensors) == len(read_manifest(good).plan.rank_shards(2))
+
+
+BAD_ARGUMENTS = [
+    (dict(rank="1"), "rank must be an integer from 0 to 65535, got '1'"),
+    (dict(rank=True), "rank must be an integer from 0 to 65535, got True"),
+    (dict(rank=1.0), "rank must be an integer from 0 to 65535, got 1.0"),
+    (dict(rank=-1), "rank must be an integer from 0 to 65535, got -1"),
+    (dict(rank=1 << 16), "rank must be an integer from 0 to 65535, got 65536"),
+    (dict(out_dir=None), "out_dir must be a folder path (str or os.PathLike), got None"),
+    (dict(out_dir=7), "out_dir must be a folder path (str or os.PathLike), got 7"),
+    (dict(out_dir=b"out"), "out_dir must be a folder path (str or os.PathLike), got b'out'"),
+    (dict(verify="no"), "verify must be True or False, got 'no'"),
+    (dict(verify=0), "verify must be True or False, got 0"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("loader", ["open_rank", "load_rank"])
+@pytest.mark.parametrize("bad, message", BAD_ARGUMENTS, ids=[f"{k}={v!r}" for b, _ in BAD_ARGUMENTS for k, v in b.items()])
+def test_bad_arguments_are_refused_up_front_without_del_noise(good, loader, bad, message):
+    """One UsageError naming the argument, before any file is read; no "Exception ignored in
+    RankTensors.__del__" from the half-made mapping."""
+    args = dict(out_dir=good, rank=1, verify=True) | bad
+    unraisable = []
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        with pytest.raises(UsageError) as e:
+            getattr(tpshard, loader)(args.pop("out_dir"), args.pop("rank"), **args)
+        assert str(e.value) == f"{loader}: {message}"
+        del e
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert not unraisable, [u.exc_value for u in unraisable]
+
+
+def test_refused_outputs_leave_no_del_noise_either(good, tmp_path):
+    unraisable = []
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        for out, rank in ((good, 9), (tmp_path / "nothing", 0), (Path(good) / rank_dir(0), 0)):
+            with pytest.raises(TpshardError):
+                tpshard.open_rank(out, rank)
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert not unraisable, [u.exc_value for u in unraisable]
 
 # ---- one rank's records: read_rank_records decodes only what places the rank's bytes ----
 

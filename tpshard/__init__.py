@@ -1,10 +1,16 @@
-"""tpshard: presharded tensor-parallel checkpoints, planned as data and proved right.
+"""Hugging Face checkpoints presharded per rank for tensor-parallel inference, and proved right.
 
-    tpshard.make_plan(open_checkpoint(path), Topology(tp=8, attn_dp=2))  # what every rank holds
-    tpshard.split(path, out, Topology(tp=8, attn_dp=2))                  # write it
-    tpshard.check(out, source=path)                                       # prove it, on a CPU
-    tpshard.open_rank(out, rank)                                          # one rank's tensors, lazily
-    tpshard.load_rank(out, rank)                                          # ... all in memory, fast
+    import tpshard
+    from tpshard import Options, Topology
+
+    topology = Topology(tp=8, attn_dp=2)                                  # SGLang's ranks (docs/contracts.md)
+    plan = tpshard.make_plan(tpshard.open_checkpoint("model"), topology)  # what every rank holds, as data
+    tpshard.split("model", "out", topology, Options(pad=True))            # out/rank-00000 ... rank-00007
+    assert tpshard.check("out", source="model").ok                        # every shard bit-exact, on a CPU
+    with tpshard.open_rank("out", 3) as tensors: ...                      # one rank's tensors, read lazily
+    state_dict = tpshard.load_rank("out", 3)                              # ... or all in memory, fast
+
+tpshard.read_manifest("out") is what an output records; `tpshard --help` the same from a shell (README.md).
 """
 
 from __future__ import annotations
@@ -44,7 +50,9 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    # The public API only: the lazy exports are listed before their first use (for completion and
+    # help()), and the machinery that makes them lazy (importlib, _EXPORTS, __getattr__) is not.
+    return sorted({*__all__, "__version__"})
 
 
 class _Package(types.ModuleType):

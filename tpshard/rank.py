@@ -23,10 +23,11 @@ from pathlib import Path
 
 from tpshard.collector import paused
 from tpshard.digest import tensor_digest
-from tpshard.errors import OutputError
+from tpshard.errors import OutputError, UsageError
 from tpshard.manifest import RankFile, rank_dir, read_rank_records
 from tpshard.plan import file_header
 from tpshard.safetensors_format import nbytes_of
+from tpshard.topology import MAX_WORLD
 
 # safetensors dtype -> torch dtype name, for tensors made from raw file bytes
 _TORCH_DTYPES = {
@@ -112,6 +113,23 @@ class _RankFile:
             self.fd = -1
 
 
+def _arguments(who: str, out_dir, rank, verify) -> Path:
+    """The output folder as a Path, once every argument is of the kind a loader takes; UsageError
+    naming the argument otherwise (a rank given as "1" would be formatted into a folder name or
+    read as a rank the output does not hold)."""
+    try:
+        path = os.fspath(out_dir)
+    except TypeError:
+        path = None
+    if not isinstance(path, str):  # bytes paths too: the manifest names files as text
+        raise UsageError(f"{who}: out_dir must be a folder path (str or os.PathLike), got {out_dir!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < MAX_WORLD:
+        raise UsageError(f"{who}: rank must be an integer from 0 to {MAX_WORLD - 1}, got {rank!r}")
+    if not isinstance(verify, bool):
+        raise UsageError(f"{who}: verify must be True or False, got {verify!r}")
+    return Path(path)
+
+
 def _rank_files(out_dir: Path, rank: int) -> list[_RankFile]:
     records = read_rank_records(out_dir, rank)
     if rank not in records.written_ranks:
@@ -123,15 +141,22 @@ def _rank_files(out_dir: Path, rank: int) -> list[_RankFile]:
 
 
 class RankTensors(Mapping[str, "torch.Tensor"]):  # noqa: F821
-    """HF tensor name -> this rank's tensor. Lazy: each access reads one tensor from its file
-    (and, with verify, checks the file on first use and the tensor's digest on every read)."""
+    """
+    HF tensor name -> this rank's tensor, read lazily: each access reads one tensor from its file
+    (and, with verify, checks the file on first use and the tensor's digest on every read).
 
-    def __init__(self, out_dir: Path, rank: int, *, verify: bool = True):
-        self.rank, self.verify = rank, verify
-        self.folder = Path(out_dir) / rank_dir(rank)
-        self._files: list[_RankFile] = []  # for close() when the manifest or the rank is refused
+    A context manager: leaving the `with` block (or close()) releases the open files; a tensor read
+    after that opens its file again. Made by tpshard.open_rank.
+    """
+
+    _files: list[_RankFile] | tuple = ()  # what close() releases, even when __init__ refused its arguments
+
+    def __init__(self, out_dir: str | Path, rank: int, *, verify: bool = True):
+        out_dir = _arguments("open_rank", out_dir, rank, verify)
+        self.out_dir, self.rank, self.verify = out_dir, rank, verify
+        self.folder = out_dir / rank_dir(rank)
         with paused():
-            self._files = _rank_files(Path(out_dir), rank)
+            self._files = _rank_files(out_dir, rank)
             self._where = {m[0]: (f, i) for f in self._files for i, m in enumerate(f.members)}
         self._kinds: dict[tuple, tuple] = {}  # (dtype, shape) -> _tensor_kind
 
@@ -156,9 +181,19 @@ class RankTensors(Mapping[str, "torch.Tensor"]):  # noqa: F821
     def __len__(self) -> int:
         return len(self._where)
 
+    def __repr__(self) -> str:
+        return f"<RankTensors out={str(self.out_dir)!r} rank={self.rank} tensors={len(self._where)}>"
+
     def close(self) -> None:
+        """Close the rank's open files (a later read opens its file again)."""
         for f in self._files:
             f.close()
+
+    def __enter__(self) -> RankTensors:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __del__(self) -> None:
         self.close()
@@ -184,22 +219,70 @@ def _tensor(data: bytearray, torch_dtype, view):
 
 
 def open_rank(out_dir: str | Path, rank: int, *, verify: bool = True) -> RankTensors:
-    """Mapping from HF tensor name to rank `rank`'s tensor, for any rank of a tpshard output.
+    """
+    Opens one rank of a tpshard output: a mapping from HF tensor name to that rank's tensor, each
+    read from the rank's own files when it is accessed.
 
-    verify=False skips the per-tensor digests (for outputs `tpshard check` proved already); file
-    sizes and headers are compared with the plan either way."""
-    return RankTensors(Path(out_dir), rank, verify=verify)
+    Args:
+        out_dir (`str` or `os.PathLike`):
+            The output folder `tpshard split` wrote (its tpshard-manifest.json and rank-NNNNN folders).
+        rank (`int`):
+            The world rank, from 0 (pp_rank * tp + tp_rank with pipeline stages).
+        verify (`bool`, *optional*, defaults to `True`):
+            Check every tensor's digest against the manifest as it is read; `False` skips the digests
+            (for an output `tpshard check` proved already). File sizes and headers are compared with
+            the plan either way (docs/format.md, "Loading").
+
+    Returns:
+        `RankTensors`: a read-only mapping of `torch.Tensor`s, and a context manager that closes the files.
+
+    Raises UsageError for an argument of the wrong kind, OutputError for a broken output (naming the
+    file and the tensor).
+
+    Example:
+
+    ```python
+    import tpshard
+
+    with tpshard.open_rank("out", 0) as tensors:
+        q = tensors["model.layers.0.self_attn.q_proj.weight"]
+    ```
+    """
+    return RankTensors(out_dir, rank, verify=verify)
 
 
 def load_rank(out_dir: str | Path, rank: int, *, verify: bool = True) -> dict:
-    """Every tensor of rank `rank`, each in memory of its own, copied from a memory map of each of
-    the rank's files: no slicing, no reading of other ranks' bytes. Verified as open_rank."""
+    """
+    Loads every tensor of one rank of a tpshard output into memory, each tensor in memory of its
+    own, copied from a memory map of each of the rank's files: no slicing, no reading of other ranks'
+    bytes. Verified as open_rank verifies.
+
+    Args:
+        out_dir (`str` or `os.PathLike`):
+            The output folder `tpshard split` wrote.
+        rank (`int`):
+            The world rank, from 0.
+        verify (`bool`, *optional*, defaults to `True`):
+            Check every tensor's digest against the manifest; `False` skips the digests only.
+
+    Returns:
+        `Dict[str, torch.Tensor]`: HF tensor name -> this rank's tensor.
+
+    Example:
+
+    ```python
+    import tpshard
+
+    state_dict = tpshard.load_rank("out", 0)  # then model.load_state_dict(state_dict) on rank 0
+    ```
+    """
     import mmap
 
+    out_dir = _arguments("load_rank", out_dir, rank, verify)
     tensors = {}
     kinds: dict[tuple, tuple] = {}
     with paused():
-        for f in _rank_files(Path(out_dir), rank):
+        for f in _rank_files(out_dir, rank):
             fd = f.open()
             try:
                 with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:

@@ -25,6 +25,8 @@ every tensor alike; so only a vLLM pipeline output records it.
 from __future__ import annotations
 
 import functools
+import sys
+from collections.abc import Callable
 from typing import Literal
 
 import msgspec
@@ -37,7 +39,52 @@ MAX_WORLD = 1 << 16  # ranks; beyond any deployment, and keeps a plan's size bou
 MAX_LAYERS = 1 << 16  # decoder layers of one pipeline stage
 
 
+def _flag(field: str, value: object = None) -> str:
+    """A field as the CLI option that sets it: --attn-dp, or --attn-dp 3 with a value."""
+    flag = "--" + field.replace("_", "-")
+    return flag if value is None else f"{flag} {value}"
+
+
+def _field(field: str, value: object = None) -> str:
+    """A field as the Topology argument that sets it: attn_dp, or attn_dp=3 with a value."""
+    if field == "pp":  # no field: the stage count is the length of pp_layers
+        return f"len(pp_layers)={value}"
+    return field if value is None else f"{field}={value}"
+
+
 class Topology(msgspec.Struct, frozen=True, kw_only=True):
+    """
+    The parallel layout an output is split for: which ranks hold which shard (SGLang dp_attention.py).
+
+    Args:
+        tp (`int`):
+            Tensor-parallel size of one pipeline stage (the world size without a pipeline).
+        attn_dp (`int`, *optional*, defaults to 1):
+            Attention data-parallel replicas (SGLang `--dp` with `--enable-dp-attention`).
+        attn_cp (`int`, *optional*, defaults to 1):
+            Attention context-parallel size; attention is cut over attn_tp = tp // (attn_dp * attn_cp).
+        ep (`int`, *optional*, defaults to 1):
+            Expert-parallel size (SGLang `--ep-size`): routed experts in blocks, moe_tp = tp // ep.
+        moe_dense_tp (`int`, *optional*, defaults to `None`):
+            DeepSeek's dense-layer MLPs (SGLang `--moe-dense-tp-size`): None cuts them over tp, 1 keeps them whole.
+        pp_layers (`tuple[int, ...]`, *optional*):
+            Decoder layers of each pipeline stage, e.g. (26, 27, 27); left out: one stage (docs/pipeline.md).
+        engine (`str`, *optional*):
+            "vllm" to place a pipeline's stages as vLLM does; left out: as SGLang does.
+
+    Sizes that do not fit (tp not divisible by attn_dp * attn_cp, ep not dividing tp, ...) raise
+    tpshard.errors.TopologyError naming the fields (attn_dp=3).
+
+    Example:
+
+    ```python
+    from tpshard import Topology
+
+    t = Topology(tp=8, attn_dp=2)
+    t.attn_tp, t.world_size, t.ranks_of("attn_tp", 1)  # (4, 8, (1, 5))
+    ```
+    """
+
     tp: int
     attn_dp: int = 1
     attn_cp: int = 1
@@ -49,26 +96,40 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
     engine: Literal["sglang", "vllm"] | UnsetType = UNSET
 
     def __post_init__(self) -> None:
+        problem = self._problem()
+        if problem is not None:
+            # Built by tpshard itself (cli._topology from the options, a manifest decoded), the
+            # message names the CLI's flags (--attn-dp 3), byte for byte as it always has; built by a
+            # caller's code, it names the fields that code passed (attn_dp=3). msgspec's constructor,
+            # decoder and structs.replace are C, so the frame under this one is the Python that asked.
+            caller = sys._getframe(0).f_back
+            tpshard_code = caller is not None and caller.f_globals.get("__name__", "").startswith("tpshard.")
+            raise TopologyError(problem(_flag if tpshard_code else _field))
+
+    def _problem(self) -> Callable[[Callable[..., str]], str] | None:
+        """What is wrong with the sizes, as a message written with `name(field, value)`; None if nothing.
+        Normalizes pp_layers and engine on the way (a list to a tuple, one stage and SGLang to UNSET)."""
         fields = (("tp", self.tp), ("attn_dp", self.attn_dp), ("attn_cp", self.attn_cp), ("ep", self.ep))
         if self.moe_dense_tp is not None:
             fields += (("moe_dense_tp", self.moe_dense_tp),)
         for field, value in fields:
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_WORLD:
-                raise TopologyError(f"--{field.replace('_', '-')} must be an integer from 1 to {MAX_WORLD}, got {value!r}")
-        if self.tp % (self.attn_dp * self.attn_cp):
-            raise TopologyError(
-                f"--tp {self.tp} is not divisible by --attn-dp {self.attn_dp} x --attn-cp {self.attn_cp}"
-                f" = {self.attn_dp * self.attn_cp}; attention needs tp = attn_dp * attn_cp * attn_tp"
+                return lambda name: f"{name(field)} must be an integer from 1 to {MAX_WORLD}, got {value!r}"
+        tp, dp, cp, ep, dense = self.tp, self.attn_dp, self.attn_cp, self.ep, self.moe_dense_tp
+        if tp % (dp * cp):
+            return lambda name: (
+                f"{name('tp', tp)} is not divisible by {name('attn_dp', dp)} x {name('attn_cp', cp)}"
+                f" = {dp * cp}; attention needs tp = attn_dp * attn_cp * attn_tp"
             )
-        if self.tp % self.ep:
-            raise TopologyError(
-                f"--ep {self.ep} does not divide --tp {self.tp}; experts need tp = ep * moe_tp"
+        if tp % ep:
+            return lambda name: (
+                f"{name('ep', ep)} does not divide {name('tp', tp)}; experts need tp = ep * moe_tp"
                 " (SGLang: parallel topology is inconsistent)"
             )
-        if self.moe_dense_tp not in (None, 1, self.tp):
-            raise TopologyError(
-                f"--moe-dense-tp {self.moe_dense_tp}: SGLang accepts only 1 (dense MLPs whole on every rank)"
-                f" or the tp size {self.tp}"
+        if dense not in (None, 1, tp):
+            return lambda name: (
+                f"{name('moe_dense_tp', dense)}: SGLang accepts only 1 (dense MLPs whole on every rank)"
+                f" or the tp size {tp}"
             )
         if self.pp_layers is not UNSET:
             counts = self.pp_layers
@@ -78,18 +139,20 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
             if not isinstance(counts, tuple) or not 1 <= len(counts) <= MAX_WORLD or any(
                 not isinstance(c, int) or isinstance(c, bool) or not 1 <= c <= MAX_LAYERS for c in counts
             ):
-                raise TopologyError(
-                    f"--pp-layers {counts!r}: give 1 to {MAX_WORLD} stages of 1 to {MAX_LAYERS} decoder layers each"
+                return lambda name: (
+                    f"{name('pp_layers', repr(counts))}: give 1 to {MAX_WORLD} stages of 1 to {MAX_LAYERS} decoder layers each"
                 )
             if len(counts) == 1:  # one stage is no pipeline: recorded as none, so pp 1 outputs stay as they were
                 msgspec.structs.force_setattr(self, "pp_layers", UNSET)
         if self.engine is not UNSET:
-            if self.engine not in ("sglang", "vllm"):
-                raise TopologyError(f"--engine {self.engine!r}: choose sglang or vllm")
-            if self.engine == "sglang" or self.pp_layers is UNSET:  # the default, or one stage: placed alike
+            engine = self.engine
+            if engine not in ("sglang", "vllm"):
+                return lambda name: f"{name('engine', repr(engine))}: choose sglang or vllm"
+            if engine == "sglang" or self.pp_layers is UNSET:  # the default, or one stage: placed alike
                 msgspec.structs.force_setattr(self, "engine", UNSET)
         if self.world_size > MAX_WORLD:
-            raise TopologyError(f"--pp {self.pp} x --tp {self.tp} = {self.world_size} ranks; at most {MAX_WORLD}")
+            return lambda name: f"{name('pp', self.pp)} x {name('tp', tp)} = {self.world_size} ranks; at most {MAX_WORLD}"
+        return None
 
     @property
     def pp(self) -> int:
