@@ -24,6 +24,7 @@ import errno
 import os
 import re
 import secrets
+import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -31,12 +32,18 @@ import msgspec
 
 from tpshard.errors import OutputError
 
+try:
+    import fcntl
+except ImportError:  # Windows: no flock
+    fcntl = None
+
 # = tpshard.manifest.MANIFEST_NAME and tpshard.export.manifest.EXPORT_MANIFEST_NAME (no import: see _Envelope)
 MANIFEST_NAME = "tpshard-manifest.json"
 EXPORT_MANIFEST_NAME = "tpshard-export.json"
 RANK_DIR = re.compile(r"rank-\d{5}")
 STAGING_MARKER = ".tpshard-staging"  # inside a staging folder only; removed before it is published
-_TAG = ".tpshard-"  # hidden siblings of an output: .NAME.tpshard-{lock,staging-*,old-*}
+SCRATCH_MARKER = ".tpshard-scratch"  # inside a scratch folder, locked by the run that made it
+_TAG = ".tpshard-"  # hidden siblings of an output: .NAME.tpshard-{lock,staging-*,old-*,split-*}
 
 
 def crash_point(where: str) -> None:
@@ -47,9 +54,26 @@ class _Envelope(msgspec.Struct):
     format: str = ""  # any manifest version: only the envelope is read
 
 
+class _Named(msgspec.Struct):
+    name: str = ""
+
+
+class _ExtraFiles(msgspec.Struct):
+    extra_files: list[_Named] = []
+
+
+class _ExportNames(_Envelope):
+    """The names an export manifest lists (its files, the source's copied files): all an export
+    folder holds besides the manifest (tpshard.export.manifest, any version)."""
+
+    files: list[_Named] = []
+    source: _ExtraFiles = msgspec.field(default_factory=_ExtraFiles)
+
+
 def is_tpshard_output(path: Path) -> bool:
     """A real folder that tpshard wrote: a manifest and nothing but rank folders of plain files (a
-    split or merge), or an export manifest and nothing but plain files (an engine export)."""
+    split or merge), or an export manifest and nothing but plain files it lists (an engine export:
+    a file the user added beside them is not tpshard's to delete)."""
     try:
         if not _is_real_dir(path):
             return False
@@ -59,11 +83,13 @@ def is_tpshard_output(path: Path) -> bool:
                 break
         else:
             return False
-        if msgspec.json.decode(manifest.read_bytes(), type=_Envelope).format != fmt:
+        envelope = msgspec.json.decode(manifest.read_bytes(), type=_Envelope if ranked else _ExportNames)
+        if envelope.format != fmt:
             return False
+        listed = set() if ranked else {EXPORT_MANIFEST_NAME, *(f.name for f in envelope.files), *(f.name for f in envelope.source.extra_files)}
         for entry in os.scandir(path):
             if not ranked:
-                if not entry.is_file(follow_symlinks=False):
+                if not entry.is_file(follow_symlinks=False) or entry.name not in listed:
                     return False
             elif entry.name != MANIFEST_NAME and not (
                 RANK_DIR.fullmatch(entry.name)
@@ -72,7 +98,7 @@ def is_tpshard_output(path: Path) -> bool:
             ):
                 return False
         return True
-    except (OSError, msgspec.DecodeError, UnicodeError):
+    except (OSError, msgspec.DecodeError, UnicodeError, RecursionError):  # nested past msgspec's depth: not ours either
         return False
 
 
@@ -126,10 +152,7 @@ def output_lock(out: Path) -> Iterator[None]:
     """Hold `.NAME.tpshard-lock` beside `out` (flock) for the life of the block; a second writer
     refuses. The lock file is removed on release; a killed writer's lock file is free to take."""
     path = out.parent / _sibling(out.name, "lock")
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): an exclusively created file, stale after a kill
-        fcntl = None
+    # Without flock (Windows): an exclusively created file, stale after a kill.
     while True:
         if fcntl is None:
             try:
@@ -313,6 +336,52 @@ def _remove_tree(path: Path, *, last: str) -> None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path / last)
         os.rmdir(path)
+
+
+@contextlib.contextmanager
+def scratch_folder(out: Path) -> Iterator[Path]:
+    """Yield a fresh hidden folder beside `out` (`.NAME.tpshard-split-*`) for a run's intermediate
+    files (split --format's tpshard output), removed when the block ends however it ends.
+
+    What a killed run left there is removed first: its marker file is locked (flock) for the life
+    of the run that made it, so a marker nobody holds shows a dead run's folder, and one held shows
+    a live run's, left alone. Without flock (Windows) a leftover is left for the user."""
+    with _as_output_error(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _clean_scratch(out)
+        path = Path(tempfile.mkdtemp(prefix=_sibling(out.name, "split-"), dir=out.parent))
+        fd = os.open(path / SCRATCH_MARKER, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            _remove_tree(path, last=SCRATCH_MARKER)
+        os.close(fd)
+
+
+def _clean_scratch(out: Path) -> None:
+    """Remove the scratch folders of dead runs for `out` (scratch_folder)."""
+    prefix = _sibling(out.name, "split-")
+    for entry in sorted(os.listdir(out.parent)):
+        path = out.parent / entry
+        if not entry.startswith(prefix) or not _is_real_dir(path) or fcntl is None:
+            continue
+        marker = path / SCRATCH_MARKER
+        if not marker.is_file() or marker.is_symlink():
+            with contextlib.suppress(OSError):
+                path.rmdir()  # a run killed before its marker existed left it empty; else not ours to know
+            continue
+        fd = os.open(marker, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live run holds it
+        finally:
+            os.close(fd)  # closing drops the lock taken, if it was
+        with contextlib.suppress(OSError):  # another run removing it at once
+            _remove_tree(path, last=SCRATCH_MARKER)
 
 
 def write_durably(path: Path, data: bytes | Iterable[bytes]) -> None:

@@ -54,7 +54,9 @@ def check_export(folder: str | Path, source: str | Path | None = None, *, worker
     _check_files(folder, m, report, workers)
     for extra in m.source.extra_files:
         path = folder / extra.name
-        if not path.is_file():
+        if path.is_symlink():
+            report.add("files", _link_finding(path))
+        elif not path.is_file():
             report.add("files", f"{extra.name} is missing (the engine builds the model from the source's config.json)")
         elif path.stat().st_size != extra.size or sha256_file(path) != extra.checksum:
             report.add("checksum", f"{extra.name}: sha256 differs from the source's copy")
@@ -106,6 +108,12 @@ def _check_set(folder: Path, m: ExportManifest, report: CheckReport) -> None:
             report.add("stages", problem)
 
 
+def _link_finding(path: Path) -> str:
+    """A symbolic link where the export has a file: tpshard writes none, and the bytes it points to
+    may not travel with the folder (copied or mounted on the server), as in a tpshard output."""
+    return f"{path.name} is a symbolic link to {os.readlink(path)}; an export holds plain files (the bytes a link points to may not travel with the folder)"
+
+
 class _Layout(NamedTuple):
     """A file's header, each tensor's data offset and size: made once for the files that share
     one tuple of tensors (every TP rank of a stage)."""
@@ -129,6 +137,8 @@ def _check_files(folder: Path, m: ExportManifest, report: CheckReport, workers: 
 
     def verify(f: ExportFile) -> list[tuple[str, str]]:
         path = folder / f.name
+        if path.is_symlink():
+            return [("files", _link_finding(path))]
         if not path.is_file():
             return [("files", f"{f.name} is missing")]
         size = path.stat().st_size

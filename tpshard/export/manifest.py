@@ -20,7 +20,7 @@ from msgspec import UNSET, UnsetType
 
 from tpshard.errors import OutputError, TpshardError
 from tpshard.manifest.envelope import decode_versioned, refuse_envelope
-from tpshard.manifest.records import Options, Source
+from tpshard.manifest.records import Count, Options, Source
 from tpshard.manifest.validation import digests_problem, plain_name
 from tpshard.topology import Topology
 
@@ -31,9 +31,9 @@ EXPORT_VERSION = 3
 
 class ExportTensor(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
     name: str  # engine key
-    dtype: str
-    shape: tuple[int, ...]
-    value: float | None = None  # a constant buffer's content (vLLM attention scales)
+    dtype: str  # a safetensors dtype (_tensors_problem)
+    shape: tuple[Count, ...]
+    value: float | None = None  # a constant buffer's content (vLLM attention scales), F32 or F64
 
 
 class ExportFile(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -134,15 +134,33 @@ def read_export_manifest(folder: str | Path) -> ExportManifest:
     return m
 
 
+def _tensors_problem(i: int, tensors: tuple[ExportTensor, ...]) -> str | None:
+    """The first tensor of files[i] whose dtype is not one safetensors has, or whose constant is
+    not of a float dtype tpshard writes constants in (layout.constant_bytes)."""
+    from tpshard.safetensors_format import DTYPE_SIZE
+
+    for j, t in enumerate(tensors):
+        if t.dtype not in DTYPE_SIZE:
+            return f"files[{i}].tensors[{j}] ({t.name}).dtype: {t.dtype!r} is not a safetensors dtype"
+        if t.value is not None and t.dtype not in ("F32", "F64"):
+            return f"files[{i}].tensors[{j}] ({t.name}).value: a constant of dtype {t.dtype}, not F32 or F64"
+    return None
+
+
 def _fill_shared_tensors(m: ExportManifest) -> None:
     """Give each file the tensors encode_export_manifest left out (its stage's first rank's tuple,
-    shared), then check that its digests are one per tensor."""
+    shared), then check its tensors' dtypes (once per tuple) and that its digests are one per tensor."""
     files = {f.name: f for f in m.files}
+    seen: set[int] = set()  # the tensor tuples checked (a stage's ranks share one)
     for i, f in enumerate(m.files):
         shared = _stage_template(f, files, m.from_.topology)
         if not f.tensors and shared is not None:
             msgspec.structs.force_setattr(f, "tensors", shared.tensors)
-        problem = digests_problem(i, f, len(f.tensors), m.from_.options.checksum)
+        problem = None
+        if id(f.tensors) not in seen:
+            seen.add(id(f.tensors))
+            problem = _tensors_problem(i, f.tensors)
+        problem = problem or digests_problem(i, f, len(f.tensors), m.from_.options.checksum)
         if problem is None and f.tensors and not f.digests:
             problem = f"files[{i}].digests: missing for the {len(f.tensors)} tensors of {f.name}"
         if problem:

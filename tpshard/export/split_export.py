@@ -4,7 +4,8 @@
 
 The export's refusals come first, from the plan alone (every rank laid out, none kept), so a
 checkpoint the engine cannot load is refused before a byte is written; then the tpshard output is
-split into a fresh hidden folder beside `dest`, exported, and removed whatever happens.
+split into a fresh hidden folder beside `dest`, exported, and removed whatever happens (tpshard.publish.scratch_folder: a killed run's is removed
+by the next run for `dest`).
 
 Not here: the split (tpshard.writer), the export (tpshard.export.writer), the options' parsing (the CLI).
 """
@@ -12,8 +13,6 @@ Not here: the split (tpshard.writer), the export (tpshard.export.writer), the op
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import msgspec
@@ -25,7 +24,7 @@ from tpshard.export.manifest import ExportManifest
 from tpshard.export.writer import export
 from tpshard.manifest import Options
 from tpshard.plan import make_plan
-from tpshard.publish import check_output_path
+from tpshard.publish import check_output_path, scratch_folder
 from tpshard.topology import Topology
 from tpshard.writer import split
 
@@ -60,10 +59,8 @@ def split_and_export(
     check_output_path(dest, [ckpt.path])
     if os.path.lexists(dest) and not force:
         raise TpshardError(f"{dest} already exists; pass --force to replace it")
-    # The intermediate tpshard output lives in a fresh folder of our own beside dest, removed after.
-    scratch = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tpshard-split-", dir=dest.parent if dest.parent.is_dir() else None))
-    try:
+    # The intermediate tpshard output lives in a fresh folder of our own beside dest, removed after
+    # (and by the next run for dest, where a kill left it).
+    with scratch_folder(dest) as scratch:
         split(ckpt, scratch / "out", topology, options if checksum is None else msgspec.structs.replace(options, checksum=checksum), workers=workers)
         return export(scratch / "out", dest, engine, max_part_bytes=max_part_bytes, workers=workers, force=force)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)

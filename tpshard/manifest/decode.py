@@ -88,7 +88,7 @@ def _quant_specs(texts: dict[str, msgspec.Raw], where: str) -> dict[str, dict]:
         if spec is None:
             try:
                 spec = specs[key] = _spec_decoder.decode(key)
-            except msgspec.DecodeError as e:
+            except (msgspec.DecodeError, RecursionError) as e:
                 raise OutputError(f"{where}: not a valid tpshard manifest ({_located(e, f'$.quant_layers[{module!r}]')})") from None
         out[module] = spec
     return out
@@ -122,7 +122,7 @@ def _tensor_plans(text) -> tuple[TensorPlan, ...] | None:
                 if problem:
                     return None
                 out.append(_tensor_plan(t, kind, one))
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # _decode_whole names the fault
         return None
     return None if checks.files(text) else tuple(out)
 

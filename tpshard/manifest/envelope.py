@@ -40,6 +40,11 @@ def refuse_envelope(where: str, format: Any, version: Any, expected: tuple[str, 
         )
 
 
+# What a document nested past the interpreter's recursion limit (msgspec decodes a level per call)
+# is refused with: no tpshard document nests more than a few levels.
+TOO_DEEP = "JSON nested deeper than any tpshard document"
+
+
 def decode_versioned(
     decoder: msgspec.json.Decoder, data: bytes, where: str, refuse: Callable[[Any, Any], None], invalid: str, unreadable: str, keep: tuple[type[Exception], ...] = ()
 ) -> Any:
@@ -48,16 +53,21 @@ def decode_versioned(
     version read alone, so that `refuse(format, version)` names a foreign document or another
     version (whose schema may differ) instead of the failure. Then the failure: an OutputError
     "{where}: {invalid} (...)", or the exception itself for the types in `keep` (a __post_init__'s
-    own message); "{where}: {unreadable} (...)" for a document that is not a JSON object."""
+    own message); "{where}: {unreadable} (...)" for a document that is not a JSON object; TOO_DEEP
+    for one nested past the recursion limit."""
     from tpshard.errors import OutputError
 
     try:
         decoded = decoder.decode(data)
+    except RecursionError:  # msgspec recurses once per level of nesting: no format or version to read either
+        raise OutputError(f"{where}: {invalid} ({TOO_DEEP})") from None
     except Exception as e:  # msgspec names the field ("... - at `$.files[3].size`"), or a __post_init__ refuses a value
         try:
             envelope = msgspec.json.decode(data, type=Envelope)
         except msgspec.DecodeError as not_object:
             raise OutputError(f"{where}: {unreadable} ({not_object})") from None
+        except RecursionError:  # the schema failed before the nesting (a str field given deep arrays)
+            raise OutputError(f"{where}: {invalid} ({TOO_DEEP})") from None
         refuse(envelope.format, envelope.version)
         if isinstance(e, keep):
             raise

@@ -16,14 +16,15 @@ import re
 import msgspec
 
 from tpshard.digest import DIGEST_SIZE
+from tpshard.manifest.envelope import TOO_DEEP
 from tpshard.manifest.records import MANIFEST_NAME, MAX_BYTES, MAX_WORLD, Cut, OutputFile
 
 _cuts_decoder = msgspec.json.Decoder(tuple[Cut, ...])
 
 
-def _located(e: msgspec.DecodeError, path: str) -> str:
+def _located(e: msgspec.DecodeError | RecursionError, path: str) -> str:
     """msgspec's message for a part decoded on its own, at `path` as decoding the whole manifest says it."""
-    text = str(e)
+    text = str(e) if isinstance(e, msgspec.DecodeError) else TOO_DEEP
     return text.replace("`$", f"`{path}") if "`$" in text else f"{text} - at `{path}`"
 
 
@@ -136,7 +137,7 @@ class _TensorChecks:
         if not isinstance(cuts, tuple):
             try:
                 cuts = _cuts_decoder.decode(key[-1])
-            except msgspec.DecodeError as e:
+            except (msgspec.DecodeError, RecursionError) as e:
                 return _located(e, f"$.tensors[{i}].cuts"), None
         problem = _check_cuts(t.shape, t.dim, t.group_size, cuts, size, self.nfiles)
         if problem:
