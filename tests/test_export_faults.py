@@ -18,7 +18,7 @@ import pytest
 
 import tpshard
 from tpshard.errors import OutputError
-from tpshard.export import EXPORT_MANIFEST_NAME, export
+from tpshard.export import EXPORT_MANIFEST_NAME, export, read_export_manifest
 from tpshard.manifest import MANIFEST_NAME
 
 DEEP = 60_000  # past msgspec's recursion limit (the issue: 50k-100k levels)
@@ -122,3 +122,75 @@ def test_deep_nesting_in_a_split_manifest_is_one_line_exit_2_for_every_command(l
             with pytest.raises(OutputError, match="nested deeper than any tpshard document"):
                 load(bad, 0)
         shutil.rmtree(bad)
+
+
+# --- item 7: links ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["model-rank-1-part-0.safetensors", "config.json"])
+def test_a_symbolic_link_in_an_export_fails_its_check(export_tp2, copy_of, tmp_path, llama, name):
+    """The link points at the very bytes that were there: only the link itself is wrong."""
+    dest = copy_of(export_tp2)
+    target = tmp_path / f"elsewhere-{name}"
+    shutil.move(dest / name, target)
+    (dest / name).symlink_to(target)
+    for report in (tpshard.check(dest), tpshard.check(dest, llama)):
+        assert not report.ok and any(f"{name} is a symbolic link to {target}" in p.message for p in report.problems), report.problems
+    r = run_cli("check", dest)
+    assert r.returncode == 1 and "symbolic link" in r.stderr
+
+
+# --- item 6: --force replaces only what tpshard wrote ----------------------------------------------
+
+
+def test_force_keeps_an_export_that_holds_a_file_the_user_added(export_tp2, copy_of, llama_tp2):
+    dest = copy_of(export_tp2)
+    (dest / "notes.txt").write_text("mine")
+    one_line_exit_2(run_cli("export", llama_tp2, "-o", dest, "--format", "sglang", "--force"), "is not a tpshard output")
+    assert (dest / "notes.txt").read_text() == "mine" and tpshard.check(dest).ok
+    (dest / "notes.txt").unlink()
+    export(llama_tp2, dest, "sglang", force=True)  # only its own files again: replaced
+    assert read_export_manifest(dest).engine == "sglang"
+
+
+# --- item 8: a killed split --format --------------------------------------------------------------
+
+# `split --format vllm` of argv[1] to argv[2] at tp 2, killed (SIGKILL) when its hidden tpshard
+# output is staged, or after `point` steps of the split's progress.
+KILL_SPLIT_FORMAT = """
+import os, signal, sys
+import tpshard.publish as pub
+pub.crash_point = lambda where: os.kill(os.getpid(), signal.SIGKILL) if where == "staged" else None
+from tpshard.cli import main
+sys.argv = ["tpshard", "split", sys.argv[1], "-o", sys.argv[2], "--tp", "2", "--format", "vllm"]
+main()
+"""
+
+
+def test_the_next_split_format_removes_what_a_killed_one_left(llama, tmp_path):
+    dest = tmp_path / "vllm"
+    mine = tmp_path / ".vllm.tpshard-split-mine"  # hidden-looking, but not tpshard's: kept
+    mine.mkdir()
+    (mine / "data").write_text("user data")
+    p = subprocess.run([sys.executable, "-c", KILL_SPLIT_FORMAT, str(llama), str(dest)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    left = sorted(e.name for e in tmp_path.iterdir())
+    assert len(left) == 2 and not dest.exists(), left  # the killed run's scratch folder, beside mine
+    r = run_cli("split", llama, "-o", dest, "--tp", "2", "--format", "vllm")
+    assert r.returncode == 0, r.stderr
+    assert sorted(e.name for e in tmp_path.iterdir()) == [".vllm.tpshard-split-mine", "vllm"]
+    assert (mine / "data").read_text() == "user data" and tpshard.check(dest, llama).ok
+
+
+def test_a_live_runs_scratch_folder_is_left_alone(tmp_path):
+    """A second run for the same destination (refused later by the lock) never removes the
+    scratch folder of one that is still running."""
+    from tpshard.publish import scratch_folder
+
+    dest = tmp_path / "vllm"
+    with scratch_folder(dest) as first:
+        (first / "out").mkdir()
+        with scratch_folder(dest) as second:
+            assert first.is_dir() and (first / "out").is_dir() and second != first
+        assert first.is_dir() and not second.exists()
+    assert not first.exists()
