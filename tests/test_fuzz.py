@@ -1,4 +1,5 @@
-"""Issue 10 item 8: random mutations of headers, configs, indexes and outputs. Each is refused
+"""Issue 10 item 8: random mutations of headers, configs, indexes, outputs and (issue 29 item 9)
+export manifests. Each is refused
 cleanly (a TpshardError, a failing check) or handled correctly; never another exception, never a
 false ok. The default run is short; `-m slow` runs the same properties with many more examples.
 
@@ -303,9 +304,10 @@ def manifest_edits(draw):
     return edits
 
 
-def _apply(data: dict, edits) -> dict:
+def _apply(data: dict, edits, within: str | None = None) -> dict:
+    """`data` with `edits` made, each at a place whose path holds the key `within` if one is given."""
     for kind, at, value, number in edits:
-        places = [(path, node) for path, node in _paths(data) if path]
+        places = [(path, node) for path, node in _paths(data) if path and (within is None or within in path)]
         path, node = places[at % len(places)]
         parent = data
         for k in path[:-1]:
@@ -365,6 +367,55 @@ def test_manifest_fuzz_refused_cleanly(good_output, llama, edits):
 @given(edits=manifest_edits())
 def test_manifest_fuzz_refused_cleanly_long(good_output, llama, edits):
     manifest_property(good_output, llama, edits)
+
+
+@pytest.fixture(scope="module")
+def good_export(good_output, tmp_path_factory) -> Path:
+    from tpshard.export import export
+
+    dest = tmp_path_factory.mktemp("fuzz-export") / "vllm"
+    export(good_output, dest, "vllm")
+    return dest
+
+
+def export_manifest_property(good_export: Path, source: Path, edits, within: str | None) -> None:
+    """A crafted export manifest (issue 29 item 9) is refused in one line by check, with and
+    without the source, or checked; `check --source` passes only where the files the manifest
+    lists (names, ranks, tensors) are still those of the untouched export. Never another exception."""
+    from tpshard.export import EXPORT_MANIFEST_NAME, read_export_manifest
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dest = Path(tmp) / "vllm"
+        shutil.copytree(good_export, dest)
+        data = _apply(json.loads((dest / EXPORT_MANIFEST_NAME).read_text()), edits, within)
+        (dest / EXPORT_MANIFEST_NAME).write_text(json.dumps(data))
+        try:
+            tpshard.check(dest)
+            report = tpshard.check(dest, source)
+        except TpshardError as e:
+            assert "\n" not in str(e), str(e)
+            return
+        if report.ok:
+            have, want = read_export_manifest(dest), read_export_manifest(good_export)
+            assert [(f.name, f.rank, f.tensors) for f in have.files] == [(f.name, f.rank, f.tensors) for f in want.files], edits
+
+
+# Most of an export manifest's values are its tensors' names, dtypes and shapes: half the examples
+# edit only those, or the short run would seldom reach one.
+export_scopes = st.sampled_from([None, "tensors"])
+
+
+@fuzz(SHORT)
+@given(edits=manifest_edits(), within=export_scopes)
+def test_export_manifest_fuzz_refused_cleanly(good_export, llama, edits, within):
+    export_manifest_property(good_export, llama, edits, within)
+
+
+@pytest.mark.slow
+@fuzz(LONG)
+@given(edits=manifest_edits(), within=export_scopes)
+def test_export_manifest_fuzz_refused_cleanly_long(good_export, llama, edits, within):
+    export_manifest_property(good_export, llama, edits, within)
 
 
 @fuzz(SHORT)
