@@ -6,8 +6,8 @@ compared with the source; every option `check` takes on an export is honoured or
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -156,7 +156,7 @@ def test_force_keeps_an_export_that_holds_a_file_the_user_added(export_tp2, copy
 # --- item 8: a killed split --format --------------------------------------------------------------
 
 # `split --format vllm` of argv[1] to argv[2] at tp 2, killed (SIGKILL) when its hidden tpshard
-# output is staged, or after `point` steps of the split's progress.
+# output is staged (written whole, not yet in place in its scratch folder).
 KILL_SPLIT_FORMAT = """
 import os, signal, sys
 import tpshard.publish as pub
@@ -194,3 +194,73 @@ def test_a_live_runs_scratch_folder_is_left_alone(tmp_path):
             assert first.is_dir() and (first / "out").is_dir() and second != first
         assert first.is_dir() and not second.exists()
     assert not first.exists()
+
+
+# --- item 4: the copied files against the source ---------------------------------------------------
+
+
+def reseal_config(folder: Path, manifest_name: str, change, copies=(".",)) -> None:
+    """config.json changed (`change(config)`, or removed when None) in each folder of `copies`
+    (inside `folder`) and its record in the manifest made to agree: only the source can tell."""
+    path = folder / manifest_name
+    data = json.loads(path.read_text())
+    extras = data["source"]["extra_files"]
+    if change is None:
+        extras[:] = [e for e in extras if e["name"] != "config.json"]
+    for copy in copies:
+        config_path = folder / copy / "config.json"
+        if change is None:
+            config_path.unlink()
+            continue
+        config = json.loads(config_path.read_text())
+        change(config)
+        raw = json.dumps(config).encode()
+        config_path.write_bytes(raw)
+        for e in extras:
+            if e["name"] == "config.json":
+                e["checksum"], e["size"] = hashlib.sha256(raw).hexdigest(), len(raw)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("change, finding", [(lambda c: c.update(rms_norm_eps=0.5), "config.json: differs from the source's"), (None, "config.json: in the source, but not copied into the export")])
+def test_check_source_compares_the_exports_copied_files(export_tp2, copy_of, llama, llama_tp2, change, finding):
+    dest = copy_of(export_tp2)
+    reseal_config(dest, EXPORT_MANIFEST_NAME, change)
+    assert tpshard.check(dest).ok  # consistent with its manifest
+    for report in (tpshard.check(dest, llama), tpshard.check(dest, from_output=llama_tp2)):
+        assert not report.ok and any(p.check == "extras" and finding in p.message for p in report.problems), report.problems
+
+
+def test_a_config_changed_in_the_output_before_the_export_is_caught(llama_tp2, copy_of, tmp_path, llama):
+    out = copy_of(llama_tp2)
+    reseal_config(out, MANIFEST_NAME, lambda c: c.update(rms_norm_eps=0.5), ("rank-00000", "rank-00001"))
+    assert not tpshard.check(out, llama).ok  # as check OUT --source catches it ...
+    export(out, tmp_path / "vllm", "vllm")
+    report = tpshard.check(tmp_path / "vllm", llama)  # ... so does check DEPLOY --source
+    assert not report.ok and any("config.json: differs from the source's" in p.message for p in report.problems), report.problems
+
+
+# --- item 5: every option check takes on an export is honoured ----------------------------------------
+
+
+def test_check_from_another_checkpoints_output_fails(export_tp2, tmp_path, llama_tp2):
+    from checkpoints import make_checkpoint
+
+    other = make_checkpoint(tmp_path / "other", "llama", max_shard_size="100KB", seed=1)
+    tpshard.split(other, tmp_path / "other-tp2", tpshard.Topology(tp=2))
+    r = run_cli("check", export_tp2, "--from", tmp_path / "other-tp2")
+    assert r.returncode == 1 and "bit-exact" not in r.stdout + r.stderr and "not the one" in r.stderr, r.stdout + r.stderr
+    report = tpshard.check(export_tp2, from_output=llama_tp2)
+    assert report.ok and report.tensors_reassembled == len(tpshard.read_manifest(llama_tp2).tensors)
+    one_line_exit_2(run_cli("check", export_tp2, "--from", llama_tp2, "--source", tmp_path / "other"), "give one")
+
+
+def test_check_pp_on_an_export_is_honoured(llama, tmp_path):
+    pp2 = tmp_path / "pp2"
+    assert run_cli("split", llama, "-o", pp2, "--tp", "1", "--pp", "2", "--format", "vllm").returncode == 0
+    for args, code in ((("--pp", "3"), 1), (("--pp", "1"), 1), (("--pp-layers", "2"), 1), (("--pp", "2"), 0), (("--pp-layers", "1,1"), 0)):
+        r = run_cli("check", pp2, *args)
+        assert r.returncode == code, (args, r.stdout + r.stderr)
+        if code:
+            assert "[stages] the output was split for pp 2 (layers 1,1)" in r.stderr, r.stderr
+    one_line_exit_2(run_cli("check", pp2, "--pp-layers", "2,0"), "every stage needs at least one layer")

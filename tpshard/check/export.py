@@ -8,7 +8,8 @@ engine's glob would be read too), parts numbered from 0 for every rank, one key 
 (of a pipeline stage) with no key twice, each file's size, its header byte for byte, every tensor's
 digest and constant; with pipeline stages, every key on the stage vLLM builds it on and every stage
 complete (layout.stage_problems: its layers, the first stage's embedding, the last's norm and head).
-With the source: also that the manifest is what the rules and the engine's name table give for this
+With the source: also that the copied files (config.json, tokenizer, ...) are the source's (as for a
+tpshard output, tpshard.check.rules), that the manifest is what the rules and the engine's name table give for this
 checkpoint, and every byte of every rank's copy of every shard, placed by the rules (the manifest
 does not say which shards make a tensor), bit-exact against the checkpoint
 (tpshard.check.reassembly.reassemble, the same reassembly as for a tpshard output).
@@ -19,6 +20,7 @@ The export's layout and names are tpshard.export's; this only proves a folder ho
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 from array import array
 from collections import defaultdict
@@ -27,10 +29,11 @@ from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
+from tpshard.check.pipeline import check_stages_request
 from tpshard.check.report import CheckReport
-from tpshard.check.rules import check_source_sizes
+from tpshard.check.rules import check_copies_against_source, check_source_sizes
 from tpshard.digest import file_digest, range_digests, sha256_file
-from tpshard.errors import TpshardError
+from tpshard.errors import OutputError, TpshardError
 from tpshard.export.layout import PART_GLOBS, PartFile, config_tied, constant_bytes, parse_part_name, partition_env, rank_layouts, stage_problems
 from tpshard.export.manifest import ExportFile, ExportManifest, ExportTensor, read_export_manifest
 from tpshard.manifest import FILE_METADATA, Plan, differing
@@ -39,14 +42,22 @@ from tpshard.workers import default_workers
 
 if TYPE_CHECKING:
     from tpshard.check.reassembly import Place
+    from tpshard.checkpoint import Checkpoint
 
 
-def check_export(folder: str | Path, source: str | Path | None = None, *, workers: int | None = None) -> CheckReport:
-    """Check the export at `folder` (and against the checkpoint at `source`); never raises on a mismatch."""
+def check_export(
+    folder: str | Path, source: str | Path | None = None, *, workers: int | None = None, pp: int | None = None,
+    pp_layers: str | None = None, from_output: str | Path | None = None,
+) -> CheckReport:  # fmt: skip
+    """Check the export at `folder` (and against the checkpoint at `source`, or against the tpshard
+    output `from_output` read as the source, as tpshard.check.check does); never raises on a
+    mismatch. `pp` / `pp_layers`: the stages the server will run (tpshard.check.pipeline)."""
     folder = Path(folder)
     m = read_export_manifest(folder)
-    report = CheckReport(out_dir=str(folder), source=str(source) if source else None)
+    report = CheckReport(out_dir=str(folder), source=str(source) if source else None, from_output=str(from_output) if from_output else None)
     workers = workers or default_workers()
+    if pp is not None or pp_layers is not None:
+        check_stages_request(m.from_.topology, _num_layers(folder, m), pp, pp_layers, report)
     _check_set(folder, m, report)
     env = dict(m.env) if m.env else {}
     if env != partition_env(m.from_.topology):
@@ -61,8 +72,43 @@ def check_export(folder: str | Path, source: str | Path | None = None, *, worker
         elif path.stat().st_size != extra.size or sha256_file(path) != extra.checksum:
             report.add("checksum", f"{extra.name}: sha256 differs from the source's copy")
     if source is not None:
-        _check_against_source(folder, m, Path(source), report, workers)
+        from tpshard.checkpoint import open_checkpoint
+
+        _check_against_source(folder, m, open_checkpoint(Path(source)), report, workers)
+    elif from_output is not None:
+        _check_from_output(folder, m, Path(from_output), report, workers)
     return report
+
+
+def _num_layers(folder: Path, m: ExportManifest) -> int:
+    """The model's decoder layers: its stages' at pp > 1, else its config.json's (the export's copy,
+    checked against the manifest's sha256 as the export is)."""
+    topo = m.from_.topology
+    if topo.pp > 1:
+        return sum(topo.pp_layers)
+    try:
+        config = json.loads((folder / "config.json").read_bytes())
+        layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers")
+    except (OSError, ValueError, AttributeError, RecursionError) as e:
+        raise OutputError(f"{folder}/config.json: unreadable ({e}); --pp and --pp-layers need its num_hidden_layers") from None
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        raise OutputError(f"{folder}/config.json: num_hidden_layers is {layers!r}; --pp and --pp-layers need a layer count")
+    return layers
+
+
+def _check_from_output(folder: Path, m: ExportManifest, old: Path, report: CheckReport, workers: int) -> None:
+    """check --from on an export: `old` proven against its own manifest, then read as the source
+    (tpshard.check.output_source), when it was split from the source this export records."""
+    from tpshard.check.output_source import open_checked_source
+
+    src = open_checked_source(old, report, workers, "the source given")
+    if src is None:
+        return
+    with src.reader:
+        if (m.source.path, m.source.files) != (src.manifest.source.path, src.manifest.source.files):
+            report.add("rules", f"the export's source (path, file checksums) is not the one {old} records: not the checkpoint that was exported")
+            return
+        _check_against_source(folder, m, src.checkpoint, report, workers, src.reader)
 
 
 def _check_set(folder: Path, m: ExportManifest, report: CheckReport) -> None:
@@ -170,15 +216,17 @@ def _check_files(folder: Path, m: ExportManifest, report: CheckReport, workers: 
                 report.add(c, msg)
 
 
-def _check_against_source(folder: Path, m: ExportManifest, source: Path, report: CheckReport, workers: int) -> None:
-    """The manifest's files against those the rules give for the source, rank by rank (the rules'
-    engine tensors of one rank held at a time); then every byte against the checkpoint, placed by
-    the rules' shards (the manifest does not store them)."""
+def _check_against_source(folder: Path, m: ExportManifest, ckpt: Checkpoint, report: CheckReport, workers: int, reader=None) -> None:
+    """The copied files and the manifest's files against those the rules give for the source, rank
+    by rank (the rules' engine tensors of one rank held at a time); then every byte against the
+    checkpoint, placed by the rules' shards (the manifest does not store them). `reader`: where the
+    source tensors are read (check --from: the old output's), else the checkpoint's files."""
     from tpshard.check.reassembly import reassemble
-    from tpshard.checkpoint import open_checkpoint
     from tpshard.plan import make_plan
 
-    ckpt = open_checkpoint(source)
+    # The copies of config.json (what the engine builds the model from), tokenizer, ...: the
+    # manifest's sha256 proves only that they are what was exported, not what the source holds.
+    check_copies_against_source(ckpt, m.source.extra_files, report, "the export")
     before = report.found
     check_source_sizes(ckpt, m.source.files, report, "exported")
     got = {f.name: f for f in m.files}
@@ -206,7 +254,7 @@ def _check_against_source(folder: Path, m: ExportManifest, source: Path, report:
         report.add("rules", f"{name}: in the manifest, but the rules give no such file")
     if report.found != before:  # the rules refuse: nothing to reassemble
         return
-    reassemble(ckpt, plan, located.names, located.places(), report, workers)
+    reassemble(ckpt, plan, located.names, located.places(), report, workers, reader)
 
 
 class _Located:

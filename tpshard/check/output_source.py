@@ -79,6 +79,23 @@ class OutputSource:
         self.out, self.manifest, self.checkpoint, self.reader = out, manifest, checkpoint, reader
 
 
+def open_checked_source(old: Path, report: CheckReport, workers: int, what: str = "resharded from") -> OutputSource | None:
+    """check --from: the output `old` proven against its own manifest (its findings added to
+    `report`, as "from"), then opened as the source; None where it fails (nothing to compare with)."""
+    old_manifest = read_manifest(old)
+    old_report = verify_output(old, workers, manifest=old_manifest)
+    for p in old_report.problems:
+        report.add("from", f"{old} ({what}): [{p.check}] {p.message}")
+    report.omitted += old_report.omitted
+    if not old_report.ok:
+        return None
+    try:
+        return open_output_source(old, workers=workers, verified=True, manifest=old_manifest)
+    except TpshardError as e:
+        report.add("from", str(e))
+        return None
+
+
 def verify_output(out: Path, workers: int, deferred: set[Path] = frozenset(), manifest: Manifest | None = None):
     """The old output's own check (no source): a CheckReport. `deferred`: files whose tensor
     digests an OutputReader compares as it reads them (OutputReader.verify_rest for the rest).

@@ -8,6 +8,8 @@ manifest with it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tpshard.check.report import CheckReport
 from tpshard.errors import TpshardError
 from tpshard.manifest import Plan
@@ -24,6 +26,9 @@ from tpshard.stages import (
     stage_ranges,
     tensor_stages,
 )
+
+if TYPE_CHECKING:
+    from tpshard.topology import Topology
 
 
 def check_stages(plan: Plan, report: CheckReport) -> dict[str, tuple[int, ...]]:
@@ -102,22 +107,28 @@ def _span_text(ids: list[int]) -> str:
 
 def check_pipeline_request(plan: Plan, pp: int | None, pp_layers: str | None, report: CheckReport) -> None:
     """`check --pp N [--pp-layers ...]`: the output was split for the stages the server will run."""
-    have = plan.topology.pp_layers if plan.topology.pp > 1 else (plan.model.num_layers,)
+    check_stages_request(plan.topology, plan.model.num_layers, pp, pp_layers, report)
+
+
+def check_stages_request(topology: Topology, num_layers: int, pp: int | None, pp_layers: str | None, report: CheckReport) -> None:
+    """check_pipeline_request for a folder split for `topology` of a model of `num_layers` decoder
+    layers (a tpshard output's plan, an engine export's manifest: tpshard.check.export)."""
+    have = topology.pp_layers if topology.pp > 1 else (num_layers,)
     split_for = f"pp {len(have)}" + (f" (layers {partition_value(have)})" if len(have) > 1 else "")
-    engine = plan.topology.placed_for
+    engine = topology.placed_for
     if pp_layers is None:
         if pp != len(have):
             report.add("stages", f"the output was split for {split_for}, not --pp {pp}")
             return
         # No partition given: the server builds its engine's default one.
-        if len(have) > 1 and default_partition(plan.model.num_layers, pp, engine) != tuple(have):
+        if len(have) > 1 and default_partition(num_layers, pp, engine) != tuple(have):
             report.add(
                 "stages",
                 f"the output was split for {split_for}, but {ENGINE_NAME[engine]} at --pp {pp} builds layers"
-                f" {partition_value(default_partition(plan.model.num_layers, pp, engine))} unless started with"
+                f" {partition_value(default_partition(num_layers, pp, engine))} unless started with"
                 f" {PARTITION_ENV[engine]}={partition_value(have)} (then check with --pp-layers {partition_value(have)})",
             )
         return
-    want = resolve_partition(plan.model.num_layers, pp, pp_layers, engine)
+    want = resolve_partition(num_layers, pp, pp_layers, engine)
     if want != tuple(have):
         report.add("stages", f"the output was split for {split_for}, not --pp-layers {partition_value(want)}")

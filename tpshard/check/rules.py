@@ -8,6 +8,7 @@ The rules themselves are tpshard.plan's; the byte-for-byte comparison is tpshard
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ from tpshard.topology import Topology
 
 if TYPE_CHECKING:
     from tpshard.checkpoint import Checkpoint
+    from tpshard.manifest.records import SourceFile
 
 
 def manifest_and_rules(out: Path, frame: ManifestFrame, ckpt: Checkpoint) -> tuple[Manifest, Plan | TpshardError]:
@@ -34,7 +36,13 @@ def manifest_and_rules(out: Path, frame: ManifestFrame, ckpt: Checkpoint) -> tup
 def check_extras_against_source(ckpt: Checkpoint, manifest: Manifest, report: CheckReport) -> None:
     """config.json, tokenizer and the other copied files equal the source's (the copies themselves
     were proven equal to the manifest's sha256); a file the source has and the output lacks is a finding."""
-    recorded = {e.name: e for e in manifest.extra_files}
+    check_copies_against_source(ckpt, manifest.extra_files, report)
+
+
+def check_copies_against_source(ckpt: Checkpoint, copies: Iterable[SourceFile], report: CheckReport, into: str = "the output") -> None:
+    """check_extras_against_source for the copies recorded as `copies` (a tpshard output's, an
+    engine export's: tpshard.check.export), copied `into` the folder checked."""
+    recorded = {e.name: e for e in copies}
     try:
         present = ckpt.extra_files()
     except TpshardError as e:
@@ -42,9 +50,9 @@ def check_extras_against_source(ckpt: Checkpoint, manifest: Manifest, report: Ch
         return
     for name in sorted(set(present) | set(recorded)):
         if name not in recorded:
-            report.add("extras", f"{name}: in the source, but not copied into the output")
+            report.add("extras", f"{name}: in the source, but not copied into {into}")
         elif name not in present:
-            report.add("extras", f"{name}: copied into the output, but the source has no such file")
+            report.add("extras", f"{name}: copied into {into}, but the source has no such file")
         elif sha256_file(ckpt.path / name) != recorded[name].checksum:
             report.add("extras", f"{name}: differs from the source's")
 

@@ -44,12 +44,12 @@ def check(
     workers = check_workers(workers)
     from tpshard.export.manifest import EXPORT_MANIFEST_NAME
 
+    if source is not None and from_output is not None:
+        raise UsageError("--source and --from: give one (--from when the source is gone)")
     if (out / EXPORT_MANIFEST_NAME).is_file():  # an engine export (tpshard export) has its own checks
         from tpshard.check.export import check_export
 
-        return check_export(out, source, workers=workers)
-    if source is not None and from_output is not None:
-        raise UsageError("--source and --from: give one (--from when the source is gone)")
+        return check_export(out, source, workers=workers, pp=pp, pp_layers=pp_layers, from_output=from_output)
     if source is not None:
         from tpshard.checkpoint import open_checkpoint
 
@@ -98,20 +98,11 @@ def _check_against_source(
 
 def _check_from_output(out: Path, old: Path, manifest: Manifest, report: CheckReport, workers: int) -> None:
     """check --from: `old` proven against its own manifest, then read as the source (tpshard.check.output_source)."""
-    from tpshard.check.output_source import open_output_source, verify_output
+    from tpshard.check.output_source import open_checked_source
     from tpshard.check.reassembly import reassemble_output
 
-    old_manifest = read_manifest(old)
-    old_report = verify_output(old, workers, manifest=old_manifest)
-    for p in old_report.problems:
-        report.add("from", f"{old} (resharded from): [{p.check}] {p.message}")
-    report.omitted += old_report.omitted
-    if not old_report.ok:
-        return
-    try:
-        src = open_output_source(old, workers=workers, verified=True, manifest=old_manifest)
-    except TpshardError as e:
-        report.add("from", str(e))
+    src = open_checked_source(old, report, workers)
+    if src is None:
         return
     with src.reader:
         same_source = (manifest.source.path, manifest.source.files) == (src.manifest.source.path, src.manifest.source.files)
