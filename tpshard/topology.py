@@ -25,7 +25,6 @@ every tensor alike; so only a vLLM pipeline output records it.
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from typing import Literal
 
@@ -98,13 +97,7 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         problem = self._problem()
         if problem is not None:
-            # Built by tpshard itself (cli._topology from the options, a manifest decoded), the
-            # message names the CLI's flags (--attn-dp 3), byte for byte as it always has; built by a
-            # caller's code, it names the fields that code passed (attn_dp=3). msgspec's constructor,
-            # decoder and structs.replace are C, so the frame under this one is the Python that asked.
-            caller = sys._getframe(0).f_back
-            tpshard_code = caller is not None and caller.f_globals.get("__name__", "").startswith("tpshard.")
-            raise TopologyError(problem(_flag if tpshard_code else _field))
+            raise TopologyError(problem(_field), flags=problem(_flag))
 
     def _problem(self) -> Callable[[Callable[..., str]], str] | None:
         """What is wrong with the sizes, as a message written with `name(field, value)`; None if nothing.
