@@ -221,7 +221,7 @@ def test_refusal_through_the_real_command(llama_tied, tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.strip().count("\n") == 0
-    assert "reference/PIPELINE.md" in p.stderr and not (tmp_path / "out").exists()
+    assert "docs/pipeline.md" in p.stderr and not (tmp_path / "out").exists()
 
 
 def test_pp1_output_is_byte_identical(llama7, tmp_path):

@@ -11,7 +11,7 @@ Expert parallelism (SGLang runtime_context.derive_spawn_ranks): `moe_tp = tp // 
 the fastest index, so ranks [k*moe_tp, (k+1)*moe_tp) form EP slot k; a routed expert is held only
 by the ranks of its slot (`ranks_of(..., ep_slot=k)`), independent of the attention layout.
 
-Pipeline parallelism (reference/PIPELINE.md §1): `pp` stages of `tp` ranks each, world rank =
+Pipeline parallelism (docs/pipeline.md): `pp` stages of `tp` ranks each, world rank =
 pp_rank * tp + tp_rank. Attention DP/CP and EP live inside each stage's TP group, so every group
 above is the tp-sized layout of one stage, offset by pp_rank * tp; `ranks_of(..., stages=...)`
 keeps the ranks of the stages holding a tensor. The partition (decoder layers per stage) is
