@@ -310,7 +310,7 @@ def test_check_pp_request_and_manifest_bounds(llama7_pp2, copy_of, capsys, monke
     code, _, err = cli(capsys, monkeypatch, "check", llama7_pp2, "--pp", 1)
     assert code == 1 and "not --pp 1" in err
     out = copy_of(llama7_pp2)
-    for layers, message in [((3, 5), "adds up to 8 layers; the model has 7"), ((3, 0, 4), "--pp-layers")]:
+    for layers, message in [((3, 5), "adds up to 8 layers; the model has 7"), ((3, 0, 4), "pp_layers=(3, 0, 4)")]:
         data = json.loads((llama7_pp2 / MANIFEST_NAME).read_bytes())
         data["topology"]["pp_layers"] = list(layers)
         (out / MANIFEST_NAME).write_text(json.dumps(data))
