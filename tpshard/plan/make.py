@@ -121,7 +121,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
     )
     # The files laid out above, so that Plan.offsets and Plan.header need not redo it. Their shards
     # name tensors by entry: the same index in plan.tensors when no entry was left out (every entry
-    # has cuts once _QuantLayers.finish has passed).
+    # has cuts once QuantLayers.finish has passed).
     plan.take_layout(layouts, shards if len(plan.tensors) == len(entries) else None)
     return plan
 
