@@ -255,7 +255,10 @@ def test_check_from_another_checkpoints_output_fails(export_tp2, tmp_path, llama
     one_line_exit_2(run_cli("check", export_tp2, "--from", llama_tp2, "--source", tmp_path / "other"), "give one")
 
 
-def test_check_pp_on_an_export_is_honoured(llama, tmp_path):
+def test_check_pp_on_an_export_is_honoured(llama, tmp_path, export_tp2):
+    assert tpshard.check(export_tp2, pp=1).ok and tpshard.check(export_tp2, pp_layers="2").ok
+    report = tpshard.check(export_tp2, pp=2)
+    assert not report.ok and "the output was split for pp 1, not --pp 2" in report.problems[0].message
     pp2 = tmp_path / "pp2"
     assert run_cli("split", llama, "-o", pp2, "--tp", "1", "--pp", "2", "--format", "vllm").returncode == 0
     for args, code in ((("--pp", "3"), 1), (("--pp", "1"), 1), (("--pp-layers", "2"), 1), (("--pp", "2"), 0), (("--pp-layers", "1,1"), 0)):

@@ -33,7 +33,7 @@ from tpshard.check.pipeline import check_stages_request
 from tpshard.check.report import CheckReport
 from tpshard.check.rules import check_copies_against_source, check_source_sizes
 from tpshard.digest import file_digest, range_digests, sha256_file
-from tpshard.errors import OutputError, TpshardError
+from tpshard.errors import TpshardError
 from tpshard.export.layout import PART_GLOBS, PartFile, config_tied, constant_bytes, parse_part_name, partition_env, rank_layouts, stage_problems
 from tpshard.export.manifest import ExportFile, ExportManifest, ExportTensor, read_export_manifest
 from tpshard.manifest import FILE_METADATA, Plan, differing
@@ -57,7 +57,9 @@ def check_export(
     report = CheckReport(out_dir=str(folder), source=str(source) if source else None, from_output=str(from_output) if from_output else None)
     workers = workers or default_workers()
     if pp is not None or pp_layers is not None:
-        check_stages_request(m.from_.topology, _num_layers(folder, m), pp, pp_layers, report)
+        layers = _num_layers(folder, m, report)
+        if layers is not None:
+            check_stages_request(m.from_.topology, layers, pp, pp_layers, report)
     _check_set(folder, m, report)
     env = dict(m.env) if m.env else {}
     if env != partition_env(m.from_.topology):
@@ -80,19 +82,21 @@ def check_export(
     return report
 
 
-def _num_layers(folder: Path, m: ExportManifest) -> int:
+def _num_layers(folder: Path, m: ExportManifest, report: CheckReport) -> int | None:
     """The model's decoder layers: its stages' at pp > 1, else its config.json's (the export's copy,
-    checked against the manifest's sha256 as the export is)."""
+    checked against the manifest's sha256 as the export is); None, and a finding, without one."""
     topo = m.from_.topology
     if topo.pp > 1:
         return sum(topo.pp_layers)
     try:
         config = json.loads((folder / "config.json").read_bytes())
         layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers")
+        what = f"num_hidden_layers is {layers!r}"
     except (OSError, ValueError, AttributeError, RecursionError) as e:
-        raise OutputError(f"{folder}/config.json: unreadable ({e}); --pp and --pp-layers need its num_hidden_layers") from None
+        layers, what = None, f"unreadable ({e})"
     if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
-        raise OutputError(f"{folder}/config.json: num_hidden_layers is {layers!r}; --pp and --pp-layers need a layer count")
+        report.add("stages", f"config.json: {what}; --pp and --pp-layers are checked against its num_hidden_layers")
+        return None
     return layers
 
 
