@@ -27,9 +27,12 @@ What a rank holds is what SGLang 0.5.23's Glm4MoeForCausalLM builds for it:
 - Pipeline stages: refused. Glm4MoeModel builds the embedding on the first stage and the norm on
   the last, but where the MTP draft's embedding and head live at pp > 1 is not established for
   this class (its NextN loader skips them), so tpshard states no per-stage layout.
-- `verify --model`: refused (no GLM decoder with partial rotary and q/k/v biases yet); layer-level
-  verify runs. Export: refused for both engines (vLLM's models/glm4_moe.py keeps the correction
-  bias and the shared expert under names not measured here).
+- `verify --model` runs tpshard.verify.moe_model's decoder against transformers' Glm4MoeForCausalLM:
+  RoPE on the first head_dim * partial_rotary_factor dims of each head (Glm4MoeRotaryEmbedding,
+  apply_rotary_pos_emb), q/k norms before it, q/k/v biases; the MTP layer at layer level only
+  (transformers does not run it). Export: refused for both engines (vLLM's models/glm4_moe.py
+  keeps the correction bias and the shared expert under names not measured here; SGLang's
+  sharded_state refuses every family with routed experts).
 """
 
 from tpshard.arch.base import NORMS, QK_NORM, QKV_ATTENTION, VOCAB, Arch, EngineNames
@@ -84,7 +87,7 @@ def refuse_config(config: dict, model: ModelInfo) -> None:
 ARCHS = (
     Arch(
         "Glm4MoeForCausalLM", RULES, "glm4_moe.py", attn_group="attn_tp", embed_group="attn_tp", model_type="glm4_moe",
-        expected=expected, exports=EngineNames(vllm=None, sglang=None), verify=None, router=v3_router,
+        expected=expected, exports=EngineNames(vllm=None, sglang=None), verify="moe", router=v3_router,
         sparse=sparse, experts_limit="tp", check=refuse_config,
     ),
 )  # fmt: skip
