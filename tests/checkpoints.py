@@ -37,6 +37,12 @@ ARCH_DEFAULTS = {
         MOE, n_routed_experts=8, n_shared_experts=2, moe_intermediate_size=32, q_lora_rank=None, kv_lora_rank=16,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1,
     ),
+    # GLM-4.5: 8 heads of 16 over 2 kv heads (kv replicated at attn_tp 4 and 8), q/k/v biases, q/k
+    # norms, layer 0 dense, one shared expert, grouped sigmoid routing.
+    "glm4_moe": dict(
+        MOE, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, head_dim=16, first_k_dense_replace=1,
+        n_group=2, topk_group=1, use_qk_norm=True, attention_bias=True, routed_scaling_factor=2.5, norm_topk_prob=True,
+    ),
 }  # fmt: skip
 
 
@@ -44,7 +50,7 @@ def make_checkpoint(
     path: Path, arch: str = "llama", *, max_shard_size: str | None = None, seed: int = 0, mtp: bool = False, **overrides
 ) -> Path:  # fmt: skip
     """Save a randomly initialised `arch` model (llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe,
-    mixtral, deepseek_v3, deepseek_v2) to `path`. `mtp` (deepseek_v3) adds DeepSeek's MTP layer as
+    mixtral, deepseek_v3, deepseek_v2, glm4_moe) to `path`. `mtp` (deepseek_v3, glm4_moe) adds the MTP layer as
     layer num_hidden_layers in a file of its own, as the real checkpoints ship it."""
     import transformers
 
@@ -58,10 +64,15 @@ def make_checkpoint(
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
         "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
+        "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
     }[arch]
     config = config_cls(**{**BASE, **ARCH_DEFAULTS.get(arch, {}), **overrides})
     torch.manual_seed(seed)
-    model = model_cls(config).to(torch.bfloat16 if overrides.get("dtype", "bf16") == "bf16" else torch.float32)
+    dtype = torch.bfloat16 if overrides.get("dtype", "bf16") == "bf16" else torch.float32
+    if arch == "glm4_moe":  # from_config keeps the router and its correction bias fp32, as GLM ships them; .to() would cast them
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        model = model_cls(config).to(dtype)
     with torch.no_grad():  # random init leaves norms at 1 and biases at 0: make every byte matter
         for name, p in model.named_parameters():
             if p.dim() == 1:
@@ -77,7 +88,7 @@ def make_checkpoint(
 
 
 def add_mtp_layer(path: Path, config) -> None:
-    """DeepSeek-V3's MTP module as the checkpoint stores it: decoder layer n = num_hidden_layers (a
+    """DeepSeek-V3's (and GLM-4.5's) MTP module as the checkpoint stores it: decoder layer n = num_hidden_layers (a
     MoE layer) plus enorm, hnorm, eh_proj [H, 2H], shared_head.norm, embed_tokens, shared_head.head."""
     import json
 
@@ -90,7 +101,8 @@ def add_mtp_layer(path: Path, config) -> None:
         tensors |= load_file(f)
     last = f"model.layers.{n - 1}."
     dtype = tensors["model.norm.weight"].dtype
-    mtp = {f"model.layers.{n}." + k[len(last):]: torch.randn_like(v.float()).to(dtype) * 0.05 for k, v in tensors.items() if k.startswith(last)}
+    # each in its source's dtype: GLM's router and correction bias are fp32
+    mtp = {f"model.layers.{n}." + k[len(last):]: torch.randn_like(v.float()).to(v.dtype) * 0.05 for k, v in tensors.items() if k.startswith(last)}
     mtp |= {
         f"model.layers.{n}.enorm.weight": 1 + 0.1 * torch.randn(h).to(dtype),
         f"model.layers.{n}.hnorm.weight": 1 + 0.1 * torch.randn(h).to(dtype),
@@ -99,7 +111,7 @@ def add_mtp_layer(path: Path, config) -> None:
         f"model.layers.{n}.embed_tokens.weight": 0.05 * torch.randn(config.vocab_size, h).to(dtype),
         f"model.layers.{n}.shared_head.head.weight": 0.05 * torch.randn(config.vocab_size, h).to(dtype),
     }
-    mtp = {k: v.to(dtype).contiguous() for k, v in mtp.items()}
+    mtp = {k: v.contiguous() for k, v in mtp.items()}
     save_file(mtp, path / "model-mtp.safetensors", metadata={"format": "pt"})
     index_path = path / "model.safetensors.index.json"
     if index_path.is_file():

@@ -92,6 +92,13 @@ def deepseek_v2(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def glm4_moe(tmp_path_factory) -> Path:
+    """GLM-4.5 in small: layer 0 dense, layers 1-2 MoE with a shared expert, q/k/v biases and q/k
+    norms, fp32 router and correction bias, the MTP layer 3 in its own file, several files."""
+    return make_checkpoint(tmp_path_factory.mktemp("glm4_moe") / "model", "glm4_moe", max_shard_size="100KB", mtp=True)
+
+
+@pytest.fixture(scope="session")
 def deepseek_fp8(tmp_path_factory) -> Path:
     """DeepSeek-V3 in its FP8 block format (tests/checkpoints.py FP8_DEEPSEEK), MTP layer included."""
     from checkpoints import make_fp8_deepseek

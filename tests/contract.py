@@ -20,7 +20,10 @@ GROUPS = {
     "MixtralForCausalLM": ("tp", "tp"),
     "DeepseekV2ForCausalLM": ("attn_tp", "attn_tp"),
     "DeepseekV3ForCausalLM": ("attn_tp", "attn_tp"),
+    "Glm4MoeForCausalLM": ("attn_tp", "attn_tp"),
 }
+# Families whose layers below first_k_dense_replace hold a dense MLP that follows --moe-dense-tp.
+DENSE_FIRST = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 WHOLE = re.compile(
     r".*(norm\.weight|o_proj\.bias|down_proj\.bias|\.mlp\.gate\.weight|block_sparse_moe\.gate\.weight|e_score_correction_bias"
     r"|shared_expert_gate\.weight|q_a_proj\.weight|kv_a_proj_with_mqa\.weight|eh_proj\.weight)"
@@ -86,7 +89,7 @@ def expected_rank_tensor(
     if ".o_proj.weight" in name:
         per = heads // asize * hd
         return full[:, ar * per : (ar + 1) * per]
-    dense = ".shared_expert" not in name and mla  # a DeepSeek dense-layer MLP follows --moe-dense-tp
+    dense = ".shared_expert" not in name and config["architectures"][0] in DENSE_FIRST  # a dense-layer MLP follows --moe-dense-tp
     size, r = (1, 0) if dense and moe_dense_tp == 1 else (tp, rank)
     if ".gate_proj." in name or ".up_proj." in name:
         return split_rows(full, r, size)

@@ -55,6 +55,10 @@ CASES = [
     ("deepseek_v3", Topology(tp=4, ep=2, moe_dense_tp=1)),
     pytest.param("deepseek_v3", Topology(tp=8), marks=SLOW),
     ("deepseek_v2", Topology(tp=4, attn_dp=2, ep=4)),
+    ("glm4_moe", Topology(tp=2)),
+    ("glm4_moe", Topology(tp=4, ep=2)),
+    ("glm4_moe", Topology(tp=8, attn_dp=2, ep=8)),
+    pytest.param("glm4_moe", Topology(tp=8, attn_dp=4, ep=2, moe_dense_tp=1), marks=SLOW),
 ]
 
 

@@ -180,6 +180,7 @@ def _moe_mla_info(config: dict) -> dict:
             qk_nope_head_dim=int(g("qk_nope_head_dim")),
             qk_rope_head_dim=int(g("qk_rope_head_dim")),
             v_head_dim=int(g("v_head_dim")),
-            num_nextn_predict_layers=int(g("num_nextn_predict_layers") or 0),
         )
+    if experts or g("kv_lora_rank"):  # DeepSeek's and GLM's MTP layers, stored as layers num_hidden_layers, ...
+        info.update(num_nextn_predict_layers=int(g("num_nextn_predict_layers") or 0))
     return info

@@ -84,6 +84,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (neox rotate_half) on the first cos.shape[-1] dims of each head; the rest pass through
+    (GLM's partial_rotary_factor, transformers' Glm4Moe apply_rotary_pos_emb)."""
+    d = cos.shape[-1]
+    if d == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    head, rest = x[..., :d], x[..., d:]
+    return torch.cat((head * cos + rotate_half(head) * sin, rest), dim=-1)
+
+
 class TPDecoder:
     """One rank's part of the decoder. `layers`: engine layer name -> Built (float32, loaded).
 
@@ -207,8 +217,7 @@ class TPDecoder:
             q = rms_norm(q, self.norms[f"{p}.{Q_NORM}"], self.eps)
             k = rms_norm(k, self.norms[f"{p}.{K_NORM}"], self.eps)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, hd]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         rep = q.shape[1] // k.shape[1]  # query heads per kv head on this rank
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim**-0.5)  # [B, nh, S, v_hd]

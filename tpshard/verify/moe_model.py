@@ -1,7 +1,7 @@
 """Model-level verification of the MoE and MLA architectures: a tensor-parallel decoder vs transformers.
 
 The architectures whose `Arch.verify` is "moe" (tpshard/arch/): DeepseekV3 (and V2), Qwen3-MoE,
-Qwen2-MoE, Mixtral. The decoder is tpshard.verify.decoder's TPDecoder (embedding, norms, GQA attention, lm_head, attention-DP gather and scatter) with two
+Qwen2-MoE, Mixtral, GLM-4.5 (Glm4Moe: partial rotary, q/k/v biases, q/k norms, DeepSeek-V3's router). The decoder is tpshard.verify.decoder's TPDecoder (embedding, norms, GQA attention, lm_head, attention-DP gather and scatter) with two
 layer kinds added, both from tpshard.runtime and built from the manifest like every other layer:
 
 - attention: MLA (`MLAAttention` over the attention group: replicated `fused_qkv_a_proj_with_mqa`
@@ -10,7 +10,7 @@ layer kinds added, both from tpshard.runtime and built from the manifest like ev
 - MLP: a MoE block (`MoEBlock`: the replicated router with the model's RouterConfig and
   DeepSeek-V3's correction bias, `FusedMoE` over EP x MoE-TP, shared experts over tp with Qwen2-MoE's
   sigmoid gate, one all-reduce over tp), on the tokens of every attention-DP replica as SGLang runs
-  it; or DeepSeek's dense first layers, over tp (gathered) or whole on every rank with
+  it; or DeepSeek's and GLM's dense first layers, over tp (gathered) or whole on every rank with
   `--moe-dense-tp 1` (each rank runs its own tokens, no gather).
 
 RoPE comes from transformers' own rope functions for the checkpoint's config (default, yarn with
@@ -53,7 +53,8 @@ def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> s
 
 
 def rope_tables(folder: Path, seq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [S, rope dim] of positions 0..S-1 for the checkpoint's config, scaling included."""
+    """cos, sin [S, rope dim] of positions 0..S-1 for the checkpoint's config, scaling included
+    (rope dim < head_dim with GLM's partial_rotary_factor)."""
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -62,6 +63,7 @@ def rope_tables(folder: Path, seq: int, device) -> tuple[torch.Tensor, torch.Ten
     kind = rope.get("rope_type", "default")
     if kind == "default":  # as every transformers model computes its default rope
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dim = int(dim * rope.get("partial_rotary_factor", 1.0))  # GLM: only the first part of each head rotates
         inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         scaling = 1.0
     else:

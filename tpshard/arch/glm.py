@@ -1,0 +1,93 @@
+"""GLM-4.5 / 4.6 / 4.5-Air (SGLang models/glm4_moe.py, models/glm4_moe_nextn.py; transformers
+models/glm4_moe/modeling_glm4_moe.py).
+
+What a rank holds is what SGLang 0.5.23's Glm4MoeForCausalLM builds for it:
+- Glm4MoeAttention: q/k/v one QKVParallelLinear over attn_tp (q heads even; kv heads even, or
+  each replicated attn_tp / kv ways when attn_tp > kv), their biases (config.json attention_bias)
+  cut with their weights; o_proj a RowParallelLinear over attn_tp that never has a bias; q_norm /
+  k_norm ([head_dim], config.json use_qk_norm) whole. The heads must divide attn_tp.
+- The embedding is a VocabParallelEmbedding with use_attn_tp_group=is_dp_attention_enabled(), so
+  over attn_tp under attention DP; lm_head over tp (attn_tp with --enable-dp-lm-head).
+- Layers below first_k_dense_replace have a Glm4MoeMLP over tp, whole with --moe-dense-tp-size 1
+  (enable_moe_dense_fully_dp). Every other layer (Glm4MoeDecoderLayer._is_layer_sparse; GLM has
+  no moe_layer_freq) is a Glm4MoeSparseMoeBlock: the router Glm4MoeGate (`gate.weight` and
+  `e_score_correction_bias`, fp32 in the checkpoint, whole on every rank), FusedMoE experts in
+  contiguous blocks of E / ep per EP slot, each cut over moe_tp = tp / ep, and the shared experts,
+  a Glm4MoeMLP over the full tp even under EP. Glm4MoeSparseMoeBlock refuses tp greater than the
+  routed experts and any activation but silu.
+- The MTP layer (num_nextn_predict_layers, draft class Glm4MoeForCausalLMNextN) is decoder layer
+  num_hidden_layers: a sparse layer cut like the main ones, its enorm / hnorm / shared_head.norm
+  and eh_proj whole, its own embed_tokens and shared_head.head (which the NextN loader skips: the
+  draft shares the target's) cut like the model's, as for DeepSeek (tpshard/arch/deepseek.py). The
+  NextN loader asserts one MTP layer. It is optional in a complete checkpoint.
+- The same rules as DeepSeek's MoE, dense MLP and MTP layers, so they are taken from
+  tpshard/arch/deepseek.py; the router too (sigmoid scores, e_score_correction_bias for the choice
+  only, n_group / topk_group by each group's top-2 sum, renormalised, times routed_scaling_factor:
+  transformers' Glm4MoeTopkRouter and Glm4MoeMoE.route_tokens_to_experts).
+- Pipeline stages: refused. Glm4MoeModel builds the embedding on the first stage and the norm on
+  the last, but where the MTP draft's embedding and head live at pp > 1 is not established for
+  this class (its NextN loader skips them), so tpshard states no per-stage layout.
+- `verify --model` runs tpshard.verify.moe_model's decoder against transformers' Glm4MoeForCausalLM:
+  RoPE on the first head_dim * partial_rotary_factor dims of each head (Glm4MoeRotaryEmbedding,
+  apply_rotary_pos_emb), q/k norms before it, q/k/v biases; the MTP layer at layer level only
+  (transformers does not run it). Export: refused for both engines (vLLM's models/glm4_moe.py
+  keeps the correction bias and the shared expert under names not measured here; SGLang's
+  sharded_state refuses every family with routed experts).
+"""
+
+from tpshard.arch.base import NORMS, QK_NORM, QKV_ATTENTION, VOCAB, Arch, EngineNames
+from tpshard.arch.deepseek import DENSE, MOE, MTP, v3_router
+from tpshard.arch.tensors import attention_tensors, config_value, decoder_tensors, expert_tensors, mlp_tensors
+from tpshard.errors import PlanError
+from tpshard.manifest import ModelInfo
+
+RULES = VOCAB + NORMS + QKV_ATTENTION + QK_NORM + MOE + DENSE + MTP
+
+
+def sparse(model: ModelInfo, layer: int) -> bool:
+    """Glm4MoeDecoderLayer._is_layer_sparse: the MTP decoder, or every layer from first_k_dense_replace on."""
+    return layer >= model.num_layers or (model.num_experts > 0 and layer >= model.first_k_dense_replace)
+
+
+def expected(model: ModelInfo, config: dict):
+    """Per layer the attention (q/k/v biases with attention_bias, never an o_proj bias; q/k norms with
+    use_qk_norm), then a dense MLP or the router with its correction bias, every routed expert and the
+    shared experts. The MTP layer is optional: an engine serving without speculative decoding never reads it."""
+    qkv_bias = bool(config_value(config, "attention_bias", False))
+    qk_norm = bool(config_value(config, "use_qk_norm", False))
+
+    def attention(p: str):
+        # {} : attention_tensors would add o_proj.bias for attention_bias, which Glm4MoeAttention never builds
+        return attention_tensors(p, {}, qkv_bias=qkv_bias, qk_norm=qk_norm)
+
+    def mlp(p: str, i: int):
+        if not sparse(model, i):
+            yield from mlp_tensors(f"{p}.mlp")
+            return
+        yield from expert_tensors(f"{p}.mlp", model, ("gate_proj", "up_proj", "down_proj"))
+        yield f"{p}.mlp.gate.e_score_correction_bias"
+        if model.num_shared_experts:
+            yield from mlp_tensors(f"{p}.mlp.shared_experts")
+
+    return decoder_tensors(model, config, attention, mlp)
+
+
+def refuse_config(config: dict, model: ModelInfo) -> None:
+    """What SGLang's classes assert of config.json beyond the rules."""
+    act = config_value(config, "hidden_act", "silu")
+    if act != "silu":
+        raise PlanError(f"{model.architecture}: hidden_act {act!r}; SGLang's Glm4MoeSparseMoeBlock supports only silu")
+    if model.num_nextn_predict_layers > 1:
+        raise PlanError(
+            f"{model.architecture}: num_nextn_predict_layers {model.num_nextn_predict_layers}; SGLang's"
+            " Glm4MoeForCausalLMNextN (glm4_moe_nextn.py) asserts \"Only 1 nextn layer is supported\""
+        )
+
+
+ARCHS = (
+    Arch(
+        "Glm4MoeForCausalLM", RULES, "glm4_moe.py", attn_group="attn_tp", embed_group="attn_tp", model_type="glm4_moe",
+        expected=expected, exports=EngineNames(vllm=None, sglang=None), verify="moe", router=v3_router,
+        sparse=sparse, experts_limit="tp", check=refuse_config,
+    ),
+)  # fmt: skip
