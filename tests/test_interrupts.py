@@ -86,16 +86,15 @@ def ranks_of(proc) -> list[int]:
     return [p for p in found if alive(p)]
 
 
-@pytest.mark.parametrize(
-    "when", ["importing", pytest.param("ranks starting", marks=pytest.mark.slow), pytest.param("ranks computing", marks=pytest.mark.slow)]
-)
-def test_ctrl_c_in_a_terminal_stops_every_rank_in_one_line_exit_130(llama_tp2, llama, when):
-    proc, out = in_a_terminal([sys.executable, "-m", "tpshard", "verify", str(llama_tp2), "--source", str(llama)])
+def interrupted_in_a_terminal(cmd: list[str], when: str) -> tuple[int, list[str], list[int]]:
+    """Run `cmd` in a terminal, Ctrl-C its process group at `when`: (exit code, its output's lines
+    but the launch lines, the processes below it that outlived it)."""
+    proc, out = in_a_terminal(cmd)
     if when == "importing":  # tpshard's modules loading (msgspec mapped); not Python's own start-up before them
         end = time.monotonic() + 60
         while not loaded(proc.pid, "msgspec") and time.monotonic() < end:
             time.sleep(0.005)
-    else:  # two ranks and multiprocessing's resource tracker
+    else:  # two ranks and multiprocessing's resource tracker (or torchrun's agent)
         end = time.monotonic() + 120
         while len(ranks_of(proc)) < 3 and time.monotonic() < end and proc.poll() is None:
             time.sleep(0.05)
@@ -106,10 +105,26 @@ def test_ctrl_c_in_a_terminal_stops_every_rank_in_one_line_exit_130(llama_tp2, l
     left = wait_gone(below, 10)
     time.sleep(0.3)  # the last output through the terminal
     text = re.sub(r"\x1b\[[0-9;]*m", "", out.decode(errors="replace"))  # colours
-    assert code == 130, (code, text[-3000:])
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
-    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("verify: ")]  # the launch line
-    assert len(lines) == 1 and lines[0].startswith("interrupted"), lines
+    launch = ("verify: ", "*****", "Setting OMP_NUM_THREADS")  # tpshard's launch line, torchrun's banner
+    return code, [line for line in text.splitlines() if line.strip() and not line.startswith(launch)], left
+
+
+@pytest.mark.parametrize(
+    "when", ["importing", pytest.param("ranks starting", marks=pytest.mark.slow), pytest.param("ranks computing", marks=pytest.mark.slow)]
+)
+def test_ctrl_c_in_a_terminal_stops_every_rank_in_one_line_exit_130(llama_tp2, llama, when):
+    cmd = [sys.executable, "-m", "tpshard", "verify", str(llama_tp2), "--source", str(llama)]
+    code, lines, left = interrupted_in_a_terminal(cmd, when)
+    assert code == 130 and len(lines) == 1 and lines[0].startswith("interrupted"), (code, lines)
+    assert not left, f"processes {left} outlived the interrupted verify"
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_torchrun_stops_the_agent_and_every_rank(llama_tp2, llama):
+    cmd = [sys.executable, "-m", "tpshard", "verify", str(llama_tp2), "--source", str(llama), "--torchrun", "--nproc-per-node 2"]
+    code, lines, left = interrupted_in_a_terminal(cmd, "ranks starting")
+    assert code == 130 and len(lines) == 1 and lines[0].startswith("interrupted"), (code, lines)
     assert not left, f"processes {left} outlived the interrupted verify"
 
 
