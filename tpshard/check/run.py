@@ -53,8 +53,11 @@ def check(
     if source is not None:
         from tpshard.checkpoint import open_checkpoint
 
+        from tpshard.source_identity import check_source_identity
+
         frame = read_manifest_frame(out)
         ckpt = open_checkpoint(source)
+        check_source_identity(ckpt, frame.text.source.files, out, workers=workers)  # another checkpoint: one line, exit 2
         manifest, expected = manifest_and_rules(out, frame, ckpt)
     else:
         manifest = read_manifest(out)

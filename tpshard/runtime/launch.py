@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tpshard.errors import TpshardError
+from tpshard.lifetime import die_with_parent, ignoring_sigint
 from tpshard.runtime.groups import clear_groups
 
 BACKENDS = ("nccl", "gloo")
@@ -179,8 +180,9 @@ def _failure_order(r: RankResult) -> tuple:
 
 def _worker(
     rank: int, world_size: int, port: int, backend: str, device: str, timeout_s: float,
-    fn: Callable[..., Any], args: tuple, results: Any,
+    fn: Callable[..., Any], args: tuple, results: Any, parent: int,
 ) -> None:
+    die_with_parent(parent)  # a parent killed with SIGKILL takes its ranks with it (tpshard.lifetime)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )  # fmt: skip
@@ -243,12 +245,39 @@ def run_local(
     store = local_store(timeout_s)  # held until every rank is done: the port cannot be taken meanwhile
     procs = [
         ctx.Process(
-            target=_worker, args=(r, nprocs, store.port, backend, device, timeout_s, fn, args, results_q), daemon=True,
+            target=_worker, args=(r, nprocs, store.port, backend, device, timeout_s, fn, args, results_q, os.getpid()),
+            daemon=True,
         )  # fmt: skip
         for r in range(nprocs)
     ]
+    try:
+        with ignoring_sigint():  # Ctrl-C reaches the whole process group: the parent alone handles it
+            for p in procs:
+                p.start()
+        got, first_failure = _collect(procs, results_q, timeout_s, grace_s)
+    except BaseException:  # Ctrl-C, or anything else here: no rank outlives the parent's wait
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5.0)
+        raise
     for p in procs:
-        p.start()
+        p.join(timeout=0.5 if first_failure is not None else 5.0)
+        if p.is_alive():
+            p.kill()  # a peer of a failed rank, stuck in a collective: nothing left to say
+            p.join()
+    del store
+    why = "stopped after another rank failed" if first_failure is not None else f"no result within {timeout_s:.0f} s (hung)"
+    ordered = [got.get(r, RankResult(r, error=why)) for r in range(nprocs)]
+    if raise_on_error and any(not r.ok for r in ordered):
+        raise RankFailed(ordered)
+    return ordered
+
+
+def _collect(procs: list, results_q: Any, timeout_s: float, grace_s: float) -> tuple[dict[int, RankResult], float | None]:
+    """Every rank's result as it arrives, until all are in, the timeout, or the grace after a failure."""
+    nprocs = len(procs)
     got: dict[int, RankResult] = {}
     deadline = time.monotonic() + timeout_s
     first_failure: float | None = None
@@ -275,14 +304,4 @@ def run_local(
         else:
             got[rank] = RankResult(rank, error=error, failed_at=failed_at, exit_code=code)
             first_failure = first_failure or time.monotonic()
-    for p in procs:
-        p.join(timeout=0.5 if first_failure is not None else 5.0)
-        if p.is_alive():
-            p.kill()  # a peer of a failed rank, stuck in a collective: nothing left to say
-            p.join()
-    del store
-    why = "stopped after another rank failed" if first_failure is not None else f"no result within {timeout_s:.0f} s (hung)"
-    ordered = [got.get(r, RankResult(r, error=why)) for r in range(nprocs)]
-    if raise_on_error and any(not r.ok for r in ordered):
-        raise RankFailed(ordered)
-    return ordered
+    return got, first_failure

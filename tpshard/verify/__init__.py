@@ -174,6 +174,9 @@ def _in_place(jobs, world: int, backend, device, timeout_s: float, announce) -> 
     from tpshard.runtime.objects import all_gather_objects
     from tpshard.verify.run import raise_rank_problems, rank_main, rank_preflight
 
+    from tpshard.lifetime import die_with_parent
+
+    die_with_parent()  # the elastic agent killed (or tpshard verify --torchrun above it): this rank ends too
     launched = int(os.environ["WORLD_SIZE"])
     if launched != world:
         error = TpshardError(

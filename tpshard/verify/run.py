@@ -78,18 +78,23 @@ def rank_preflight(job: Job, rank: int) -> list[str]:
             elif os.path.getsize(path) != f.size:
                 problems.append(f"{path} has {os.path.getsize(path)} bytes, the manifest says {f.size}")
     if rank == 0:
-        problems += source_problems(job, plan)
+        problems += source_problems(job, plan, manifest.source.files)
     return problems
 
 
-def source_problems(job: Job, plan) -> list[str]:
-    """Is `job.source` the checkpoint the output was split from, and can --model run on it?"""
+def source_problems(job: Job, plan, recorded) -> list[str]:
+    """Is `job.source` the checkpoint the output was split from (`recorded`: the manifest's
+    source.files, compared in tpshard.source_identity), and can --model run on it?"""
     from tpshard.checkpoint import open_checkpoint
+    from tpshard.source_identity import wrong_source
 
     try:
         ckpt = open_checkpoint(job.source)
     except TpshardError as e:
         return [str(e)]
+    problem = wrong_source(ckpt, recorded, job.out, workers=os.cpu_count() or 4)
+    if problem:
+        return [problem]
     absent = sorted({s.source for s in plan.shards} - set(ckpt.tensors))
     differ = sorted({s.source for s in plan.shards if s.source in ckpt.tensors and ckpt.tensors[s.source].shape != s.source_shape})
     if absent or differ:

@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tpshard.lifetime import kill_tree, set_death_signal
+
 VERDICT_DIR_ENV = "TPSHARD_VERDICT_DIR"
 
 
@@ -62,5 +64,14 @@ def run_under_torchrun(torchrun_args: list[str], verify_args: list[str]) -> tupl
     with tempfile.TemporaryDirectory(prefix="tpshard-verdict-") as folder:
         env = {**os.environ, VERDICT_DIR_ENV: folder}
         cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "tpshard", "verify", *verify_args]
-        code = subprocess.run(cmd, env=env).returncode
+        # torchrun in a session of its own: a terminal's Ctrl-C reaches this process alone, which
+        # stops the agent and every rank (tpshard.lifetime) and exits 130; and if this process is
+        # killed, the kernel kills the agent, whose ranks follow it.
+        agent = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=set_death_signal)
+        try:
+            code = agent.wait()
+        except BaseException:
+            kill_tree(agent.pid)
+            agent.wait()
+            raise
         return decide(read_verdicts(folder), code)
