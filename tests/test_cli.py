@@ -79,7 +79,7 @@ def test_check_exit_1_on_a_broken_output(llama, tmp_path):
     data[-1] ^= 1
     path.write_bytes(data)
     p = run("check", out, "--source", llama, ok=False)
-    assert p.returncode == 1 and "FAIL" in p.stderr and "model-tp-001-of-002" in p.stderr
+    assert p.returncode == 1 and "FAIL" in p.stdout and "model-tp-001-of-002" in p.stdout
 
 
 def test_split_ranks_option(llama, tmp_path):

@@ -133,3 +133,16 @@ def test_an_error_under_json_is_json_on_stdout(args):
     p = piped(*args)
     data = json.loads(p.stdout)
     assert p.returncode == 2 and data["exit_code"] == 2 and data["error"] and "Traceback" not in p.stderr
+
+
+def test_progress_on_a_terminal_stderr_only(llama, tmp_path):
+    """split, reshard and check draw a bar (bytes, GiB units) on stderr when it is a terminal; stdout,
+    a file here, gets the summary alone; through a pipe no progress at all (the pipe tests above)."""
+    out, new = tmp_path / "out", tmp_path / "new"
+    for args, word in [(("split", llama, "-o", out, "--tp", 4), "splitting"), (("reshard", out, "-o", new, "--tp", 2), "resharding"),
+                       (("check", new, "--source", llama), "checking"), (("check", new), "checking")]:  # fmt: skip
+        code, streams = in_terminal(*args, cols=100, terminal=("stderr",))
+        assert code == 0 and word in streams["terminal"] and "/" in streams["terminal"], streams
+        assert word not in streams["stdout"] and "\x1b" not in streams["stdout"] and streams["stdout"].strip(), streams
+    p = piped("reshard", out, "-o", tmp_path / "third", "--tp", 1)
+    assert p.returncode == 0 and p.stderr == "" and p.stdout.startswith("resharded ")

@@ -21,7 +21,7 @@ from rich.markup import escape
 from tpshard.errors import TpshardError, UsageError
 from tpshard.manifest import Options
 from tpshard.render import emit_json as _emit_json
-from tpshard.render import err, plan_json_pieces, plural, show
+from tpshard.render import byte_progress, err, plan_json_pieces, plural, show, step_progress
 from tpshard.render import table as _table
 from tpshard.topology import Topology
 
@@ -214,8 +214,6 @@ def split(
             raise TpshardError("--ranks and --format: an engine export needs every rank; split --ranks, merge, then tpshard export")
         engine = _engine(engine, format if format in ("sglang", "vllm") else "sglang")
         max_bytes = parse_size(max_part_size)
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
     from tpshard.checkpoint import open_checkpoint
     from tpshard.report import human_bytes
     from tpshard.writer import split as do_split
@@ -230,14 +228,10 @@ def split(
         manifest = split_and_export(ckpt, out, topology, format, options, max_part_bytes=max_bytes, workers=workers, force=force, checksum=checksum)
         return _export_summary(manifest, out, time.perf_counter() - start, json)
     total = sum(t.nbytes for t in ckpt.tensors.values())
-    with Progress(
-        "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-        console=err, transient=True, disable=json or not err.is_terminal,
-    ) as progress:  # fmt: skip
-        task = progress.add_task("splitting", total=total)
+    with byte_progress("splitting", total, quiet=json) as advance:
         manifest = do_split(
             ckpt, out, topology, msgspec.structs.replace(_options(pad, dp_lm_head, pad_blocks), checksum=checksum),
-            workers=workers, force=force, ranks=parse_ranks(ranks), on_tensor=lambda n: progress.advance(task, n),
+            workers=workers, force=force, ranks=parse_ranks(ranks), on_tensor=advance,
         )  # fmt: skip
     seconds = time.perf_counter() - start
     written = sum(f.size for f in manifest.written_files)
@@ -289,7 +283,8 @@ def reshard(
     src = open_output_source(old, workers=check_workers(workers))
     topology = _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine, ckpt=src.checkpoint)
     options = msgspec.structs.replace(_options(pad, dp_lm_head, pad_blocks), checksum=checksum)
-    manifest = do_reshard(src, out, topology, options, workers=workers, force=force, ranks=parse_ranks(ranks))
+    with byte_progress("resharding", sum(t.nbytes for t in src.checkpoint.tensors.values()), quiet=json) as advance:
+        manifest = do_reshard(src, out, topology, options, workers=workers, force=force, ranks=parse_ranks(ranks), on_tensor=advance)
     seconds = time.perf_counter() - start
     written = sum(f.size for f in manifest.written_files)
     summary = {"from": str(old), "out": str(out), "ranks": list(manifest.written_ranks), "files": len(manifest.written_files), "bytes_written": written, "seconds": round(seconds, 3)}
@@ -317,7 +312,8 @@ def check(
     from tpshard.report import human_bytes
 
     start = time.perf_counter()
-    report = do_check(out, source, workers=workers, pp=pp, pp_layers=pp_layers, from_output=from_output)
+    with byte_progress("checking", _check_total(out, source), quiet=json) as advance:
+        report = do_check(out, source, workers=workers, pp=pp, pp_layers=pp_layers, from_output=from_output, on_bytes=advance)
     seconds = time.perf_counter() - start
     if json:
         _emit_json({"ok": report.ok, "seconds": round(seconds, 3), **msgspec.to_builtins(report)})
@@ -338,6 +334,22 @@ def check(
             show(f"[red]{plural(total, 'problem')}[/] in {escape(str(out))} ({what} checked): NOT verified")
     if not report.ok:
         raise typer.Exit(1)
+
+
+def _check_total(out: Path, source: Path | None) -> int:
+    """The bytes check's progress counts (tpshard.check's on_bytes): the source's tensors, or the
+    output's distinct files; 0 (no bar) for an engine export or an unreadable manifest, which
+    check itself reports."""
+    try:
+        if source is not None:
+            from tpshard.checkpoint import open_checkpoint
+
+            return sum(t.nbytes for t in open_checkpoint(source).tensors.values())
+        from tpshard.manifest import read_manifest
+
+        return sum(f.size for f in read_manifest(out).written_files)
+    except (TpshardError, OSError):
+        return 0
 
 
 @app.command()
@@ -401,13 +413,17 @@ def _verify_here(out, source, model, backend, device, dtype, tokens, seed, timeo
     from tpshard.summaries import show_verify
     from tpshard.verify.report import encode_report
 
-    def announce(line: str) -> None:
-        err.print(line, style="bold", markup=False)
+    with step_progress("verify", quiet=json or int(os.environ.get("RANK", "0")) != 0) as step:
 
-    result = do_verify(
-        out, source, model=model, backend=backend, device=device, dtype=dtype, tokens=tokens, seed=seed,
-        timeout_s=timeout, announce=announce, pp=pp, pp_layers=pp_layers,
-    )  # fmt: skip
+        def announce(line: str) -> None:
+            err.print(line, style="bold", markup=False)
+            step("every rank loading its shards, then the layers" + (" and the model" if model else "") + " against the source")
+
+        step("reading the manifest and the source")
+        result = do_verify(
+            out, source, model=model, backend=backend, device=device, dtype=dtype, tokens=tokens, seed=seed,
+            timeout_s=timeout, announce=announce, pp=pp, pp_layers=pp_layers,
+        )  # fmt: skip
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 speaks and writes
         if report:
             write_report(result, report)
@@ -452,7 +468,8 @@ def merge(
     """Join outputs written for different ranks (split --ranks on several nodes) into one."""
     from tpshard.merge import merge as do_merge
 
-    manifest = do_merge(parts, out, force=force)
+    with step_progress(f"merging {plural(len(parts), 'part')}"):
+        manifest = do_merge(parts, out, force=force)
     show(f"[green]merged[/] {plural(len(parts), 'part')} -> {escape(str(out))}: ranks {list(manifest.written_ranks)}")
 
 
@@ -469,7 +486,8 @@ def export_cmd(
     from tpshard.export import export
 
     start = time.perf_counter()
-    manifest = export(out, dest, format, max_part_bytes=parse_size(max_part_size), workers=workers, force=force)
+    with step_progress(f"exporting for {format}", quiet=json):
+        manifest = export(out, dest, format, max_part_bytes=parse_size(max_part_size), workers=workers, force=force)
     _export_summary(manifest, dest, time.perf_counter() - start, json)
 
 

@@ -164,17 +164,18 @@ def byte_progress(description: str, total: int, quiet: bool = False) -> Iterator
 
     # binary_units: GiB, as the summaries count (rich's default is GB)
     columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn())
-    with Progress(*columns, console=err, transient=True, disable=quiet or not err.is_terminal) as progress:
+    with Progress(*columns, console=err, transient=True, redirect_stdout=False, disable=quiet or not err.is_terminal) as progress:
         task = progress.add_task(description, total=total)
         yield lambda n: progress.advance(task, n)
 
 
 @contextlib.contextmanager
 def step_progress(description: str, quiet: bool = False) -> Iterator[Callable[[str], None]]:
-    """A transient spinner on stderr naming the step in progress (`step(text)`); nothing when stderr
-    is not a terminal or `quiet`."""
-    if quiet or not err.is_terminal:
-        yield lambda text: None
-        return
-    with err.status(description) as status:
-        yield lambda text: status.update(f"{description}: {text}")
+    """A transient spinner with the time elapsed on stderr, naming the step in progress
+    (`step(text)`), where a command has no byte count to show; nothing when stderr is not a
+    terminal or `quiet`."""
+    from rich.progress import Progress, SpinnerColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), "{task.description}", TimeElapsedColumn(), console=err, transient=True, redirect_stdout=False, disable=quiet or not err.is_terminal) as progress:
+        task = progress.add_task(description, total=None)
+        yield lambda text: progress.update(task, description=f"{description}: {text}")
