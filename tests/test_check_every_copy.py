@@ -198,4 +198,4 @@ def test_a_truncated_file_is_a_finding_with_the_source_too(broken, llama, cut):
     path.unlink()  # its hard-linked copies keep the whole file
     path.write_bytes(data[:-cut])
     p = subprocess.run([sys.executable, "-m", "tpshard", "check", str(broken), "--source", str(llama)], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 1 and "truncated or extended" in p.stderr and "error:" not in p.stderr, p.stderr
+    assert p.returncode == 1 and "truncated or extended" in p.stdout and "error:" not in p.stderr, p.stdout

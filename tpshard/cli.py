@@ -187,7 +187,9 @@ def explain(
         stage = p.topology.pp - 1 if layer >= p.model.num_layers else stage_of_layer(p.topology.pp_layers, layer)
         ranks = p.topology.stage_ranks(stage)
         where = f", pipeline stage {stage} (ranks {ranks[0]}-{ranks[-1]})"
-    show(_table(f"Layer {layer} at {p.topology.describe()}{where}", rows, drop=("reduction", "layer")))
+    from tpshard.report import topology_text
+
+    show(_table(f"Layer {layer} at {topology_text(p)}{where}", rows, drop=("reduction", "layer")))
 
 
 @app.command()
@@ -312,7 +314,8 @@ def check(
     from tpshard.report import human_bytes
 
     start = time.perf_counter()
-    with byte_progress("checking", _check_total(out, source), quiet=json) as advance:
+    shown = err.is_terminal and not json  # the total costs a read of the headers: only for a bar someone sees
+    with byte_progress("checking", _check_total(out, source) if shown else 0, quiet=not shown) as advance:
         report = do_check(out, source, workers=workers, pp=pp, pp_layers=pp_layers, from_output=from_output, on_bytes=advance)
     seconds = time.perf_counter() - start
     if json:
