@@ -156,7 +156,7 @@ def plan(
                 del row[key]
     show(_table("Per rank", ranks, drop=("attn_cp", "files", "tensors", "expert_bytes")))
     if alignment:
-        show(_table("Quantized tensors: cut, atom (pack unit / group / tile / block) and per-rank shape", alignment))
+        show(_table("Quantized tensors: cut, atom (pack unit / group / tile / block) and per-rank shape", alignment, drop=("step", "format")))
     unique = sum(f.size for f in p.files)
     show(f"{len(p.files)} distinct files, {human_bytes(unique)} written once (hard links share them between ranks)")
 
@@ -189,7 +189,8 @@ def explain(
         where = f", pipeline stage {stage} (ranks {ranks[0]}-{ranks[-1]})"
     from tpshard.report import topology_text
 
-    show(_table(f"Layer {layer} at {topology_text(p)}{where}", rows, drop=("reduction", "layer")))
+    show(f"{escape(topology_text(p))}", soft_wrap=True)  # a line of its own: a table's title wraps at the table's width
+    show(_table(f"Layer {layer}{where}", rows, drop=("reduction", "layer")))
 
 
 @app.command()
