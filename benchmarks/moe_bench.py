@@ -6,7 +6,7 @@ DeepSeek-V3 has 61 decoder layers (3 dense, 58 MoE) plus the MTP layer, 256 rout
 3 projections, each an FP8 block weight with its weight_scale_inv: 91,991 tensors, ~1,500 per MoE
 layer. The checkpoint written here has exactly those names, dtypes and that count, with every dim
 scaled down so the cuts stay on 128-blocks at tp 8 / attn-dp 2 / ep 8 (the deployment of
-MOE_MLA.md §7.1): hidden 256, 16 heads of nope 64 + rope 64 and v 64, q_lora 256, kv_lora 128,
+docs/contracts.md): hidden 256, 16 heads of nope 64 + rope 64 and v 64, q_lora 256, kv_lora 128,
 experts of 128, 8 shared experts (1024), dense MLP 1024, vocab 129,280 -- about 2.3 GiB. What it
 measures is the per-tensor cost of tpshard: plan, file layout, one read and many small writes.
 

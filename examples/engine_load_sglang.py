@@ -1,6 +1,6 @@
 """Load a tpshard `--format sglang` export with SGLang 0.5.23's own loader on a CPU, rank by
 rank, and compare it bit for bit with SGLang's own `auto` load of the HF source (docs/deploy.md;
-shared ENGINE_FORMATS.md §9).
+docs/deploy.md).
 
     python examples/engine_load_sglang.py MODEL EXPORT TP [RANKS]
 
@@ -65,7 +65,7 @@ def install_stubs() -> None:
 
     import_utils.is_torchvision_available()
     # vllm._custom_ops: the forward-only rotary kernel import SGLang takes on platforms it does not
-    # recognise (ENGINE_FORMATS.md §9).
+    # recognise (docs/deploy.md).
     sys.meta_path.insert(0, _StubFinder({"torchvision", "vllm"}))
 
 

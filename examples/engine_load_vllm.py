@@ -1,5 +1,5 @@
 """Load a tpshard export with vLLM's own loader on a CPU, rank by rank, and compare it bit for bit
-with vLLM's own load of the Hugging Face source (docs/deploy.md; shared ENGINE_FORMATS.md §9).
+with vLLM's own load of the Hugging Face source (docs/deploy.md).
 
     python examples/engine_load_vllm.py MODEL EXPORT TP [RANKS]     # e.g. ... 8 0,3,7
 

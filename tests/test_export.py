@@ -495,7 +495,7 @@ def test_cli_split_format_export_and_check(tmp_path, mistral, llama):
 
 
 def test_parse_size():
-    from tpshard.cli import parse_size
+    from tpshard.options import parse_size
 
     assert parse_size("5GiB") == 5 << 30 and parse_size("500MB") == 500_000_000 and parse_size("4096") == 4096
     assert parse_size("1.5KiB") == 1536 and parse_size("20kb") == 20_000

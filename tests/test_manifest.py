@@ -147,7 +147,7 @@ CRAFTED = {
     "expert id of a dense model": (lambda d: _tensor(d, "q_proj.weight").update(expert=0), "expert: 0 but the model has 0 routed experts"),
     "file rank out of world": (_set("files.0.ranks", [0, 99]), "rank 99 outside the world"),
     "written rank out of world": (_set("written_ranks", [0, 99]), "written_ranks"),
-    "huge world": (_set("topology.tp", 10**9), "--tp must be an integer from 1 to 65536"),  # Topology refuses it while decoding
+    "huge world": (_set("topology.tp", 10**9), "tp must be an integer from 1 to 65536"),  # Topology refuses it while decoding, in its field names
     "digests miscounted": (lambda d: d["files"][0].update(digests=d["files"][0]["digests"][:-8]), "files[0].digests"),
     "digest not hex": (lambda d: d["files"][0].update(digests="z" + d["files"][0]["digests"][1:]), "files[0].digests: not lower-case hex"),
     "digests as a list (version 2)": (lambda d: d["files"][0].update(digests=[d["files"][0]["digests"][:8]]), "files[0].digests"),

@@ -221,7 +221,7 @@ def test_refusal_through_the_real_command(llama_tied, tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.strip().count("\n") == 0
-    assert "reference/PIPELINE.md" in p.stderr and not (tmp_path / "out").exists()
+    assert "docs/pipeline.md" in p.stderr and not (tmp_path / "out").exists()
 
 
 def test_pp1_output_is_byte_identical(llama7, tmp_path):
@@ -310,7 +310,7 @@ def test_check_pp_request_and_manifest_bounds(llama7_pp2, copy_of, capsys, monke
     code, stdout, _ = cli(capsys, monkeypatch, "check", llama7_pp2, "--pp", 1)
     assert code == 1 and "not --pp 1" in stdout
     out = copy_of(llama7_pp2)
-    for layers, message in [((3, 5), "adds up to 8 layers; the model has 7"), ((3, 0, 4), "--pp-layers")]:
+    for layers, message in [((3, 5), "adds up to 8 layers; the model has 7"), ((3, 0, 4), "pp_layers=(3, 0, 4)")]:
         data = json.loads((llama7_pp2 / MANIFEST_NAME).read_bytes())
         data["topology"]["pp_layers"] = list(layers)
         (out / MANIFEST_NAME).write_text(json.dumps(data))

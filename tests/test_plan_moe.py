@@ -248,12 +248,12 @@ def config_says(ckpt, **changes):
 @pytest.mark.parametrize(
     "make, topo, options, message",
     [
-        (lambda: fm.mixtral(layers=1), dict(tp=8, ep=3), {}, "--ep 3 does not divide --tp 8"),
+        (lambda: fm.mixtral(layers=1), dict(tp=8, ep=3), {}, "ep=3 does not divide tp=8"),
         (lambda: fm.mixtral(layers=1, num_local_experts=6), dict(tp=4, ep=4), {}, "--ep 4 does not divide the 6 routed experts"),
         (lambda: fm.qwen_moe(layers=1, moe_intermediate_size=100), dict(tp=8, attn_dp=2, ep=1), {}, "expert intermediate size 100 does not divide over moe_tp 8"),
         (lambda: fm.qwen_moe(layers=1, num_attention_heads=12, num_key_value_heads=4), dict(tp=8), {}, "12 attention heads do not divide over the attn_tp group of 8"),
         (lambda: fm.deepseek_v3(layers=4, num_attention_heads=12), dict(tp=8), {}, "12 attention heads do not divide over the attn_tp group of 8"),
-        (lambda: fm.deepseek_v3(layers=4), dict(tp=8, moe_dense_tp=2), {}, "--moe-dense-tp 2: SGLang accepts only 1"),
+        (lambda: fm.deepseek_v3(layers=4), dict(tp=8, moe_dense_tp=2), {}, "moe_dense_tp=2: SGLang accepts only 1"),
         (lambda: fm.qwen_moe(layers=1), dict(tp=4, moe_dense_tp=1), {}, "--moe-dense-tp applies to DeepSeek's dense MLP layers"),
         (lambda: fm.deepseek_v3(layers=4), dict(tp=8), dict(dp_lm_head=True), "--dp-lm-head needs --attn-dp > 1"),
         (lambda: fm.mixtral(layers=1), dict(tp=8, attn_dp=2), {}, "--attn-dp 2: MixtralForCausalLM has no attention-DP layout"),

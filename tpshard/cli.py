@@ -18,8 +18,9 @@ import msgspec
 import typer
 from rich.markup import escape
 
-from tpshard.errors import TpshardError, UsageError
+from tpshard.errors import TopologyError, TpshardError, UsageError
 from tpshard.manifest import Options
+from tpshard.options import parse_ranks, parse_size
 from tpshard.render import emit_json as _emit_json
 from tpshard.render import byte_progress, err, plan_json_pieces, plural, show, step_progress
 from tpshard.render import table as _table
@@ -92,7 +93,10 @@ def _topology(
         from tpshard.stages import resolve_partition
 
         partition = resolve_partition(model_info(ckpt).num_layers, pp, pp_layers, engine)
-    return Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp, ep=ep, moe_dense_tp=moe_dense_tp, pp_layers=partition, engine=engine)
+    try:
+        return Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp, ep=ep, moe_dense_tp=moe_dense_tp, pp_layers=partition, engine=engine)
+    except TopologyError as e:  # said in the options the user typed
+        raise TopologyError(e.flags) from None
 
 
 def _plan(model: Path, topology_args: tuple, options: Options):
@@ -519,40 +523,6 @@ def _export_summary(manifest, dest: Path, seconds: float, json: bool) -> None:
         show(f"the server must be started with {k}={v} (the stages' layers; recorded in the export's manifest)", markup=False, soft_wrap=True)
     doc = "docs/pipeline.md" if pp > 1 else "docs/deploy.md"
     show(f"check with: tpshard check {dest} --source MODEL; launch with: {launch} ({doc})", markup=False, soft_wrap=True)
-
-
-def parse_size(text: str) -> int:
-    """'5GiB' -> 5368709120; '500MB' -> 500000000; '4096' -> 4096."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
-    number = text.strip().rstrip("bBiIkKmMgG")
-    unit = text.strip()[len(number):].upper()
-    try:
-        value = float(number) * units[unit]
-    except (ValueError, KeyError):
-        raise TpshardError(f"--max-part-size {text!r}: expected bytes or a size like 5GiB, 500MB") from None
-    if value < 1:
-        raise TpshardError(f"--max-part-size {text!r}: must be at least one byte")
-    return int(value)
-
-
-MAX_RANK = 99_999  # rank folders are named rank-NNNNN
-
-
-def parse_ranks(text: str | None) -> list[int] | None:
-    """'0-3,6' -> [0, 1, 2, 3, 6]."""
-    if text is None:
-        return None
-    ranks: set[int] = set()
-    for part in text.split(","):
-        lo, dash, hi = part.strip().partition("-")
-        try:
-            a, b = int(lo), int(hi if dash else lo)
-        except ValueError:
-            raise UsageError(f"--ranks {text!r}: expected a list like 0-3 or 0,2,4") from None
-        if not 0 <= a <= b <= MAX_RANK:
-            raise UsageError(f"--ranks {text!r}: {part.strip()!r} is not a range of ranks from 0 to {MAX_RANK}")
-        ranks.update(range(a, b + 1))
-    return sorted(ranks)
 
 
 # Exit codes (docs/reliability.md): 0 ok, 1 check/verify found a mismatch, 2 a fault the user can fix

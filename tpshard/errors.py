@@ -12,7 +12,14 @@ class CheckpointError(TpshardError):
 
 
 class TopologyError(TpshardError):
-    """The requested parallel layout does not fit (sizes that do not divide)."""
+    """The requested parallel layout does not fit (sizes that do not divide).
+
+    The message names Topology's fields (attn_dp=3); `flags` says the same in the CLI's options
+    (--attn-dp 3), which the CLI prints instead."""
+
+    def __init__(self, message: str, flags: str | None = None):
+        super().__init__(message)
+        self.flags = message if flags is None else flags
 
 
 class PlanError(TpshardError):

@@ -136,17 +136,15 @@ def read_config(folder: Path) -> dict:
     return config
 
 
+def plain_name(name: object) -> bool:
+    """A file name that stays inside the folder it is joined to: one path component, no separator,
+    no NUL, not hidden (so neither '.' nor '..'). Checkpoint indexes, manifests and exports alike."""
+    return isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name and "\0" not in name and not name.startswith(".")
+
+
 def check_plain_name(name: object, where: str) -> str:
     """A file name an index or a manifest may use: one path component inside the folder."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or name in (".", "..")
-        or name.startswith(".")
-        or "/" in name
-        or "\\" in name
-        or "\0" in name
-    ):
+    if not plain_name(name):
         raise CheckpointError(f"{where}: {name!r} is not a plain file name inside the checkpoint folder")
     return name
 

@@ -8,6 +8,7 @@ compares them with what the output holds. Neither knows how a tensor is cut.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Iterator
 
@@ -136,3 +137,27 @@ def _zeros(at: int, n: int) -> Iterator[tuple[int, np.ndarray]]:
         k = min(n, len(zeros))
         yield at, zeros[:k]
         at, n = at + k, n - k
+
+
+class OpenFiles:
+    """Read-only descriptors of an output's (or a source's) files, opened on first use, one per
+    path, shared by the pool's threads; `close` closes them all. What a check reads many times."""
+
+    def __init__(self) -> None:
+        self._fds: dict = {}
+        self._lock = threading.Lock()
+
+    def fd(self, path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            with self._lock:  # checked again: another thread may have opened it meanwhile
+                fd = self._fds.get(path)
+                if fd is None:
+                    fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds = {}

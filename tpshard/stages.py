@@ -2,13 +2,13 @@
 
 World rank = pp_rank * tp + tp_rank in both engines (TP fastest); a stage holds the contiguous
 layers [first, end) of its partition, with global layer indices. The engines' default partitions
-differ whenever the layer count does not divide (reference/PIPELINE.md §2): SGLang gives the extra
+differ whenever the layer count does not divide (docs/pipeline.md; SGLang's get_pp_indices, vLLM's get_pp_indices in distributed/utils.py): SGLang gives the extra
 layers to the last stages, vLLM to the stages before the last, never the last. So an output made
 for pipeline stages records its partition explicitly, and the server must be given the same one
 (SGLANG_PP_LAYER_PARTITION / VLLM_PP_LAYER_PARTITION).
 
 Which stages hold the pieces outside the decoder layers depends on the engine (`placement`,
-PIPELINE.md §3, §4, checked against vLLM 0.33.0's model classes):
+docs/pipeline.md, read from SGLang 0.5.23's and vLLM 0.33.0's model classes):
 - both: the embedding on the first stage, the final norm on the last; DeepSeek's MTP layer (stored
   as layer num_layers) on the last stage and, with it, a second copy of the embedding there for
   the draft;
@@ -124,14 +124,14 @@ def placement(arch, engine: Engine, *, tied: bool, pp: int) -> Placement:
     if arch.pp_head is None:
         raise TopologyError(
             f"--pp {pp}: no pipeline layout of {arch.name} is on record (which stages hold its lm_head;"
-            " reference/PIPELINE.md covers Llama, Mistral, Qwen2, Qwen3 and DeepSeek); split it with --pp 1"
+            " docs/pipeline.md covers Llama, Mistral, Qwen2, Qwen3 and DeepSeek); split it with --pp 1"
         )
     if engine == "sglang":
         if tied and not arch.pp_tied_head:
             raise TopologyError(
                 f"--pp {pp}: SGLang {arch.engine} cannot serve a tied {arch.name} with pipeline stages: its lm_head is"
                 " model.embed_tokens, which only the first stage builds, so the last stage has no head weight"
-                " (reference/PIPELINE.md §3); split it with --pp 1, or for vLLM with --engine vllm"
+                " (docs/pipeline.md); split it with --pp 1, or for vLLM with --engine vllm"
             )
         return Placement("sglang", arch.pp_head, False, tied)
     if engine == "vllm":

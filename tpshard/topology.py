@@ -11,7 +11,7 @@ Expert parallelism (SGLang runtime_context.derive_spawn_ranks): `moe_tp = tp // 
 the fastest index, so ranks [k*moe_tp, (k+1)*moe_tp) form EP slot k; a routed expert is held only
 by the ranks of its slot (`ranks_of(..., ep_slot=k)`), independent of the attention layout.
 
-Pipeline parallelism (reference/PIPELINE.md §1): `pp` stages of `tp` ranks each, world rank =
+Pipeline parallelism (docs/pipeline.md): `pp` stages of `tp` ranks each, world rank =
 pp_rank * tp + tp_rank. Attention DP/CP and EP live inside each stage's TP group, so every group
 above is the tp-sized layout of one stage, offset by pp_rank * tp; `ranks_of(..., stages=...)`
 keeps the ranks of the stages holding a tensor. The partition (decoder layers per stage) is
@@ -25,7 +25,6 @@ every tensor alike; so only a vLLM pipeline output records it.
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from typing import Literal
 
@@ -98,13 +97,7 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         problem = self._problem()
         if problem is not None:
-            # Built by tpshard itself (cli._topology from the options, a manifest decoded), the
-            # message names the CLI's flags (--attn-dp 3), byte for byte as it always has; built by a
-            # caller's code, it names the fields that code passed (attn_dp=3). msgspec's constructor,
-            # decoder and structs.replace are C, so the frame under this one is the Python that asked.
-            caller = sys._getframe(0).f_back
-            tpshard_code = caller is not None and caller.f_globals.get("__name__", "").startswith("tpshard.")
-            raise TopologyError(problem(_flag if tpshard_code else _field))
+            raise TopologyError(problem(_field), flags=problem(_flag))
 
     def _problem(self) -> Callable[[Callable[..., str]], str] | None:
         """What is wrong with the sizes, as a message written with `name(field, value)`; None if nothing.

@@ -148,7 +148,7 @@ class Arch:
     experts_limit: GroupName | None = None  # the engine refuses more ranks in this group than experts
     check: Callable[[dict, ModelInfo], None] | None = None  # config refusals beyond the rules
     variant: Callable[[ModelInfo], tuple[Rule, ...]] | None = None  # rules that depend on config.json
-    # Pipeline stages (reference/PIPELINE.md §3): the stages an untied lm_head is built on ("last",
+    # Pipeline stages (docs/pipeline.md): the stages an untied lm_head is built on ("last",
     # or "every" where the model class builds it unconditionally); None = no pipeline layout known.
     pp_head: Literal["last", "every"] | None = None
     # A tied model at pp > 1: the last stage builds its own lm_head, filled from the embedding and cut

@@ -9,7 +9,7 @@
   shared_head.norm (whole), and its own embed_tokens / shared_head.head, cut like the model's
   (SGLang never reads them: the draft shares the target's; cut anyway so every tensor is checked).
 - Pipeline stages: lm_head and norm on the last stage, which also runs the MTP layer and, with it,
-  holds a second copy of model.embed_tokens (reference/PIPELINE.md §3, §4).
+  holds a second copy of model.embed_tokens (docs/pipeline.md).
 - Router (transformers' DeepseekV3TopkRouter, DeepseekV2TopkRouter): V3 scores with a sigmoid,
   picks with e_score_correction_bias among the best topk_group of n_group groups (each scored by
   its top-2 sum); V2 a softmax, grouped (by each group's max) only with topk_method

@@ -5,7 +5,7 @@ VocabParallelEmbedding: attention DP changes neither, only lm_head follows --dp-
 
 Pipeline stages: LlamaForCausalLM builds its ParallelLMHead on every stage and the loader fills it
 there; tied, lm_head is model.embed_tokens, which only the first stage has, so SGLang cannot serve a
-tied Llama/Mistral at pp > 1 (reference/PIPELINE.md §3).
+tied Llama/Mistral at pp > 1 (docs/pipeline.md).
 
 Export: both engines' Llama class stacks q/k/v and gate/up (`stacked_params_mapping` in
 models/llama.py of vLLM and SGLang); vLLM adds its attention's scale buffers. Under attention DP

@@ -7,14 +7,14 @@
 - The MoE models cut attention over attn_tp and build every decoder layer sparse
   (stage_facts: is_layer_sparse = True), so a checkpoint with dense layers has no home.
 - Pipeline stages (Qwen2, Qwen3): lm_head on the last stage; tied, the last stage builds its own
-  lm_head filled from the embedding (reference/PIPELINE.md §3). The MoE models have no pipeline
+  lm_head filled from the embedding (docs/pipeline.md). The MoE models have no pipeline
   layout on record, so tpshard refuses them at pp > 1.
 - Router (transformers' Qwen2MoeTopKRouter, Qwen3MoeTopKRouter): softmax over the experts, the
   top-k weights renormalised when config.json's norm_topk_prob says so.
 - Export: vLLM for all four; SGLang for Qwen2 and Qwen3 (its dense classes). SGLang 0.5.23 splits
   attention heads over attn_tp only in the classes written for DP attention (Qwen3Attention);
   Qwen2 splits over the full tp even under --enable-dp-attention, which tpshard's attn-dp plan does
-  not match (ENGINE_FORMATS.md §2, measured). vLLM's Qwen3-MoE router is kept as
+  not match (docs/deploy.md, measured). vLLM's Qwen3-MoE router is kept as
   `mlp.experts.gate.weight` (passed to the FusedMoE, models/qwen3_moe.py L170-205), Qwen2-MoE's as
   `mlp.gate.weight`.
 """

@@ -29,7 +29,6 @@ manifest was written by the split that read those source files (docs/reshard.md)
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import threading
 from collections import defaultdict
@@ -38,14 +37,14 @@ from pathlib import Path
 import numpy as np
 
 from tpshard.check.files import check_output, distinct_copies
-from tpshard.check.report import CheckReport
+from tpshard.check.report import CheckReport, some_of
 from tpshard.checkpoint import Checkpoint
 from tpshard.collector import paused
 from tpshard.digest import new_hash, range_digests
 from tpshard.errors import OutputError, TpshardError
 from tpshard.inputs import read_config
 from tpshard.manifest import Cut, Manifest, Source, SourceFile, TensorPlan, plan_differences, rank_dir, read_manifest, shard_shape
-from tpshard.pieces import CHUNK_BYTES, cut_geometry, read_into, scratch
+from tpshard.pieces import CHUNK_BYTES, OpenFiles, cut_geometry, read_into, scratch
 from tpshard.safetensors_format import TensorInfo, nbytes_of
 
 VIRTUAL_FILE = "(tensors reassembled from a tpshard output)"
@@ -229,8 +228,8 @@ class OutputReader:
         self.read: set[tuple[Path, int]] = set()  # (file, tensor index) hashed while read
         self.largest = max((nbytes_of(t.dtype, t.shape) for t in manifest.tensors), default=0)
         self.buffers = _Buffers(max(self.largest, MIN_BUDGET))
-        self.fds: dict[Path, int] = {}
-        self.lock = threading.Lock()
+        self.files = OpenFiles()
+        self.lock = threading.Lock()  # guards `read`
 
     def first_copies(self) -> set[Path]:
         """The copy of each file the reader reads (the others are checked in full beforehand)."""
@@ -242,7 +241,7 @@ class OutputReader:
         if self.unheld:
             name, fname = next(iter(self.unheld.items()))
             raise OutputError(
-                f"{out}: written for ranks {_ranks_text(manifest.written_ranks)} of {plan.topology.world_size} only:"
+                f"{out}: written for ranks {some_of(manifest.written_ranks)} of {plan.topology.world_size} only:"
                 f" no rank folder holds {fname} ({name}); reshard needs every source tensor (tpshard merge the parts first)"
             )
 
@@ -260,7 +259,7 @@ class OutputReader:
             offsets = plan.offsets(fname)
             todo = [k for k in range(len(members)) if (path, k) not in self.read]
             sizes = [nbytes_of(members[k][0].dtype, shard_shape(*members[k])) for k in todo]
-            for k, got in zip(todo, range_digests(self._fd(path), [offsets[k] for k in todo], sizes, self.algorithm)):
+            for k, got in zip(todo, range_digests(self.files.fd(path), [offsets[k] for k in todo], sizes, self.algorithm)):
                 if got != record.digest(k, self.algorithm):
                     raise OutputError(f"{self.out}: {fname} of ranks {held[0][1]}: tensor {members[k][0].name} does not match its {self.algorithm} in the manifest")
 
@@ -273,18 +272,8 @@ class OutputReader:
         return self
 
     def __exit__(self, *exc) -> None:
-        with self.lock:
-            for fd in self.fds.values():
-                os.close(fd)
-            self.fds = {}
+        self.files.close()
         self.buffers.clear()
-
-    def _fd(self, path: Path) -> int:
-        with self.lock:
-            fd = self.fds.get(path)
-            if fd is None:
-                fd = self.fds[path] = os.open(path, os.O_RDONLY)
-            return fd
 
     @contextlib.contextmanager
     def tensor(self, name: str, info: TensorInfo):
@@ -359,7 +348,7 @@ class OutputReader:
     def _read(self, c: _Cut, data: np.ndarray, outer: int, row_bytes: int) -> None:
         """Put cut `c`'s real rows into `data` (the whole source tensor); its digest and zero padding checked."""
         t, s = c.tensor, c.cut
-        fd = self._fd(c.path)
+        fd = self.files.fd(c.path)
         size = nbytes_of(t.dtype, shard_shape(t, s))
         h = new_hash(self.algorithm)
         if t.dim is None:
@@ -394,8 +383,3 @@ class OutputReader:
     def _zero(self, pad: np.ndarray, c: _Cut) -> None:
         if pad.any():
             raise OutputError(f"{self.out}: {c.where}: the padding of {c.tensor.name} is not zero; a split writes zeros there")
-
-
-def _ranks_text(ranks) -> str:
-    ranks = list(ranks)
-    return ", ".join(map(str, ranks[:8])) + (f" ... ({len(ranks)})" if len(ranks) > 8 else "")

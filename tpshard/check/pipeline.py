@@ -8,7 +8,7 @@ manifest with it.
 
 from __future__ import annotations
 
-from tpshard.check.report import CheckReport
+from tpshard.check.report import CheckReport, some_of
 from tpshard.errors import TpshardError
 from tpshard.manifest import Plan
 from tpshard.stages import (
@@ -84,7 +84,7 @@ def check_stages(plan: Plan, report: CheckReport) -> dict[str, tuple[int, ...]]:
     for st, (first, end) in enumerate(ranges):
         missing = sorted(set(range(first, end)) - layers_held[st])
         if missing:
-            report.add("stages", f"{where([st])} holds no tensor of layers {_span_text(missing)}; its layers are {first}-{end - 1}")
+            report.add("stages", f"{where([st])} holds no tensor of layers {some_of(missing)}; its layers are {first}-{end - 1}")
         needed = {"model.embed_tokens"} if st == 0 or (st == last and (mtp or where_built.embed_last)) else set()
         if st == last:
             needed.add("model.norm")
@@ -94,10 +94,6 @@ def check_stages(plan: Plan, report: CheckReport) -> dict[str, tuple[int, ...]]:
         for module in sorted(needed - modules_held[st]):
             report.add("stages", f"{where([st])} lacks {module}, which {engine} builds on that stage")
     return want
-
-
-def _span_text(ids: list[int]) -> str:
-    return ", ".join(map(str, ids[:8])) + (f" and {len(ids) - 8} more" if len(ids) > 8 else "")
 
 
 def check_pipeline_request(plan: Plan, pp: int | None, pp_layers: str | None, report: CheckReport) -> None:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
-import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +25,7 @@ from tpshard.check.report import CheckReport, shard_text
 from tpshard.digest import hash_digest, hash_range, new_hash
 from tpshard.errors import TpshardError
 from tpshard.manifest import Cut, Manifest, Plan, ShardSpec, SourceCuts, TensorPlan
-from tpshard.pieces import VALUE_DTYPES, cut_pieces, read_into, scratch, shard_bytes, value_bytes
+from tpshard.pieces import VALUE_DTYPES, OpenFiles, cut_pieces, read_into, scratch, shard_bytes, value_bytes
 from tpshard.safetensors_format import DTYPE_SIZE, TensorInfo, nbytes_of
 from tpshard.writer import CheckpointReader, copy_jobs
 
@@ -119,21 +117,11 @@ class _Reassembly:
         self.ckpt, self.plan, self.names, self.infos, self.places = ckpt, plan, names, infos, places
         self.reader, self.hashed = reader, hashed
         self.runs = reader if reader is not None else CheckpointReader(ckpt)  # reads the runs of small tensors
-        self.fds: dict[Path, int] = {}
-        self.lock = threading.Lock()
-
-    def fd_of(self, path: Path) -> int:
-        fd = self.fds.get(path)
-        if fd is None:
-            with self.lock:
-                fd = self.fds.get(path)
-                if fd is None:
-                    fd = self.fds[path] = os.open(path, os.O_RDONLY)
-        return fd
+        self.files = OpenFiles()
+        self.fd_of = self.files.fd
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
+        self.files.close()
 
     def job(self, task: tuple[bool, Sequence[int]]) -> list[Sequence[tuple[str, str]]]:
         run, positions = task

@@ -17,6 +17,12 @@ if TYPE_CHECKING:
 MAX_PROBLEMS = 50  # findings a report lists; those past it are counted (omitted)
 
 
+def some_of(ids) -> str:
+    """The first eight of a list of layers or ranks, and how many more: a finding stays one line."""
+    ids = list(ids)
+    return ", ".join(map(str, ids[:8])) + (f" and {len(ids) - 8} more" if len(ids) > 8 else "")
+
+
 class Problem(msgspec.Struct, frozen=True):
     check: str  # group | stages | experts | sizes | logical | replicas | reduction | files | stray | checksum | extras | rules | reassembly | from
     message: str

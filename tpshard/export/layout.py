@@ -6,7 +6,7 @@ refused here, before a byte is written: padded dims, topologies the engine model
 the same way, quantized checkpoints, architectures without a name table. The files are laid out
 one rank at a time (rank_layouts); a plan that lacks a rank's pieces is refused at that rank.
 
-Pipeline stages (vLLM only, reference/PIPELINE.md §7): vLLM 0.33.0's sharded_state loader reads
+Pipeline stages (vLLM only, docs/pipeline.md): vLLM 0.33.0's sharded_state loader reads
 `model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors` when pp > 1
 (model_loader/sharded_state_loader.py, PP_AND_TP_PATTERN), copies every key into the stage's
 state dict (KeyError on a key the stage does not build) and refuses missing ones, so a stage's

@@ -21,7 +21,8 @@ from msgspec import UNSET, UnsetType
 from tpshard.errors import OutputError, TpshardError
 from tpshard.manifest.envelope import decode_versioned, refuse_envelope
 from tpshard.manifest.records import Options, Source
-from tpshard.manifest.validation import digests_problem, plain_name
+from tpshard.inputs import plain_name
+from tpshard.manifest.validation import digests_problem
 from tpshard.topology import Topology
 
 EXPORT_MANIFEST_NAME = "tpshard-export.json"

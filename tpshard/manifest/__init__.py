@@ -58,7 +58,8 @@ from tpshard.manifest.envelope import Envelope, decode_versioned, refuse_envelop
 from tpshard.manifest.plan import FileShards, Plan, SourceCuts
 from tpshard.manifest.document import Manifest, plan_differences, rank_dir
 from tpshard.manifest.encode import encode_manifest, manifest_pieces, rank_index_pieces, tensor_pieces, write_manifest
-from tpshard.manifest.validation import digests_problem, plain_name
+from tpshard.inputs import plain_name
+from tpshard.manifest.validation import digests_problem
 from tpshard.manifest.decode import ManifestFrame, decode_manifest, manifest_with_tensors, read_manifest, read_manifest_frame
 from tpshard.manifest.rank_records import RankFile, RankRecords, read_rank_records
 

@@ -2,7 +2,8 @@
 
 What this file holds: _frame_problem (topology, written ranks, files, extra files), _tensors_problem
 and _TensorChecks (each tensor's fields and cuts, checked once per kind of cut, _CutKind; then the
-files' digests), digests_problem and plain_name (the export manifest's checks use them too), and
+files' digests), digests_problem (the export manifest's checks use it too; plain_name is
+tpshard.inputs', shared with the checkpoint's index), and
 _located, which names a field as decoding the whole document would.
 
 What it is not: decoding (tpshard.manifest.decode, tpshard.manifest.rank_records: both run these
@@ -16,6 +17,7 @@ import re
 import msgspec
 
 from tpshard.digest import DIGEST_SIZE
+from tpshard.inputs import plain_name
 from tpshard.manifest.records import MANIFEST_NAME, MAX_BYTES, MAX_WORLD, Cut, OutputFile
 
 _cuts_decoder = msgspec.json.Decoder(tuple[Cut, ...])
@@ -25,11 +27,6 @@ def _located(e: msgspec.DecodeError, path: str) -> str:
     """msgspec's message for a part decoded on its own, at `path` as decoding the whole manifest says it."""
     text = str(e)
     return text.replace("`$", f"`{path}") if "`$" in text else f"{text} - at `{path}`"
-
-
-def plain_name(name: str) -> bool:
-    """A file name that stays inside the folder it is joined to: no separator, no '..', not hidden."""
-    return bool(name) and "/" not in name and "\\" not in name and "\0" not in name and not name.startswith(".")
 
 
 def _check_cuts(shape: tuple[int, ...], dim: int | None, group_size: int, cuts: tuple[Cut, ...], size: int, nfiles: int) -> str | None:
@@ -77,7 +74,7 @@ def _frame_problem(m) -> str | None:
             if r >= world:
                 return f"files[{i}].ranks: rank {r} outside the world of {world}"
     for i, e in enumerate(m.source.extra_files):
-        if not e.name or "/" in e.name or "\\" in e.name or "\0" in e.name or e.name in (".", "..") or e.name == MANIFEST_NAME:
+        if not plain_name(e.name) or e.name == MANIFEST_NAME:
             return f"source.extra_files[{i}].name: {e.name!r} is not a plain file name"
     return None
 

@@ -89,7 +89,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
             continue
         targets = [(name, rule, layer, stages)]
         if head_copy and name == "model.embed_tokens.weight":
-            # Tied at pp > 1: the last stage's own lm_head, filled from the embedding (PIPELINE.md §3).
+            # Tied at pp > 1: the last stage's own lm_head, filled from the embedding (docs/pipeline.md).
             targets.append(("lm_head.weight", VOCAB[1], VOCAB[1].layer, stages_of("lm_head.weight")))
         for target, rule, layer, stages in targets:
             entries.append(Entry(target, name, layer, expert, dense_kind(target, info, rule, param, ep_slot, stages, ctx, kinds)))
@@ -121,7 +121,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
     )
     # The files laid out above, so that Plan.offsets and Plan.header need not redo it. Their shards
     # name tensors by entry: the same index in plan.tensors when no entry was left out (every entry
-    # has cuts once _QuantLayers.finish has passed).
+    # has cuts once QuantLayers.finish has passed).
     plan.take_layout(layouts, shards if len(plan.tensors) == len(entries) else None)
     return plan
 

@@ -1,7 +1,7 @@
 """Tensor-parallel layers that load presharded tensors: the engines' linear and vocab layers.
 
-Mirrors vLLM/SGLang `linear.py` and `vocab_parallel_embedding.py` (LOAD_CONTRACT.md sections 2,
-3, 5): ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+Mirrors vLLM/SGLang `linear.py` and `vocab_parallel_embedding.py` (docs/contracts.md, the load
+contract): ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
 VocabParallelEmbedding, ParallelLMHead. Every layer takes an explicit `LogicalGroup`, so per-rank
 shapes are known before any process group exists, and a quant method that owns the weight
 parameters and the GEMM; layers only pass shapes.
@@ -269,7 +269,7 @@ class MergedColumnParallelLinear(_LinearBase):
 
 
 class QKVParallelLinear(_LinearBase):
-    """Fused q/k/v projection split by heads, per rank [q_r | k_r | v_r] (LOAD_CONTRACT section 2).
+    """Fused q/k/v projection split by heads, per rank [q_r | k_r | v_r] (QKVParallelLinear in sglang/srt/layers/linear.py).
 
     num_heads = H_q / size. If size >= H_kv each rank holds one kv head, shared by
     `num_kv_head_replicas = size / H_kv` consecutive ranks (kv head `rank // replicas`);

@@ -1,6 +1,6 @@
 """DeepSeek's multi-head latent attention (MLA) over attention TP: its projection layers and its math.
 
-The cut is SGLang's `DeepseekV2AttentionMLA` (MOE_MLA.md section 2.1):
+The cut is SGLang's `DeepseekV2AttentionMLA` (sglang/srt/models/deepseek_v2.py, docs/contracts.md):
 
 - `q_a_proj` [q_lora, H], `kv_a_proj_with_mqa` [kv_lora + rope, H] and the norms `q_a_layernorm`,
   `kv_a_layernorm` are replicated: every rank computes the same latents;

@@ -1,6 +1,6 @@
 """Mixture of experts over tensor parallelism: the router, the experts over EP x MoE-TP, the reduction.
 
-Mirrors SGLang's default MoE path (`--moe-a2a-backend none`, MOE_MLA.md sections 1, 2.2):
+Mirrors SGLang's default MoE path (`--moe-a2a-backend none`: sglang/srt/layers/moe/fused_moe_triton/layer.py, docs/contracts.md):
 
 - the router (`mlp.gate`) is replicated: every rank computes the same top-k ids and weights for
   every token, as each transformers model computes them (`route`, with the family's RouterConfig:
