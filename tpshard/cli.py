@@ -222,7 +222,7 @@ def split(
         engine = _engine(engine, format if format in ("sglang", "vllm") else "sglang")
         max_bytes = parse_size(max_part_size)
     from tpshard.checkpoint import open_checkpoint
-    from tpshard.report import human_bytes
+    from tpshard.report import human_bytes, topology_text
     from tpshard.writer import split as do_split
 
     ckpt = open_checkpoint(model)
@@ -244,7 +244,7 @@ def split(
     written = sum(f.size for f in manifest.written_files)
     summary = {"out": str(out), "ranks": list(manifest.written_ranks), "files": len(manifest.written_files), "bytes_read": total, "bytes_written": written, "seconds": round(seconds, 3)}
     _report_written(manifest, summary, json, (
-        f"[green]split[/] {escape(str(model))} -> {escape(str(out))} ({topology.describe()}): {plural(len(manifest.written_ranks), 'rank')},"
+        f"[green]split[/] {escape(str(model))} -> {escape(str(out))} ({topology_text(manifest.plan, parts=False)}): {plural(len(manifest.written_ranks), 'rank')},"
         f" {plural(len(manifest.written_files), 'distinct file')},"
         f" read {human_bytes(total)}, wrote {human_bytes(written)} in {seconds:.2f} s"
     ))  # fmt: skip
@@ -281,7 +281,7 @@ def reshard(
     The result is byte for byte what split of the source would write (prove it with check NEW --from OLD)."""
     from tpshard.check.output_source import open_output_source
     from tpshard.publish import check_output_path
-    from tpshard.report import human_bytes
+    from tpshard.report import human_bytes, topology_text
     from tpshard.reshard import reshard as do_reshard
     from tpshard.workers import check_workers
 
@@ -296,7 +296,7 @@ def reshard(
     written = sum(f.size for f in manifest.written_files)
     summary = {"from": str(old), "out": str(out), "ranks": list(manifest.written_ranks), "files": len(manifest.written_files), "bytes_written": written, "seconds": round(seconds, 3)}
     _report_written(manifest, summary, json, (
-        f"[green]resharded[/] {escape(str(old))} ({src.manifest.topology.describe()}) -> {escape(str(out))} ({topology.describe()}):"
+        f"[green]resharded[/] {escape(str(old))} ({topology_text(src.manifest.plan, parts=False)}) -> {escape(str(out))} ({topology_text(manifest.plan, parts=False)}):"
         f" {plural(len(manifest.written_ranks), 'rank')}, {plural(len(manifest.written_files), 'distinct file')}, wrote {human_bytes(written)} in {seconds:.2f} s"
     ))  # fmt: skip
 

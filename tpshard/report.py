@@ -72,16 +72,16 @@ def part_groups(plan: Plan) -> dict[str, str]:
     return {part: found[part] for part, _ in PARTS if part in found}
 
 
-def topology_text(plan: Plan) -> str:
+def topology_text(plan: Plan, parts: bool = True) -> str:
     """The topology, and which group attention, the embedding and lm_head follow: under attention
     DP some architectures keep attention over the full tp group (Llama), and `attn_tp=4` alone
-    would say otherwise."""
+    would say otherwise. `parts=False`: the topology alone, `attn_tp` left out where nothing follows it."""
     t = plan.topology
     text = t.describe()
     if not attn_coordinates_used(plan):
         text = text.replace(f" (attn_tp={t.attn_tp})", "")
-    parts = ", ".join(f"{part} over {g} ({plural(t.span(g), 'rank')})" for part, g in part_groups(plan).items())
-    return f"{text}; {parts}" if parts else text
+    groups = ", ".join(f"{part} over {g} ({plural(t.span(g), 'rank')})" for part, g in part_groups(plan).items()) if parts else ""
+    return f"{text}; {groups}" if groups else text
 
 
 def attn_coordinates_used(plan: Plan) -> bool:
