@@ -165,7 +165,7 @@ def test_the_summary_never_says_bit_exact_beside_a_failure(broken, out_tp2, llam
     path.unlink()
     path.write_bytes(bytes(data))
     p = subprocess.run([sys.executable, "-m", "tpshard", "check", str(broken), "--source", str(llama)], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 1 and "bit-exact" not in p.stderr and "NOT verified" in p.stderr, p.stderr
+    assert p.returncode == 1 and "bit-exact" not in p.stdout and "NOT verified" in p.stdout, p.stdout
     good, bad = tpshard.check(out_tp2, llama), tpshard.check(broken, llama)
     assert good.ok and not bad.ok
     failed = {p.message.split(" ")[0] for p in bad.problems if p.check == "reassembly"}
@@ -198,4 +198,4 @@ def test_a_truncated_file_is_a_finding_with_the_source_too(broken, llama, cut):
     path.unlink()  # its hard-linked copies keep the whole file
     path.write_bytes(data[:-cut])
     p = subprocess.run([sys.executable, "-m", "tpshard", "check", str(broken), "--source", str(llama)], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 1 and "truncated or extended" in p.stderr and "error:" not in p.stderr, p.stderr
+    assert p.returncode == 1 and "truncated or extended" in p.stdout and "error:" not in p.stderr, p.stdout

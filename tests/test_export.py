@@ -491,7 +491,7 @@ def test_cli_split_format_export_and_check(tmp_path, mistral, llama):
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
     r = run_cli("check", str(dest))
-    assert r.returncode == 1 and "FAIL [checksum]" in r.stderr
+    assert r.returncode == 1 and "FAIL [checksum]" in r.stdout
 
 
 def test_parse_size():

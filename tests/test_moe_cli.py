@@ -60,7 +60,7 @@ def test_plan_shows_ep_slots_and_experts(deepseek_v3):
     rows = data["by_rank"]
     assert [(r["ep_slot"], r["moe_tp"], r["experts"]) for r in rows] == [(r // 2, r % 2, f"{2 * (r // 2)}-{2 * (r // 2) + 1}") for r in range(8)]
     assert all(r["expert_bytes"] > 0 for r in rows)
-    human = run("plan", deepseek_v3, "--tp", "8", "--attn-dp", "2", "--ep", "4").stderr
+    human = run("plan", deepseek_v3, "--tp", "8", "--attn-dp", "2", "--ep", "4").stdout
     assert "ep slot" in human and "expert bytes" in human
 
 
@@ -77,5 +77,5 @@ def test_explain_walks_a_moe_layer_and_mla(deepseek_v3):
     assert all("EP slot" in r["group"] and "all-reduce over tp" in r["reduction"] for r in gate)
     q_b = [r for r in rows if "q_b_proj" in r["tensor"]]
     assert [r["ranks"] for r in q_b] == [[a, a + 4] for a in range(4)] and all(r["group"].startswith("attn_tp") for r in q_b)
-    mtp = run("explain", deepseek_v3, "--tp", "2", "--layer", "3").stderr
+    mtp = run("explain", deepseek_v3, "--tp", "2", "--layer", "3").stdout
     assert "eh_proj" in mtp and "shared_head" in mtp

@@ -185,10 +185,10 @@ def test_pp_layers_and_the_partition_to_give_the_engine(llama7, capsys, monkeypa
     assert code == 0 and data["partition_env"] == {"SGLANG_PP_LAYER_PARTITION": "1,1,5"}
     assert [(r["stage"], r["ranks"], r["layers"]) for r in data["stages"]] == [(0, "0-1", "0"), (1, "2-3", "1"), (2, "4-5", "2-6")]
     assert data["plan"]["topology"]["pp_layers"] == [1, 1, 5] and len(data["by_rank"]) == 6
-    code, _, err = cli(capsys, monkeypatch, "plan", llama7, "--tp", 2, "--pp", 3)
-    assert code == 0 and "SGLANG_PP_LAYER_PARTITION=2,2,3" in err and "Pipeline stages" in err
+    code, out, _ = cli(capsys, monkeypatch, "plan", llama7, "--tp", 2, "--pp", 3)
+    assert code == 0 and "SGLANG_PP_LAYER_PARTITION=2,2,3" in out and "Pipeline stages" in out
     code, out, err = cli(capsys, monkeypatch, "explain", llama7, "--tp", 2, "--pp", 2, "--layer", 5)
-    assert code == 0 and "pipeline stage 1 (ranks 2-3)" in err
+    assert code == 0 and "pipeline stage 1 (ranks 2-3)" in out
     code, out, _ = cli(capsys, monkeypatch, "explain", llama7, "--tp", 2, "--pp", 2, "--layer", 5, "--json")
     assert {r for row in json.loads(out) for r in row["ranks"]} == {2, 3}
 
@@ -264,8 +264,8 @@ def test_check_catches_a_layer_moved_to_another_stage(llama7_pp2, copy_of, capsy
     rewrite(out, move)
     found = stage_findings(tpshard.check(out))
     assert any(f.startswith(f"{name}: held by stage 1 (ranks 2-3), but belongs to stage 0 (ranks 0-1): layer 1 is one of layers 0-2") for f in found), found
-    code, _, err = cli(capsys, monkeypatch, "check", out)
-    assert code == 1 and "FAIL [stages]" in err
+    code, stdout, _ = cli(capsys, monkeypatch, "check", out)
+    assert code == 1 and "FAIL [stages]" in stdout
 
 
 def test_check_catches_a_stage_without_its_norm(llama7_pp2, copy_of):
@@ -307,8 +307,8 @@ def test_check_pp_request_and_manifest_bounds(llama7_pp2, copy_of, capsys, monke
     assert tpshard.check(llama7_pp2, pp=2, pp_layers="3,4").ok
     assert stage_findings(tpshard.check(llama7_pp2, pp=3)) == ["the output was split for pp 2 (layers 3,4), not --pp 3"]
     assert stage_findings(tpshard.check(llama7_pp2, pp_layers="4,3")) == ["the output was split for pp 2 (layers 3,4), not --pp-layers 4,3"]
-    code, _, err = cli(capsys, monkeypatch, "check", llama7_pp2, "--pp", 1)
-    assert code == 1 and "not --pp 1" in err
+    code, stdout, _ = cli(capsys, monkeypatch, "check", llama7_pp2, "--pp", 1)
+    assert code == 1 and "not --pp 1" in stdout
     out = copy_of(llama7_pp2)
     for layers, message in [((3, 5), "adds up to 8 layers; the model has 7"), ((3, 0, 4), "pp_layers=(3, 0, 4)")]:
         data = json.loads((llama7_pp2 / MANIFEST_NAME).read_bytes())

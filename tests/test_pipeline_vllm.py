@@ -131,8 +131,8 @@ def test_tied_llama_at_pp2_for_vllm_split_check_and_manifest(llama7_tied, tmp_pa
     code, _, err = cli(capsys, monkeypatch, "plan", llama7_tied, "--tp", 2, "--pp", 2)
     assert code == 2 and "cannot serve a tied LlamaForCausalLM" in err and err.strip().count("\n") == 0
     out = tmp_path / "out"
-    code, _, err = cli(capsys, monkeypatch, "split", llama7_tied, "-o", out, "--tp", 2, "--pp", 2, "--engine", "vllm")
-    assert code == 0 and "start vLLM with --pipeline-parallel-size 2 and VLLM_PP_LAYER_PARTITION=4,3" in err
+    code, stdout, _ = cli(capsys, monkeypatch, "split", llama7_tied, "-o", out, "--tp", 2, "--pp", 2, "--engine", "vllm")
+    assert code == 0 and "start vLLM with --pipeline-parallel-size 2 and VLLM_PP_LAYER_PARTITION=4,3" in stdout
     assert tpshard.check(out, llama7_tied).ok
     assert json.loads((out / MANIFEST_NAME).read_bytes())["topology"]["engine"] == "vllm"
     for rank in range(4):
@@ -150,10 +150,10 @@ def test_plan_and_explain_print_the_engines_partition(llama7, capsys, monkeypatc
     assert [(r["layers"], r["also"]) for r in data["stages"]] == [
         ("0-1", "model.embed_tokens"), ("2-3", "-"), ("4-5", "-"), ("6", "model.norm, lm_head")
     ]  # fmt: skip
-    code, _, err = cli(capsys, monkeypatch, "plan", llama7, "--tp", 2, "--pp", 4, "--engine", "vllm")
-    assert code == 0 and "Pipeline stages (vLLM placement)" in err and "VLLM_PP_LAYER_PARTITION=2,2,2,1" in err
-    code, _, err = cli(capsys, monkeypatch, "explain", llama7, "--tp", 2, "--pp", 4, "--engine", "vllm", "--layer", 6)
-    assert code == 0 and "pipeline stage 3 (ranks 6-7)" in err
+    code, stdout, _ = cli(capsys, monkeypatch, "plan", llama7, "--tp", 2, "--pp", 4, "--engine", "vllm")
+    assert code == 0 and "Pipeline stages (vLLM placement)" in stdout and "VLLM_PP_LAYER_PARTITION=2,2,2,1" in stdout
+    code, stdout, _ = cli(capsys, monkeypatch, "explain", llama7, "--tp", 2, "--pp", 4, "--engine", "vllm", "--layer", 6)
+    assert code == 0 and "pipeline stage 3 (ranks 6-7)" in stdout
     code, _, err = cli(capsys, monkeypatch, "plan", llama7, "--tp", 2, "--pp", 2, "--engine", "trt")
     assert code == 2 and "--engine trt: choose sglang or vllm" in err
 
@@ -251,9 +251,9 @@ def test_export_of_an_sglang_placed_split_is_refused_with_the_way_out(llama7, tm
 
 def test_explicit_partition_is_exported_with_the_env_the_server_needs(llama7, tmp_path, capsys, monkeypatch):
     dest = tmp_path / "deploy"
-    code, _, err = cli(capsys, monkeypatch, "split", llama7, "-o", dest, "--tp", 2, "--pp-layers", "1,1,5", "--format", "vllm")
+    code, stdout, err = cli(capsys, monkeypatch, "split", llama7, "-o", dest, "--tp", 2, "--pp-layers", "1,1,5", "--format", "vllm")
     assert code == 0, err
-    assert "started with VLLM_PP_LAYER_PARTITION=1,1,5" in err and "--pipeline-parallel-size 3" in err
+    assert "started with VLLM_PP_LAYER_PARTITION=1,1,5" in stdout and "--pipeline-parallel-size 3" in stdout
     m = read_export_manifest(dest)
     assert m.env == {"VLLM_PP_LAYER_PARTITION": "1,1,5"} and m.from_.topology.placed_for == "vllm"
     assert sorted(p.name for p in dest.iterdir() if p.name.startswith("model-")) == [
@@ -368,8 +368,8 @@ def test_export_check_catches_a_missing_last_stage_norm_and_a_wrong_env(exports,
     rewrite_export(folder, drop_norm)
     found = [p.message for p in check_export(folder).problems]
     assert found == [f"rank {r} (stage 2): lacks model.norm.weight, which vLLM builds on that stage" for r in (4, 5)]
-    code, _, err = cli(capsys, monkeypatch, "check", folder, "--source", llama7)
-    assert code == 1 and "FAIL [stages] rank 4 (stage 2): lacks model.norm.weight" in err
+    code, stdout, _ = cli(capsys, monkeypatch, "check", folder, "--source", llama7)
+    assert code == 1 and "FAIL [stages] rank 4 (stage 2): lacks model.norm.weight" in stdout
     folder = tmp_path / "env"  # a second copy: the launch environment tampered with
     shutil.copytree(exports["pp3"], folder)
     path = folder / EXPORT_MANIFEST_NAME

@@ -310,11 +310,11 @@ def test_cli_reshard_and_check_from(pair, tmp_path):
     assert json.loads(p.stdout)["ranks"] == list(range(8))
     assert_identical(new, tmp_path / "n")
     p = run("check", tmp_path / "n", "--from", old)
-    assert p.returncode == 0 and "reassembled from" in p.stderr, p.stderr
+    assert p.returncode == 0 and "reassembled from" in p.stdout, p.stdout
     _flip(tmp_path / "n" / rank_dir(0) / "model-tp-000-of-008.safetensors", 4000)
     rewrite_checksums(tmp_path / "n")
     p = run("check", tmp_path / "n", "--from", old)
-    assert p.returncode == 1 and "FAIL [reassembly]" in p.stderr and "NOT verified" in p.stderr, p.stderr
+    assert p.returncode == 1 and "FAIL [reassembly]" in p.stdout and "NOT verified" in p.stdout, p.stdout
     p = run("check", tmp_path / "n", "--from", old, "--source", tmp_path)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
 

@@ -141,7 +141,7 @@ def test_torchrun_exit_codes_0_1_2(llama, tp2, qwen3, tmp_path):
     rewrite_checksums(bad)
     p = _torchrun(bad, llama)
     assert p.returncode == 1, p.stderr[-3000:]
-    assert "FAIL model.layers.0.mlp.down_proj" in p.stderr
+    assert "FAIL model.layers.0.mlp.down_proj" in p.stdout
 
 
 @pytest.mark.slow

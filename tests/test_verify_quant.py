@@ -144,7 +144,7 @@ def test_cli_exits_1_on_a_qweight_shard_from_another_rank(outputs, tmp_path):
     )  # fmt: skip
     assert "Traceback" not in p.stderr, p.stderr
     assert p.returncode == 1, p.stderr
-    assert [line for line in p.stderr.splitlines() if line.startswith("FAIL ")] == [
+    assert [line for line in p.stdout.splitlines() if line.startswith("FAIL ")] == [
         "FAIL model.layers.0.mlp.down_proj (RowParallelLinear, gptq): output differs from the reference"
         " (rel error up to 1) on world ranks [0, 1]"
     ], p.stderr

@@ -1,7 +1,8 @@
 """The `tpshard` command: a thin layer that parses options, calls the library, renders the result.
 
-Human output goes to stderr through rich; `--json` puts machine output alone on stdout. A
-TpshardError becomes its message and exit code; no user error prints a traceback.
+Tables and summaries go to stdout, progress, warnings and errors to stderr (tpshard.render);
+`--json` puts machine output alone on stdout, an error as `{"error": ...}`. A TpshardError becomes
+its message and exit code; no user error prints a traceback.
 """
 
 from __future__ import annotations
@@ -10,19 +11,19 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Optional
 
 import msgspec
 import typer
-from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from tpshard.errors import TopologyError, TpshardError, UsageError
-from tpshard.manifest import Options, Plan
+from tpshard.manifest import Options
 from tpshard.options import parse_ranks, parse_size
+from tpshard.render import emit_json as _emit_json
+from tpshard.render import byte_progress, err, plan_json_pieces, plural, show, step_progress
+from tpshard.render import table as _table
 from tpshard.topology import Topology
 
 app = typer.Typer(
@@ -31,9 +32,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Presharded tensor-parallel checkpoints: plan, split, check, verify.",
 )
-# Piped into a CI log, rich would wrap tables at 80 columns and cut tensor names.
-err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
 
+SplitTp = Annotated[Optional[int], typer.Option("--tp", help="Tensor-parallel size (world size); without it, one rank (said so).")]
 Model = Annotated[Path, typer.Argument(help="Hugging Face checkpoint folder (config.json + safetensors).")]
 Tp = Annotated[int, typer.Option("--tp", help="Tensor-parallel size (world size).")]
 AttnDp = Annotated[int, typer.Option("--attn-dp", help="Attention data-parallel replicas (SGLang --dp with --enable-dp-attention).")]
@@ -53,6 +53,21 @@ Checksum = Annotated[str, typer.Option("--checksum", help="Tensor digests in the
 Ranks = Annotated[Optional[str], typer.Option("--ranks", help="Write only these ranks, e.g. 0-3 or 0,2,4.")]
 Force = Annotated[bool, typer.Option("--force", help="Replace an existing output.")]
 MaxPartSize = Annotated[str, typer.Option("--max-part-size", help="Engine export: largest part file per rank, e.g. 5GiB, 500MB, 1048576.")]
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from tpshard.version import __version__
+
+        show(f"tpshard {__version__}", markup=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _tpshard(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print tpshard's version and exit.")] = False,
+) -> None:
+    """Presharded tensor-parallel checkpoints: plan, split, check, verify."""
 
 
 def _options(pad: bool, dp_lm_head: bool, pad_blocks: bool = False) -> Options:
@@ -104,43 +119,8 @@ def _stage_lines(p) -> None:
     for row in rows:
         row["bytes_per_rank"] = human_bytes(row["bytes_per_rank"])
     engine = p.topology.placed_for
-    err.print(_table(f"Pipeline stages ({ENGINE_NAME[engine]} placement)", rows))
-    err.print(launch_hint(engine, p.topology.pp_layers), markup=False, soft_wrap=True)
-
-
-def _emit_json(obj) -> None:
-    sys.stdout.buffer.writelines((msgspec.json.format(msgspec.json.encode(obj), indent=1), b"\n"))
-
-
-PLAN_JSON_BATCH = 4096  # tensors per piece of plan_json_pieces
-
-
-def plan_json_pieces(out: dict, plan: Plan) -> Iterator[bytes]:
-    """_emit_json's bytes of `plan --json` (`out`, holding `plan`), in pieces: the plan's tensors
-    are encoded and indented PLAN_JSON_BATCH at a time and put in their place, one level deeper
-    (at 90k tensors and tp 8 the text is 74 MB; it, its compact form and a copy were ~180 MB at
-    once). Inside strings JSON escapes quotes and newlines, so `"tensors": []` is only the key and
-    every newline is indentation."""
-    rest = msgspec.json.format(msgspec.json.encode({k: msgspec.structs.replace(v, tensors=()) if v is plan else v for k, v in out.items()}), indent=1)
-    if rest.count(b'"tensors": []') != 1 or not plan.tensors:  # another such key, or nothing to put in it
-        yield msgspec.json.format(msgspec.json.encode(out), indent=1) + b"\n"
-        return
-    at = rest.index(b'"tensors": []') + len(b'"tensors": [')
-    yield rest[:at]
-    for start in range(0, len(plan.tensors), PLAN_JSON_BATCH):
-        batch = msgspec.json.format(msgspec.json.encode(plan.tensors[start : start + PLAN_JSON_BATCH]), indent=1)
-        # `[\n {...},\n {...}\n]` at depth 0: the items, two levels deeper (the plan's tensors are at depth 2)
-        yield (b"," if start else b"") + batch[1:-2].replace(b"\n", b"\n  ")
-    yield b"\n  " + rest[at:] + b"\n"
-
-
-def _table(title: str, rows: list[dict]) -> Table:
-    table = Table(title=title, title_justify="left")
-    for key in rows[0] if rows else []:
-        table.add_column(key.replace("_", " "))
-    for row in rows:
-        table.add_row(*(str(v) for v in row.values()))
-    return table
+    show(_table(f"Pipeline stages ({ENGINE_NAME[engine]} placement)", rows, drop=("also", "layer_count")))
+    show(launch_hint(engine, p.topology.pp_layers), markup=False, soft_wrap=True)
 
 
 @app.command()
@@ -163,21 +143,26 @@ def plan(
             out |= {"stages": stage_rows(p), "partition_env": {PARTITION_ENV[p.topology.placed_for]: partition_value(p.topology.pp_layers)}}
         sys.stdout.buffer.writelines(plan_json_pieces(out, p))
         return
-    err.print(f"[bold]{model}[/] {p.model.architecture}, {p.topology.describe()}")
+    from tpshard.report import attn_coordinates_used, topology_text
+
+    show(f"[bold]{escape(str(model))}[/] {p.model.architecture}, {escape(topology_text(p))}", soft_wrap=True)
+    for w in p.warnings:  # before the tables they explain
+        err.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
     _stage_lines(p)
-    err.print(_table("Per weight kind", kind_rows(p)))
+    show(_table("Per weight kind", kind_rows(p), drop=("layer_class", "distinct", "source_shape")))
     ranks = rank_rows(p)
     for row in ranks:
         row["bytes"] = human_bytes(row["bytes"])
         if "expert_bytes" in row:
             row["expert_bytes"] = human_bytes(row["expert_bytes"])
-    err.print(_table("Per rank", ranks))
+        if not attn_coordinates_used(p):  # attention follows tp: these coordinates place nothing
+            for key in ("attn_dp", "attn_cp", "attn_tp"):
+                del row[key]
+    show(_table("Per rank", ranks, drop=("attn_cp", "files", "tensors", "expert_bytes")))
     if alignment:
-        err.print(_table("Quantized tensors: cut, atom (pack unit / group / tile / block) and per-rank shape", alignment))
+        show(_table("Quantized tensors: cut, atom (pack unit / group / tile / block) and per-rank shape", alignment, drop=("step", "format")))
     unique = sum(f.size for f in p.files)
-    err.print(f"{len(p.files)} distinct files, {human_bytes(unique)} written once (hard links share them between ranks)")
-    for w in p.warnings:
-        err.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
+    show(f"{len(p.files)} distinct files, {human_bytes(unique)} written once (hard links share them between ranks)")
 
 
 @app.command()
@@ -206,14 +191,17 @@ def explain(
         stage = p.topology.pp - 1 if layer >= p.model.num_layers else stage_of_layer(p.topology.pp_layers, layer)
         ranks = p.topology.stage_ranks(stage)
         where = f", pipeline stage {stage} (ranks {ranks[0]}-{ranks[-1]})"
-    err.print(_table(f"Layer {layer} at {p.topology.describe()}{where}", rows))
+    from tpshard.report import topology_text
+
+    show(f"{escape(topology_text(p))}", soft_wrap=True)  # a line of its own: a table's title wraps at the table's width
+    show(_table(f"Layer {layer}{where}", rows, drop=("reduction", "layer")))
 
 
 @app.command()
 def split(
     model: Model,
     out: Annotated[Path, typer.Option("-o", "--out", help="Output folder (must not exist unless --force).")],
-    tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = 1, moe_dense_tp: MoeDenseTp = None,
+    tp: SplitTp = None, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = 1, moe_dense_tp: MoeDenseTp = None,
     pp: Pp = None, pp_layers: PpLayers = None, engine: EngineOpt = None,
     pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False, workers: Workers = None,
     checksum: Checksum = "crc32", ranks: Ranks = None, force: Force = False,
@@ -225,15 +213,16 @@ def split(
     With --format vllm|sglang, OUT is the engine export instead: the tpshard output is written
     beside it (hidden), exported, and removed (with --pp, --format vllm places the stages as vLLM
     does unless --engine says otherwise)."""
+    if tp is None:  # a one-rank output is rarely what a user without --tp meant: say it
+        err.print("[yellow]note:[/] no --tp given: writing one rank (tp 1); give --tp N for N ranks", soft_wrap=True)
+        tp = 1
     if format is not None:
         if ranks is not None:
             raise TpshardError("--ranks and --format: an engine export needs every rank; split --ranks, merge, then tpshard export")
         engine = _engine(engine, format if format in ("sglang", "vllm") else "sglang")
         max_bytes = parse_size(max_part_size)
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
     from tpshard.checkpoint import open_checkpoint
-    from tpshard.report import human_bytes
+    from tpshard.report import human_bytes, topology_text
     from tpshard.writer import split as do_split
 
     ckpt = open_checkpoint(model)
@@ -246,20 +235,17 @@ def split(
         manifest = split_and_export(ckpt, out, topology, format, options, max_part_bytes=max_bytes, workers=workers, force=force, checksum=checksum)
         return _export_summary(manifest, out, time.perf_counter() - start, json)
     total = sum(t.nbytes for t in ckpt.tensors.values())
-    with Progress(
-        "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-        console=err, transient=True, disable=json or not err.is_terminal,
-    ) as progress:  # fmt: skip
-        task = progress.add_task("splitting", total=total)
+    with byte_progress("splitting", total, quiet=json) as advance:
         manifest = do_split(
             ckpt, out, topology, msgspec.structs.replace(_options(pad, dp_lm_head, pad_blocks), checksum=checksum),
-            workers=workers, force=force, ranks=parse_ranks(ranks), on_tensor=lambda n: progress.advance(task, n),
+            workers=workers, force=force, ranks=parse_ranks(ranks), on_tensor=advance,
         )  # fmt: skip
     seconds = time.perf_counter() - start
     written = sum(f.size for f in manifest.written_files)
     summary = {"out": str(out), "ranks": list(manifest.written_ranks), "files": len(manifest.written_files), "bytes_read": total, "bytes_written": written, "seconds": round(seconds, 3)}
     _report_written(manifest, summary, json, (
-        f"[green]split[/] {model} -> {out}: {len(manifest.written_ranks)} ranks, {len(manifest.written_files)} files,"
+        f"[green]split[/] {escape(str(model))} -> {escape(str(out))} ({topology_text(manifest.plan, parts=False)}): {plural(len(manifest.written_ranks), 'rank')},"
+        f" {plural(len(manifest.written_files), 'distinct file')},"
         f" read {human_bytes(total)}, wrote {human_bytes(written)} in {seconds:.2f} s"
     ))  # fmt: skip
 
@@ -270,14 +256,14 @@ def _report_written(manifest, summary: dict, json: bool, headline: str) -> None:
     if json:
         _emit_json(summary)
         return
-    err.print(headline)
+    show(headline)
     for w in manifest.plan.warnings:
         err.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
     topology = manifest.plan.topology
     if topology.pp > 1:
         from tpshard.stages import launch_hint
 
-        err.print(launch_hint(topology.placed_for, topology.pp_layers), markup=False, soft_wrap=True)
+        show(launch_hint(topology.placed_for, topology.pp_layers), markup=False, soft_wrap=True)
 
 
 @app.command()
@@ -295,7 +281,7 @@ def reshard(
     The result is byte for byte what split of the source would write (prove it with check NEW --from OLD)."""
     from tpshard.check.output_source import open_output_source
     from tpshard.publish import check_output_path
-    from tpshard.report import human_bytes
+    from tpshard.report import human_bytes, topology_text
     from tpshard.reshard import reshard as do_reshard
     from tpshard.workers import check_workers
 
@@ -304,13 +290,14 @@ def reshard(
     src = open_output_source(old, workers=check_workers(workers))
     topology = _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine, ckpt=src.checkpoint)
     options = msgspec.structs.replace(_options(pad, dp_lm_head, pad_blocks), checksum=checksum)
-    manifest = do_reshard(src, out, topology, options, workers=workers, force=force, ranks=parse_ranks(ranks))
+    with byte_progress("resharding", sum(t.nbytes for t in src.checkpoint.tensors.values()), quiet=json) as advance:
+        manifest = do_reshard(src, out, topology, options, workers=workers, force=force, ranks=parse_ranks(ranks), on_tensor=advance)
     seconds = time.perf_counter() - start
     written = sum(f.size for f in manifest.written_files)
     summary = {"from": str(old), "out": str(out), "ranks": list(manifest.written_ranks), "files": len(manifest.written_files), "bytes_written": written, "seconds": round(seconds, 3)}
     _report_written(manifest, summary, json, (
-        f"[green]resharded[/] {escape(str(old))} ({src.manifest.topology.describe()}) -> {escape(str(out))} ({topology.describe()}):"
-        f" {len(manifest.written_ranks)} ranks, {len(manifest.written_files)} files, wrote {human_bytes(written)} in {seconds:.2f} s"
+        f"[green]resharded[/] {escape(str(old))} ({topology_text(src.manifest.plan, parts=False)}) -> {escape(str(out))} ({topology_text(manifest.plan, parts=False)}):"
+        f" {plural(len(manifest.written_ranks), 'rank')}, {plural(len(manifest.written_files), 'distinct file')}, wrote {human_bytes(written)} in {seconds:.2f} s"
     ))  # fmt: skip
 
 
@@ -332,27 +319,45 @@ def check(
     from tpshard.report import human_bytes
 
     start = time.perf_counter()
-    report = do_check(out, source, workers=workers, pp=pp, pp_layers=pp_layers, from_output=from_output)
+    shown = err.is_terminal and not json  # the total costs a read of the headers: only for a bar someone sees
+    with byte_progress("checking", _check_total(out, source) if shown else 0, quiet=not shown) as advance:
+        report = do_check(out, source, workers=workers, pp=pp, pp_layers=pp_layers, from_output=from_output, on_bytes=advance)
     seconds = time.perf_counter() - start
     if json:
         _emit_json({"ok": report.ok, "seconds": round(seconds, 3), **msgspec.to_builtins(report)})
     else:
         for p in report.problems:
-            err.print(f"FAIL [{p.check}] {p.message}", soft_wrap=True, markup=False, style="red")
+            show(f"FAIL [{p.check}] {p.message}", soft_wrap=True, markup=False, style="red")
         if report.omitted:
-            err.print(f"FAIL ... and {report.omitted} more problems", style="red")
-        what = f"{report.files_checked} files ({human_bytes(report.bytes_checked)})"
+            show(f"FAIL ... and {plural(report.omitted, 'more problem')}", style="red")
+        what = f"{plural(report.files_checked, 'distinct file')} ({human_bytes(report.bytes_checked)})"
         if report.ok:
             if source:
                 what += f", {report.tensors_reassembled} source tensors reassembled bit-exact"
             elif from_output:
                 what += f", {report.tensors_reassembled} source tensors reassembled from {from_output} bit-exact"
-            err.print(f"[green]ok[/] {out}: {what} in {seconds:.2f} s")
+            show(f"[green]ok[/] {escape(str(out))}: {what} in {seconds:.2f} s")
         else:  # never "bit-exact" beside a failure
             total = len(report.problems) + report.omitted
-            err.print(f"[red]{total} problem(s)[/] in {out} ({what} checked): NOT verified")
+            show(f"[red]{plural(total, 'problem')}[/] in {escape(str(out))} ({what} checked): NOT verified")
     if not report.ok:
         raise typer.Exit(1)
+
+
+def _check_total(out: Path, source: Path | None) -> int:
+    """The bytes check's progress counts (tpshard.check's on_bytes): the source's tensors, or the
+    output's distinct files; 0 (no bar) for an engine export or an unreadable manifest, which
+    check itself reports."""
+    try:
+        if source is not None:
+            from tpshard.checkpoint import open_checkpoint
+
+            return sum(t.nbytes for t in open_checkpoint(source).tensors.values())
+        from tpshard.manifest import read_manifest
+
+        return sum(f.size for f in read_manifest(out).written_files)
+    except (TpshardError, OSError):
+        return 0
 
 
 @app.command()
@@ -413,15 +418,20 @@ def verify(
 def _verify_here(out, source, model, backend, device, dtype, tokens, seed, timeout, report, junit, json, pp, pp_layers) -> bool:
     from tpshard.verify import verify as do_verify
     from tpshard.verify import write_junit, write_report
-    from tpshard.verify.report import encode_report, layer_rows
+    from tpshard.summaries import show_verify
+    from tpshard.verify.report import encode_report
 
-    def announce(line: str) -> None:
-        err.print(line, style="bold", markup=False)
+    with step_progress("verify", quiet=json or int(os.environ.get("RANK", "0")) != 0) as step:
 
-    result = do_verify(
-        out, source, model=model, backend=backend, device=device, dtype=dtype, tokens=tokens, seed=seed,
-        timeout_s=timeout, announce=announce, pp=pp, pp_layers=pp_layers,
-    )  # fmt: skip
+        def announce(line: str) -> None:
+            err.print(line, style="bold", markup=False)
+            step("every rank loading its shards, then the layers" + (" and the model" if model else "") + " against the source")
+
+        step("reading the manifest and the source")
+        result = do_verify(
+            out, source, model=model, backend=backend, device=device, dtype=dtype, tokens=tokens, seed=seed,
+            timeout_s=timeout, announce=announce, pp=pp, pp_layers=pp_layers,
+        )  # fmt: skip
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 speaks and writes
         if report:
             write_report(result, report)
@@ -430,32 +440,7 @@ def _verify_here(out, source, model, backend, device, dtype, tokens, seed, timeo
         if json:
             sys.stdout.buffer.write(encode_report(result))
         else:
-            title = f"verify {out}: {result.topology.describe()}, {result.backend} on {result.device}, {result.dtype}, tolerance {layer_rows(result)[0]['tol'] if result.layers else '-'}"
-            err.print(_table(title, [{k: v for k, v in row.items() if k != "tol"} for row in layer_rows(result)]))
-            if result.tensors is not None:
-                t = result.tensors
-                err.print(
-                    f"tensors: {t.files} files match their checksums, {t.whole} whole copies match the source,"
-                    f" {t.padded} paddings are zero" + ("" if t.ok else f" -- {len(t.problems)} problem(s)")
-                )
-            if result.stages:  # a list (pipeline stages, or --pp asked for): findings, or none
-                err.print(f"stages: {len(result.stages)} problem(s)")
-            elif result.topology.pp > 1:
-                err.print(
-                    f"stages: {result.topology.pp} pipeline stages (layers {','.join(map(str, result.topology.pp_layers))}),"
-                    " every tensor on the stage the engine builds it on"
-                )
-            if result.model is not None:
-                m = result.model
-                ranks = "every rank" if result.topology.pp == 1 else "every rank of the last stage, hidden states passed stage to stage"
-                err.print(
-                    f"model {m.architecture} vs transformers ({m.batches} batches of {m.sequences}x{m.tokens} tokens, {ranks}):"
-                    f" max abs logit diff {m.max_abs:.3g} (rel {m.max_rel:.3g}), top-1 agreement {m.top1:.4f}, KL {m.kl:.3g}"
-                )
-            for line in result.failures():
-                err.print(f"FAIL {line}", soft_wrap=True, markup=False, style="red")
-            verdict = "[green]ok[/]" if result.ok else f"[red]{len(result.failures())} failing check(s)[/]"
-            err.print(f"{verdict} {out}: {len(result.layers)} layers" + (" + model" if model else "") + f" in {result.seconds:.2f} s")
+            show_verify(result, out, model)
     if not result.ok and not os.environ.get("RANK"):
         raise typer.Exit(1)
     return result.ok
@@ -491,8 +476,9 @@ def merge(
     """Join outputs written for different ranks (split --ranks on several nodes) into one."""
     from tpshard.merge import merge as do_merge
 
-    manifest = do_merge(parts, out, force=force)
-    err.print(f"[green]merged[/] {len(parts)} parts -> {out}: ranks {list(manifest.written_ranks)}")
+    with step_progress(f"merging {plural(len(parts), 'part')}"):
+        manifest = do_merge(parts, out, force=force)
+    show(f"[green]merged[/] {plural(len(parts), 'part')} -> {escape(str(out))}: ranks {list(manifest.written_ranks)}")
 
 
 @app.command("export")
@@ -508,7 +494,8 @@ def export_cmd(
     from tpshard.export import export
 
     start = time.perf_counter()
-    manifest = export(out, dest, format, max_part_bytes=parse_size(max_part_size), workers=workers, force=force)
+    with step_progress(f"exporting for {format}", quiet=json):
+        manifest = export(out, dest, format, max_part_bytes=parse_size(max_part_size), workers=workers, force=force)
     _export_summary(manifest, dest, time.perf_counter() - start, json)
 
 
@@ -524,7 +511,7 @@ def _export_summary(manifest, dest: Path, seconds: float, json: bool) -> None:
             summary |= {"pp": pp, "env": env}
         _emit_json(summary)
         return
-    err.print(f"[green]export[/] {manifest.engine} -> {dest}: tp {tp}" + (f" x pp {pp}" if pp > 1 else "") + f", {len(manifest.files)} files, wrote {human_bytes(written)} in {seconds:.2f} s")
+    show(f"[green]export[/] {manifest.engine} -> {dest}: tp {tp}" + (f" x pp {pp}" if pp > 1 else "") + f", {plural(len(manifest.files), 'file')}, wrote {human_bytes(written)} in {seconds:.2f} s")
     launch = (
         "".join(f"{k}={v} " for k, v in env.items())
         + f"vllm serve {dest} --load-format sharded_state --tensor-parallel-size {tp}"
@@ -533,14 +520,23 @@ def _export_summary(manifest, dest: Path, seconds: float, json: bool) -> None:
         else f"python -m sglang.launch_server --model-path {dest} --load-format sharded_state --tp-size {tp}"
     )
     for k, v in env.items():
-        err.print(f"the server must be started with {k}={v} (the stages' layers; recorded in the export's manifest)", markup=False, soft_wrap=True)
+        show(f"the server must be started with {k}={v} (the stages' layers; recorded in the export's manifest)", markup=False, soft_wrap=True)
     doc = "docs/pipeline.md" if pp > 1 else "docs/deploy.md"
-    err.print(f"check with: tpshard check {dest} --source MODEL; launch with: {launch} ({doc})", markup=False, soft_wrap=True)
+    show(f"check with: tpshard check {dest} --source MODEL; launch with: {launch} ({doc})", markup=False, soft_wrap=True)
 
 
 # Exit codes (docs/reliability.md): 0 ok, 1 check/verify found a mismatch, 2 a fault the user can fix
 # (input, options, output folder, I/O such as a full or read-only disk), 130 interrupted (Ctrl-C).
 EXIT_INTERRUPTED = 130
+
+
+def _fail(message: str, code: int, markup: str = "[red]error:[/] ") -> None:
+    """The one line of a fault on stderr and, under --json, `{"error": ..., "exit_code": ...}` alone on
+    stdout, so a script reading the JSON sees why there is no result; then exit with `code`."""
+    err.print(f"{markup}{escape(message)}", soft_wrap=True)
+    if "--json" in sys.argv[1:]:
+        _emit_json({"error": message, "exit_code": code})
+    sys.exit(code)
 
 
 def main() -> None:
@@ -550,20 +546,20 @@ def main() -> None:
     try:
         code = app(standalone_mode=False)
     except TpshardError as e:
-        err.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
-        sys.exit(e.exit_code)
+        _fail(str(e), e.exit_code)
     except (KeyboardInterrupt, typer.Abort):
         code = EXIT_INTERRUPTED
     except OSError as e:  # the library names its own I/O faults; this is the net under them
         where = f" ({e.filename})" if e.filename else ""
-        err.print(f"[red]error:[/] {escape(str(e.strerror or e))}{escape(where)}", soft_wrap=True)
-        sys.exit(2)
+        _fail(f"{e.strerror or e}{where}", 2)
     except Exception as e:
         if hasattr(e, "show") and hasattr(e, "exit_code"):  # click's usage errors (typer vendors click)
             e.show()
+            if "--json" in sys.argv[1:]:
+                _emit_json({"error": e.format_message(), "exit_code": e.exit_code})
             sys.exit(e.exit_code)
         raise
     if code == EXIT_INTERRUPTED:  # typer >= 0.2x turns Ctrl-C into this exit code by itself, silently
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the message short
-        err.print("[red]interrupted[/]: stopped; anything staged was removed, existing outputs are as they were")
+        _fail("stopped; anything staged was removed, existing outputs are as they were", code, "[red]interrupted[/]: ")
     sys.exit(code if isinstance(code, int) else 0)

@@ -6,6 +6,7 @@ import re
 from collections import defaultdict
 
 from tpshard.manifest import Plan, ShardSpec, TensorPlan, shard_shape
+from tpshard.render import plural, ranges
 from tpshard.safetensors_format import nbytes_of
 from tpshard.stages import layer_of, stage_ranges
 
@@ -53,6 +54,41 @@ def generic_name(name: str) -> str:
     return _EXPERT_NUMBER.sub(".experts.E.", _LAYER_NUMBER.sub(".layers.N.", name))
 
 
+# What each part of the model is cut over, as the plan records it: the first tensor of the part names its group.
+PARTS = (("attention", lambda t: ".self_attn." in t.name and t.group != "replicated"),
+         ("embedding", lambda t: t.layer_class == "VocabParallelEmbedding"), ("lm_head", lambda t: t.layer_class == "ParallelLMHead"))  # fmt: skip
+
+
+def part_groups(plan: Plan) -> dict[str, str]:
+    """{'attention': 'tp', 'embedding': 'tp', 'lm_head': 'tp'}: the group each part follows (the
+    architecture's SGLang model class decides it, docs/architectures.md); parts the model lacks left out."""
+    found: dict[str, str] = {}
+    for t in plan.tensors:
+        for part, test in PARTS:
+            if part not in found and test(t):
+                found[part] = t.group
+        if len(found) == len(PARTS):
+            break
+    return {part: found[part] for part, _ in PARTS if part in found}
+
+
+def topology_text(plan: Plan, parts: bool = True) -> str:
+    """The topology, and which group attention, the embedding and lm_head follow: under attention
+    DP some architectures keep attention over the full tp group (Llama), and `attn_tp=4` alone
+    would say otherwise. `parts=False`: the topology alone, `attn_tp` left out where nothing follows it."""
+    t = plan.topology
+    text = t.describe()
+    if not attn_coordinates_used(plan):
+        text = text.replace(f" (attn_tp={t.attn_tp})", "")
+    groups = ", ".join(f"{part} over {g} ({plural(t.span(g), 'rank')})" for part, g in part_groups(plan).items()) if parts else ""
+    return f"{text}; {groups}" if groups else text
+
+
+def attn_coordinates_used(plan: Plan) -> bool:
+    """Whether any tensor follows attn_tp: else a rank's attn_dp / attn_cp / attn_tp place nothing."""
+    return any(t.group == "attn_tp" for t in plan.tensors)
+
+
 def kind_rows(plan: Plan) -> list[dict]:
     """One row per (layer class, kind, role of the tensor), with the layer-0 example."""
     groups: dict[tuple, list[TensorPlan]] = defaultdict(list)
@@ -91,7 +127,7 @@ def rank_rows(plan: Plan) -> list[dict]:
             row |= dict(
                 ep_slot=topo.ep_rank(r),
                 moe_tp=topo.moe_tp_rank(r),
-                experts=_ranges(sorted(set().union(*(f.experts for f in held)))),
+                experts=ranges(sorted(set().union(*(f.experts for f in held)))),
                 expert_bytes=sum(f.expert_bytes for f in held),
             )
         row |= dict(tensors=sum(f.tensors for f in held), bytes=sum(f.bytes for f in held), files=len(held))
@@ -162,22 +198,13 @@ def stage_rows(plan: Plan) -> list[dict]:
         largest = max(per_rank[r] for r in ranks)
         rows.append(
             dict(
-                stage=st, ranks=_ranges(list(ranks)), layers=_ranges(list(range(first, end))), layer_count=end - first,
+                stage=st, ranks=ranges(list(ranks)), layers=ranges(list(range(first, end))), layer_count=end - first,
                 also=", ".join(sorted(others[st], key=_forward_position)) or "-", bytes_per_rank=largest,
             )
         )  # fmt: skip
     return rows
 
 
-def _ranges(ids: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2, 5'"""
-    out: list[str] = []
-    for i in ids:
-        if out and int(out[-1].rpartition("-")[2]) == i - 1:
-            out[-1] = f"{out[-1].partition('-')[0]}-{i}"
-        else:
-            out.append(str(i))
-    return ", ".join(out)
 
 
 # Forward order for the walk-through: (part of the name, position), the first part found decides;
@@ -229,6 +256,6 @@ def explain_rows(plan: Plan, layer: int) -> list[dict]:
         spec = re.search(r"\.experts\.(\d+)\.", row["tensor"])
         if spec:
             first = next(v for v in experts.values() if v[0].name == row["tensor"] and list(v[0].ranks) == row["ranks"])
-            ids = _ranges(sorted(x.expert for x in first))
+            ids = ranges(sorted(x.expert for x in first))
             row["tensor"] = row["tensor"].replace(f".experts.{spec.group(1)}.", f".experts.[{ids}].")
     return rows

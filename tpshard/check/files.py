@@ -15,7 +15,7 @@ import os
 import stat
 from array import array
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,16 +27,17 @@ from tpshard.safetensors_format import nbytes_of
 
 
 def check_output(
-    out: Path, manifest: Manifest, report: CheckReport, workers: int, deferred: set[Path] = frozenset(), hashed: Hashed | None = None
+    out: Path, manifest: Manifest, report: CheckReport, workers: int, deferred: set[Path] = frozenset(), hashed: Hashed | None = None,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> None:  # fmt: skip
     """The checks without a source: the plan's, the folder's layout, every file of every rank.
     `deferred`: files whose tensor digests the caller compares as it reads them
     (tpshard.check.output_source); their size, header and file checksum are checked here.
     `hashed`: tensor digests the reassembly took as it read the files, used instead of reading
-    them again."""
+    them again. `on_bytes(n)`: called with the size of each file once checked, for progress."""
     check_plan(manifest.plan, report)
     check_layout(out, manifest, report)
-    _check_files(out, manifest, report, workers, deferred=deferred, hashed=hashed)
+    _check_files(out, manifest, report, workers, deferred=deferred, hashed=hashed, on_bytes=on_bytes)
 
 
 class Hashed:
@@ -89,7 +90,7 @@ def check_rank_files(out_dir: str | Path, manifest: Manifest, ranks: list[int], 
 
 def _check_files(
     out: Path, manifest: Manifest, report: CheckReport, workers: int, ranks: list[int] | None = None, deferred: set[Path] = frozenset(),
-    hashed: Hashed | None = None,
+    hashed: Hashed | None = None, on_bytes: Callable[[int], None] | None = None,
 ) -> None:  # fmt: skip
     plan = manifest.plan
     algorithm = plan.options.checksum
@@ -163,9 +164,11 @@ def _check_files(
         copied = [os.lstat(path).st_size == extra.size and sha256_file(path) == extra.checksum for path, extra, _ in extras.values()]
         for key, unit in units.items():
             report.files_checked += 1
-            report.bytes_checked += plan.files[unit[1]].size
             for c, m in verified[key].result():
                 report.add(c, m)
+            report.bytes_checked += plan.files[unit[1]].size
+            if on_bytes is not None:
+                on_bytes(plan.files[unit[1]].size)
     for (_, extra, ranks), same in zip(extras.values(), copied):
         if not same:
             report.add("checksum", f"{extra.name} of ranks {ranks}: sha256 differs from the manifest")

@@ -37,7 +37,8 @@ Place = tuple[TensorPlan, Cut, "Path | None", int, str]
 
 
 def reassemble_output(
-    out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckReport, workers: int, reader=None, hashed: Hashed | None = None
+    out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckReport, workers: int, reader=None, hashed: Hashed | None = None,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> None:  # fmt: skip
     """Every source tensor, rebuilt from the shards, equals the source bit for bit, in every copy
     of every file that holds a piece of it (a copy that replaced a hard link is proven on its own).
@@ -64,12 +65,12 @@ def reassemble_output(
                     found.append((t, c, path, offset, f" (the copy of ranks {ranks})" if len(paths) > 1 else ""))
         return found
 
-    reassemble(ckpt, plan, names, places, report, workers, reader, hashed)
+    reassemble(ckpt, plan, names, places, report, workers, reader, hashed, on_bytes)
 
 
 def reassemble(
     ckpt: Checkpoint, plan: Plan, names: list[str], places: Callable[[int], list[Place]], report: CheckReport, workers: int, reader=None,
-    hashed: Hashed | None = None,
+    hashed: Hashed | None = None, on_bytes: Callable[[int], None] | None = None,
 ) -> None:  # fmt: skip
     """Compare every place a shard is written (a shard may be listed at several: copies) with the
     bytes its cut takes from its source tensor, reading each source tensor once: the source tensors
@@ -82,7 +83,8 @@ def reassemble(
 
     Small tensors go in runs, as the writer copies them (tpshard.writer.copy_jobs): one read of the
     source run, one read per file of the shards it holds, compared in one go; a run that differs
-    anywhere, and every large tensor, is compared tensor by tensor, which names what differs."""
+    anywhere, and every large tensor, is compared tensor by tensor, which names what differs.
+    `on_bytes(n)`: called with the source bytes of each job once compared, for progress."""
     infos = [ckpt.tensors[name] for name in names]
     compared = _Reassembly(ckpt, plan, names, infos, places, reader, hashed)
     try:
@@ -90,7 +92,10 @@ def reassemble(
             if reader is None:
                 stack.enter_context(compared.runs)
             with ThreadPoolExecutor(workers) as pool:
-                for done in pool.map(compared.job, copy_jobs(infos)):  # in order, each job's let go once counted
+                jobs = copy_jobs(infos)
+                for (_, positions), done in zip(jobs, pool.map(compared.job, jobs)):  # in order, each job's let go once counted
+                    if on_bytes is not None:
+                        on_bytes(sum(infos[p].nbytes for p in positions))
                     for found in done:
                         if not found:
                             report.tensors_reassembled += 1  # only tensors proven bit-exact are counted

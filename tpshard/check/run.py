@@ -8,6 +8,7 @@ A tpshard output: the checks without a source (tpshard.check.files, .alignment, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 @paused()
 def check(
     out_dir: str | Path, source: str | Path | None = None, *, workers: int | None = None, pp: int | None = None,
-    pp_layers: str | None = None, from_output: str | Path | None = None,
+    pp_layers: str | None = None, from_output: str | Path | None = None, on_bytes: Callable[[int], None] | None = None,
 ) -> CheckReport:  # fmt: skip
     """Check the output at `out_dir` (and against the checkpoint at `source`); never raises on a mismatch.
 
@@ -39,7 +40,10 @@ def check(
 
     `pp` / `pp_layers` (text such as "26,27,27"): the pipeline stages the server will run; the
     output must have been split for them. An engine export (a folder with tpshard-export.json)
-    gets tpshard.check.export's checks."""
+    gets tpshard.check.export's checks.
+
+    `on_bytes(n)`, for progress: called with the bytes of each source tensor compared (with a
+    source) or of each file checked (without one; with `from_output`, the files of `out_dir`)."""
     out = Path(out_dir)
     workers = check_workers(workers)
     from tpshard.export.manifest import EXPORT_MANIFEST_NAME
@@ -65,16 +69,17 @@ def check(
     if pp is not None or pp_layers is not None:
         check_pipeline_request(manifest.plan, pp, pp_layers, report)
     if source is not None:
-        _check_against_source(out, ckpt, manifest, report, workers, expected)
+        _check_against_source(out, ckpt, manifest, report, workers, expected, on_bytes)
         return report
-    check_output(out, manifest, report, workers)
+    check_output(out, manifest, report, workers, on_bytes=on_bytes)
     if from_output is not None:
         _check_from_output(out, Path(from_output), manifest, report, workers)
     return report
 
 
 def _check_against_source(
-    out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckReport, workers: int, expected: Plan | TpshardError
+    out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckReport, workers: int, expected: Plan | TpshardError,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> None:  # fmt: skip
     """check_output, the copied files and the rules against the source, then the reassembly.
 
@@ -92,7 +97,7 @@ def _check_against_source(
 
     hashed = Hashed(manifest.plan)
     reassembled = CheckReport(out_dir=report.out_dir, source=report.source)
-    reassemble_output(out, ckpt, manifest, reassembled, workers, hashed=hashed)
+    reassemble_output(out, ckpt, manifest, reassembled, workers, hashed=hashed, on_bytes=on_bytes)
     check_output(out, manifest, report, workers, hashed=hashed)
     report.extend(held)
     report.extend(reassembled)
