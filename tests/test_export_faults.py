@@ -137,7 +137,7 @@ def test_a_symbolic_link_in_an_export_fails_its_check(export_tp2, copy_of, tmp_p
     for report in (tpshard.check(dest), tpshard.check(dest, llama)):
         assert not report.ok and any(f"{name} is a symbolic link to {target}" in p.message for p in report.problems), report.problems
     r = run_cli("check", dest)
-    assert r.returncode == 1 and "symbolic link" in r.stderr
+    assert r.returncode == 1 and "symbolic link" in r.stdout
 
 
 # --- item 6: --force replaces only what tpshard wrote ----------------------------------------------
@@ -249,7 +249,7 @@ def test_check_from_another_checkpoints_output_fails(export_tp2, tmp_path, llama
     other = make_checkpoint(tmp_path / "other", "llama", max_shard_size="100KB", seed=1)
     tpshard.split(other, tmp_path / "other-tp2", tpshard.Topology(tp=2))
     r = run_cli("check", export_tp2, "--from", tmp_path / "other-tp2")
-    assert r.returncode == 1 and "bit-exact" not in r.stdout + r.stderr and "not the one" in r.stderr, r.stdout + r.stderr
+    assert r.returncode == 1 and "bit-exact" not in r.stdout + r.stderr and "not the one" in r.stdout, r.stdout + r.stderr
     report = tpshard.check(export_tp2, from_output=llama_tp2)
     assert report.ok and report.tensors_reassembled == len(tpshard.read_manifest(llama_tp2).tensors)
     one_line_exit_2(run_cli("check", export_tp2, "--from", llama_tp2, "--source", tmp_path / "other"), "give one")
@@ -265,5 +265,5 @@ def test_check_pp_on_an_export_is_honoured(llama, tmp_path, export_tp2):
         r = run_cli("check", pp2, *args)
         assert r.returncode == code, (args, r.stdout + r.stderr)
         if code:
-            assert "[stages] the output was split for pp 2 (layers 1,1)" in r.stderr, r.stderr
+            assert "[stages] the output was split for pp 2 (layers 1,1)" in r.stdout, r.stdout
     one_line_exit_2(run_cli("check", pp2, "--pp-layers", "2,0"), "every stage needs at least one layer")
