@@ -110,6 +110,10 @@ def check_config(config: object, where: str, fields: list[Field] | None = None) 
                 if not (low_ok and value <= f.hi):
                     bounds = f"({f.lo:g}, {f.hi:g}]" if f.kind == "number" else f"[{f.lo:g}, {f.hi:g}]"
                     raise CheckpointError(f"{where}: {prefix}{f.key} = {value!r} is out of range {bounds}")
+    if fields is None and config.get("architectures"):  # a model tpshard does not know: say so, not which keys it lacks
+        from tpshard.arch import refuse_architecture
+
+        refuse_architecture(config["architectures"][0])
     absent = [f.key for f in fields or CONFIG_FIELDS if f.required and config.get(f.key) is None and (text or {}).get(f.key) is None]
     if absent:
         raise CheckpointError(f"{where} lacks {', '.join(absent)}")
