@@ -381,7 +381,7 @@ def verify(
     from tpshard.verify.run import under_torchrun
 
     if torchrun is not None and not under_torchrun():
-        _verify_torchrun(torchrun)
+        _verify_torchrun(torchrun, out)
         return
     if not under_torchrun():
         _verify_here(out, source, model, backend, device, dtype, tokens, seed, timeout, report, junit, json, pp, pp_layers)
@@ -461,11 +461,14 @@ def _verify_here(out, source, model, backend, device, dtype, tokens, seed, timeo
     return result.ok
 
 
-def _verify_torchrun(options: str) -> None:
-    """Re-run this very command under torchrun with `options`, and exit with verify's own code."""
+def _verify_torchrun(options: str, out: Path) -> None:
+    """Re-run this very command under torchrun with `options`, and exit with verify's own code
+    (a world that is not `out`'s is refused first, in one line)."""
     import shlex
 
-    from tpshard.verify.verdict import run_under_torchrun
+    from tpshard.verify.verdict import refuse_torchrun_world, run_under_torchrun
+
+    refuse_torchrun_world(out, shlex.split(options))
 
     argv = sys.argv[sys.argv.index("verify") + 1 :]
     rest, skip = [], False
