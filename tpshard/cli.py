@@ -516,29 +516,26 @@ def export_cmd(
 
 
 def _export_summary(manifest, dest: Path, seconds: float, json: bool) -> None:
+    import shlex
+
+    from tpshard.export.launch import launch_line
     from tpshard.report import human_bytes
 
     written = sum(f.size for f in manifest.files)
     tp, pp = manifest.from_.topology.tp, manifest.from_.topology.pp
     env = dict(manifest.env) if manifest.env else {}
+    launch = launch_line(manifest, dest)  # the exported layout's every flag, paths quoted
     if json:
-        summary = {"out": str(dest), "engine": manifest.engine, "tp": tp, "files": len(manifest.files), "bytes_written": written, "seconds": round(seconds, 3)}
+        summary = {"out": str(dest), "engine": manifest.engine, "tp": tp, "files": len(manifest.files), "bytes_written": written, "seconds": round(seconds, 3), "launch": launch}
         if pp > 1:
             summary |= {"pp": pp, "env": env}
         _emit_json(summary)
         return
     err.print(f"[green]export[/] {manifest.engine} -> {dest}: tp {tp}" + (f" x pp {pp}" if pp > 1 else "") + f", {len(manifest.files)} files, wrote {human_bytes(written)} in {seconds:.2f} s")
-    launch = (
-        "".join(f"{k}={v} " for k, v in env.items())
-        + f"vllm serve {dest} --load-format sharded_state --tensor-parallel-size {tp}"
-        + (f" --pipeline-parallel-size {pp}" if pp > 1 else "")
-        if manifest.engine == "vllm"
-        else f"python -m sglang.launch_server --model-path {dest} --load-format sharded_state --tp-size {tp}"
-    )
     for k, v in env.items():
         err.print(f"the server must be started with {k}={v} (the stages' layers; recorded in the export's manifest)", markup=False, soft_wrap=True)
     doc = "docs/pipeline.md" if pp > 1 else "docs/deploy.md"
-    err.print(f"check with: tpshard check {dest} --source MODEL; launch with: {launch} ({doc})", markup=False, soft_wrap=True)
+    err.print(f"check with: tpshard check {shlex.quote(str(dest))} --source MODEL; launch with: {launch} ({doc})", markup=False, soft_wrap=True)
 
 
 # Exit codes (docs/reliability.md): 0 ok, 1 check/verify found a mismatch, 2 a fault the user can fix
