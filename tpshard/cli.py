@@ -490,12 +490,20 @@ def merge(
     parts: Annotated[list[Path], typer.Argument(help="Outputs of `split --ranks` for different ranks of one split.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Merged output folder.")],
     force: Force = False,
+    json: Json = False,
 ) -> None:
     """Join outputs written for different ranks (split --ranks on several nodes) into one."""
     from tpshard.merge import merge as do_merge
+    from tpshard.merge import missing_ranks
 
     manifest = do_merge(parts, out, force=force)
+    missing = missing_ranks(manifest)
+    if json:
+        _emit_json({"out": str(out), "parts": len(parts), "ranks": list(manifest.written_ranks), "missing_ranks": missing})
+        return
     err.print(f"[green]merged[/] {len(parts)} parts -> {out}: ranks {list(manifest.written_ranks)}")
+    if missing:  # a merge in steps is allowed; verify and export need every rank
+        err.print(f"[yellow]warning:[/] ranks {missing} of {manifest.topology.world_size} are in none of the parts: merge them in before verify or export", soft_wrap=True)
 
 
 @app.command("export")
