@@ -137,9 +137,9 @@ def no_config(tmp: Path, llama: Path) -> Path:
         (broken_index, [], "maps model.layers.0.mlp.extra.weight to"),
         (unknown_arch, [], "architecture GPT2LMHeadModel is not supported"),
         (wrong_shape, [], "but config.json implies ["),
-        (None, ["--tp", "3"], "does not divide over the tp group of 3 ranks"),
+        (None, ["--tp", "3"], "8 attention heads do not divide over the tp group of 3 ranks"),
         (None, ["--tp", "8", "--attn-dp", "3"], "--tp 8 is not divisible by --attn-dp 3"),
-        (None, ["--tp", "2", "--no-pad", "--tp", "64"], "does not divide"),
+        (None, ["--tp", "2", "--no-pad", "--tp", "64"], "8 attention heads do not divide over the tp group of 64 ranks"),  # heads before the MLP dims --no-pad refuses
     ],
 )
 def test_user_errors_exit_2_with_one_message_and_no_output(llama, tmp_path, make, args, message):

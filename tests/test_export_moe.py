@@ -169,7 +169,7 @@ def with_noaux_tc(path):
 def test_deepseek_v3_mla_names_and_mtp_left_out(tmp_path, copy_of, deepseek_v3):
     """vLLM's DeepseekV3ForCausalLM has no layer 3 (the MTP layer): the export leaves it out, and
     check --source still passes (the MTP tensors are the draft model's, not this export's)."""
-    with pytest.raises(ExportError, match=r"e_score_correction_bias but config.json says topk_method None; vllm builds"):
+    with pytest.raises(ExportError, match=r"e_score_correction_bias but config.json names no topk_method; vllm builds"):
         _split_export(deepseek_v3, tmp_path / "plain", tp=2)
     deepseek_v3 = with_noaux_tc(copy_of(deepseek_v3))
     dest = _split_export(deepseek_v3, tmp_path, tp=2)

@@ -286,7 +286,7 @@ def test_refusals_one_line_exit_2_nothing_left(llama, pair, tmp_path):
     tpshard.split(llama, tmp_path / "part", T(tp=2), ranks=[0])
     cases = [
         (("reshard", tmp_path / "part", "-o", tmp_path / "x", "--tp", 4), "written for ranks 0 of 2 only"),
-        (("reshard", old, "-o", tmp_path / "x", "--tp", 3), "does not divide"),
+        (("reshard", old, "-o", tmp_path / "x", "--tp", 3), "8 attention heads do not divide over the tp group of 3 ranks"),
         (("reshard", old, "-o", tmp_path / "x", "--tp", 4, "--pp", 5), ""),
         (("reshard", old, "-o", old, "--tp", 4), "is the input"),
         (("reshard", old, "-o", old / "inner", "--tp", 4), "lies inside the input"),

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 
+from tpshard.arch import refuse_architecture
 from tpshard.collector import paused, release_freed_memory
 from tpshard.errors import CheckpointError
 from tpshard.inputs import check_inside, check_plain_name, read_config
@@ -55,7 +56,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"{path}: no such checkpoint folder")
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json; tpshard needs a Hugging Face checkpoint folder")
-    config = read_config(path)
+    config = read_config(path, known=refuse_architecture)
 
     index_path = path / INDEX_NAME
     if index_path.is_file():

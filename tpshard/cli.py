@@ -386,7 +386,7 @@ def verify(
     from tpshard.verify.run import under_torchrun
 
     if torchrun is not None and not under_torchrun():
-        _verify_torchrun(torchrun)
+        _verify_torchrun(torchrun, out)
         return
     if not under_torchrun():
         _verify_here(out, source, model, backend, device, dtype, tokens, seed, timeout, report, junit, json, pp, pp_layers)
@@ -446,11 +446,14 @@ def _verify_here(out, source, model, backend, device, dtype, tokens, seed, timeo
     return result.ok
 
 
-def _verify_torchrun(options: str) -> None:
-    """Re-run this very command under torchrun with `options`, and exit with verify's own code."""
+def _verify_torchrun(options: str, out: Path) -> None:
+    """Re-run this very command under torchrun with `options`, and exit with verify's own code
+    (a world that is not `out`'s is refused first, in one line)."""
     import shlex
 
-    from tpshard.verify.verdict import run_under_torchrun
+    from tpshard.verify.verdict import refuse_torchrun_world, run_under_torchrun
+
+    refuse_torchrun_world(out, shlex.split(options))
 
     argv = sys.argv[sys.argv.index("verify") + 1 :]
     rest, skip = [], False
@@ -472,13 +475,21 @@ def merge(
     parts: Annotated[list[Path], typer.Argument(help="Outputs of `split --ranks` for different ranks of one split.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Merged output folder.")],
     force: Force = False,
+    json: Json = False,
 ) -> None:
     """Join outputs written for different ranks (split --ranks on several nodes) into one."""
     from tpshard.merge import merge as do_merge
+    from tpshard.merge import missing_ranks
 
     with step_progress(f"merging {plural(len(parts), 'part')}"):
         manifest = do_merge(parts, out, force=force)
+    missing = missing_ranks(manifest)
+    if json:
+        _emit_json({"out": str(out), "parts": len(parts), "ranks": list(manifest.written_ranks), "missing_ranks": missing})
+        return
     show(f"[green]merged[/] {plural(len(parts), 'part')} -> {escape(str(out))}: ranks {list(manifest.written_ranks)}")
+    if missing:  # a merge in steps is allowed; verify and export need every rank
+        err.print(f"[yellow]warning:[/] ranks {missing} of {manifest.topology.world_size} are in none of the parts: merge them in before verify or export", soft_wrap=True)
 
 
 @app.command("export")
@@ -500,29 +511,26 @@ def export_cmd(
 
 
 def _export_summary(manifest, dest: Path, seconds: float, json: bool) -> None:
+    import shlex
+
+    from tpshard.export.launch import launch_line
     from tpshard.report import human_bytes
 
     written = sum(f.size for f in manifest.files)
     tp, pp = manifest.from_.topology.tp, manifest.from_.topology.pp
     env = dict(manifest.env) if manifest.env else {}
+    launch = launch_line(manifest, dest)  # the exported layout's every flag, paths quoted
     if json:
-        summary = {"out": str(dest), "engine": manifest.engine, "tp": tp, "files": len(manifest.files), "bytes_written": written, "seconds": round(seconds, 3)}
+        summary = {"out": str(dest), "engine": manifest.engine, "tp": tp, "files": len(manifest.files), "bytes_written": written, "seconds": round(seconds, 3), "launch": launch}
         if pp > 1:
             summary |= {"pp": pp, "env": env}
         _emit_json(summary)
         return
     show(f"[green]export[/] {manifest.engine} -> {dest}: tp {tp}" + (f" x pp {pp}" if pp > 1 else "") + f", {plural(len(manifest.files), 'file')}, wrote {human_bytes(written)} in {seconds:.2f} s")
-    launch = (
-        "".join(f"{k}={v} " for k, v in env.items())
-        + f"vllm serve {dest} --load-format sharded_state --tensor-parallel-size {tp}"
-        + (f" --pipeline-parallel-size {pp}" if pp > 1 else "")
-        if manifest.engine == "vllm"
-        else f"python -m sglang.launch_server --model-path {dest} --load-format sharded_state --tp-size {tp}"
-    )
     for k, v in env.items():
         show(f"the server must be started with {k}={v} (the stages' layers; recorded in the export's manifest)", markup=False, soft_wrap=True)
     doc = "docs/pipeline.md" if pp > 1 else "docs/deploy.md"
-    show(f"check with: tpshard check {dest} --source MODEL; launch with: {launch} ({doc})", markup=False, soft_wrap=True)
+    show(f"check with: tpshard check {shlex.quote(str(dest))} --source MODEL; launch with: {launch} ({doc})", markup=False, soft_wrap=True)
 
 
 # Exit codes (docs/reliability.md): 0 ok, 1 check/verify found a mismatch, 2 a fault the user can fix

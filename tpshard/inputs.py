@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -88,10 +89,12 @@ def _type_ok(value: object, kind: str) -> bool:
     return isinstance(value, {"bool": bool, "str": str, "dict": dict}[kind])
 
 
-def check_config(config: object, where: str, fields: list[Field] | None = None) -> None:
+def check_config(config: object, where: str, fields: list[Field] | None = None, known: Callable[[str], None] | None = None) -> None:
     """Refuse a config.json whose fields have the wrong type or an absurd value, by name.
 
     A field may sit at the top level or under `text_config` (multimodal configs); null counts as absent.
+    `known` refuses an architecture tpshard does not support (tpshard.arch.refuse_architecture),
+    before a key the config lacks: passed in, as tpshard.arch imports this module's users.
     """
     if not isinstance(config, dict):
         raise CheckpointError(f"{where}: not a JSON object")
@@ -110,6 +113,8 @@ def check_config(config: object, where: str, fields: list[Field] | None = None) 
                 if not (low_ok and value <= f.hi):
                     bounds = f"({f.lo:g}, {f.hi:g}]" if f.kind == "number" else f"[{f.lo:g}, {f.hi:g}]"
                     raise CheckpointError(f"{where}: {prefix}{f.key} = {value!r} is out of range {bounds}")
+    if known is not None and config.get("architectures"):  # a model tpshard does not know: say so, not which keys it lacks
+        known(config["architectures"][0])
     absent = [f.key for f in fields or CONFIG_FIELDS if f.required and config.get(f.key) is None and (text or {}).get(f.key) is None]
     if absent:
         raise CheckpointError(f"{where} lacks {', '.join(absent)}")
@@ -124,7 +129,7 @@ def check_config(config: object, where: str, fields: list[Field] | None = None) 
         raise CheckpointError(f"{where}: hidden_size {get('hidden_size')} is not a multiple of num_attention_heads {heads}, and head_dim is not given")
 
 
-def read_config(folder: Path) -> dict:
+def read_config(folder: Path, known: Callable[[str], None] | None = None) -> dict:
     """`folder`/config.json, checked: inside the folder, JSON, and its fields (check_config)."""
     path = folder / "config.json"
     check_inside(path, folder)
@@ -132,7 +137,7 @@ def read_config(folder: Path) -> dict:
         config = json.loads(path.read_text())
     except (ValueError, RecursionError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({str(e)[:100]})") from None
-    check_config(config, str(path))
+    check_config(config, str(path), known=known)
     return config
 
 

@@ -61,11 +61,30 @@ def _rank_files(part: Path, m: Manifest, rank: int) -> list[tuple[Path, str]]:
     return found
 
 
+def refuse_repeated(parts: list[Path]) -> None:
+    """A part given twice (under any name) would merge as if it were two nodes' work."""
+    seen: dict[tuple[int, int], Path] = {}
+    for part in parts:
+        try:
+            st = part.stat()
+        except OSError:
+            continue  # read_manifest names what is wrong with it
+        first = seen.setdefault((st.st_dev, st.st_ino), part)
+        if first is not part:
+            raise OutputError(f"{part}: the same part as {first}, given twice; give each part once")
+
+
+def missing_ranks(manifest: Manifest) -> list[int]:
+    """The ranks of the split that no merged part holds."""
+    return sorted(set(range(manifest.topology.world_size)) - set(manifest.written_ranks))
+
+
 def merge(parts: list[str | Path], out: str | Path, *, force: bool = False) -> Manifest:
     """Merge tpshard outputs holding different ranks of one split into `out`."""
     if not parts:
         raise OutputError("merge needs at least one part")
     parts = [Path(p) for p in parts]
+    refuse_repeated(parts)
     manifests = [read_manifest(p) for p in parts]
     merged = merge_manifests(manifests)
     taken: dict[int, list[tuple[Path, str]]] = {}
@@ -74,10 +93,13 @@ def merge(parts: list[str | Path], out: str | Path, *, force: bool = False) -> M
             if r not in taken:
                 taken[r] = _rank_files(part, m, r)
     with staged_output(out, force=force, inputs=parts) as staging:
+        shared: dict[str, Path] = {}  # a file of several ranks: staged once, linked as split links it
         for r, files in sorted(taken.items()):
             dst = staging / rank_dir(r)
             dst.mkdir()
             for path, name in files:
-                link_or_copy(path, dst / name)
+                link_or_copy(shared.get(name, path), dst / name)
+                if name != INDEX_NAME:  # each rank's index is its own
+                    shared.setdefault(name, dst / name)
         write_manifest(staging, merged)
     return merged

@@ -20,14 +20,18 @@ FAMILIES = (llama, deepseek, qwen, mixtral, glm)
 ARCHITECTURES: dict[str, Arch] = {a.name: a for family in FAMILIES for a in family.ARCHS}
 
 
-def arch_for(model: ModelInfo) -> Arch:
-    arch = ARCHITECTURES.get(model.architecture)
-    if arch is None:
+def refuse_architecture(name: str) -> None:
+    """A one-line refusal of an architecture no family declares."""
+    if name not in ARCHITECTURES:
         raise PlanError(
-            f"architecture {model.architecture} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
+            f"architecture {name} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
             " (docs/architectures.md says how to add one)"
         )
-    return arch
+
+
+def arch_for(model: ModelInfo) -> Arch:
+    refuse_architecture(model.architecture)
+    return ARCHITECTURES[model.architecture]
 
 
 def router_config(config: dict) -> RouterConfig:
@@ -48,4 +52,4 @@ def router_config(config: dict) -> RouterConfig:
     return rule(config, e, k)
 
 
-__all__ = ["ARCHITECTURES", "DROPPED", "ENGINES", "SHAPES", "Arch", "Matcher", "RouterConfig", "Rule", "arch_for", "router_config"]
+__all__ = ["ARCHITECTURES", "DROPPED", "ENGINES", "SHAPES", "Arch", "Matcher", "RouterConfig", "Rule", "arch_for", "refuse_architecture", "router_config"]

@@ -279,8 +279,9 @@ def refuse_router_bias(plan: Plan, engine: str, config: dict) -> None:
     biased = any(t.name.endswith(".e_score_correction_bias") and t.cuts for t in plan.tensors)
     if biased and method != "noaux_tc":
         raise ExportError(
-            f"--format {engine}: the checkpoint has mlp.gate.e_score_correction_bias but config.json says topk_method"
-            f" {method!r}; {engine} builds that parameter only for \"noaux_tc\", so its load would fail; fix config.json"
+            f"--format {engine}: the checkpoint has mlp.gate.e_score_correction_bias but config.json"
+            + (f" says topk_method {method!r}" if method is not None else " names no topk_method")
+            + f"; {engine} builds that parameter only for \"noaux_tc\", so its load would fail; fix config.json"
         )
 
 

@@ -156,7 +156,9 @@ def _manifest_bytes(out_dir: str | Path) -> tuple[bytes, str]:
     if not Path(out_dir).is_dir():
         raise OutputError(f"{out_dir}: no such folder")
     if not path.is_file():
-        raise OutputError(f"{out_dir}: no {MANIFEST_NAME}; not a tpshard output, or a split that did not finish")
+        from tpshard.manifest.foreign import not_an_output
+
+        raise OutputError(not_an_output(Path(out_dir)))
     size = path.stat().st_size
     if size > MAX_MANIFEST_BYTES:
         raise OutputError(f"{path}: {size} bytes, more than any tpshard manifest ({MAX_MANIFEST_BYTES})")

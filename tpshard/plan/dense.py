@@ -65,6 +65,24 @@ def expected_shape(rule: Rule, model: ModelInfo) -> tuple[int, int] | None:
     return SHAPES[rule.shape](model) if rule.shape else None
 
 
+def refuse_heads(name: str, rule: Rule, ctx: Layout) -> None:
+    """Attention is cut by whole heads: QKV's k and v by kv heads (split, or replicated when the group
+    is larger), everything else cut by heads (q, o, MLA's projections) by the attention heads."""
+    if rule.layer_class != "QKVParallelLinear" and not rule.heads:
+        return
+    group = group_of(rule, ctx)
+    g, model = ctx.topology.group_size(group), ctx.model
+    if rule.layer_class == "QKVParallelLinear" and rule.piece != "q":
+        kv = model.num_kv_heads
+        if g % kv and kv % g:
+            raise PlanError(
+                f"{name}: {kv} kv heads and the {group} group of {g} ranks: neither divides the other,"
+                " so kv heads can be neither split nor replicated evenly"
+            )
+    elif model.num_heads % g:
+        raise PlanError(f"{name}: {model.num_heads} attention heads do not divide over the {group} group of {g} ranks")
+
+
 def cut_tensor(name: str, info: TensorInfo, rule: Rule, param: str, ctx: Layout) -> Cutting:
     """How one tensor is cut over its layer's group: the load contract of one weight."""
     topology, model, options = ctx.topology, ctx.model, ctx.options
@@ -101,21 +119,12 @@ def cut_tensor(name: str, info: TensorInfo, rule: Rule, param: str, ctx: Layout)
             )
         return Cutting("vocab", 0, 1, g, even_cuts(v, g, v_pad // g))
 
-    if (cls == "QKVParallelLinear" or rule.heads) and model.num_heads % g:
-        raise PlanError(
-            f"{name}: {model.num_heads} attention heads do not divide over the {group} group of {g} ranks"
-        )
-
+    refuse_heads(name, rule, ctx)
     if cls == "QKVParallelLinear":
         if rule.piece == "q":
             per = model.num_heads // g * model.head_dim
             return Cutting("qkv_q", 0, 1, g, even_cuts(shape[0], g, per))
         kv = model.num_kv_heads
-        if g % kv and kv % g:
-            raise PlanError(
-                f"{name}: {kv} kv heads and the {group} group of {g} ranks: neither divides the other,"
-                " so kv heads can be neither split nor replicated evenly"
-            )
         head_rows = shape[0] // kv  # v_head_dim may differ from head_dim
         if g >= kv:  # each rank holds 1 kv head; `g // kv` consecutive ranks share it
             return Cutting(f"qkv_{rule.piece}", 0, g // kv, kv, even_cuts(shape[0], kv, head_rows))  # type: ignore[arg-type]

@@ -13,19 +13,20 @@ from __future__ import annotations
 
 from array import array
 
-from tpshard.arch import Matcher, arch_for
+from tpshard.arch import Matcher, Rule, arch_for
 from tpshard.arch.base import DROPPED, VOCAB
 from tpshard.checkpoint import Checkpoint, model_info
 from tpshard.collector import paused
 from tpshard.completeness import check_complete
 from tpshard.errors import PlanError
 from tpshard.manifest import FileShards, Options, Plan
-from tpshard.plan.dense import Layout, dense_kind, group_of, logical_layers
+from tpshard.plan.dense import Layout, dense_kind, group_of, logical_layers, refuse_heads
 from tpshard.plan.experts import Experts
 from tpshard.plan.files import layout_files, tensor_plans
 from tpshard.plan.kinds import Entry, TensorKind
 from tpshard.plan.refusals import refuse_pipeline, refuse_topology
 from tpshard.quant.config import read_quant_config
+from tpshard.stages import layer_of
 from tpshard.quant.layers import QuantLayers
 from tpshard.topology import Topology
 
@@ -41,6 +42,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
     stages_of, where = refuse_pipeline(ctx, ckpt.tensors) or (None, None)  # None: one stage
     head_copy = where is not None and where.head_copy  # tied: SGLang's last stage has its own lm_head.weight
     matcher = Matcher(arch.table(model))
+    refuse_attention(ctx, matcher, ckpt.tensors)
     if model.tie_word_embeddings and stages_of is None:
         warnings.append(
             "lm_head is tied to model.embed_tokens (no lm_head.weight on disk): engines reuse the"
@@ -124,6 +126,24 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
     # has cuts once QuantLayers.finish has passed).
     plan.take_layout(layouts, shards if len(plan.tensors) == len(entries) else None)
     return plan
+
+
+def refuse_attention(ctx: Layout, matcher: Matcher, tensors) -> None:
+    """The head counts against the attention group, before the walk: the embedding comes first on
+    disk, and `--tp 3` on 8 heads is about the heads, not the vocab that tp 3 does not divide either.
+    The first decoder layer's attention tensors, q's heads before k's and v's kv heads (a mismatch
+    there is refused again, by the same refuse_heads, as each tensor is cut)."""
+    found: list[tuple[str, Rule]] = []
+    first = None
+    for name in tensors:
+        if ".self_attn." not in name or (first is not None and layer_of(name) != first):
+            continue
+        hit = matcher.match(name.rpartition(".")[0])
+        if hit is not None:
+            first = layer_of(name)
+            found.append((name, hit[0]))
+    for name, rule in sorted(found, key=lambda nr: nr[1].layer_class == "QKVParallelLinear" and nr[1].piece != "q"):
+        refuse_heads(name, rule, ctx)
 
 
 _LINEAR = (

@@ -66,9 +66,8 @@ def read_quant_config(folder: str | Path, config: dict) -> QuantConfig | None:
     try:
         parser = _PARSERS[method]
     except KeyError:
-        raise CheckpointError(
-            f"quantization_config quant_method {method!r} is not supported; supported: {', '.join(sorted(_PARSERS))}"
-        ) from None
+        said = f"quant_method {method!r} is not supported" if raw.get("quant_method") is not None else "names no quant_method"
+        raise CheckpointError(f"quantization_config {said}; supported: {', '.join(sorted(_PARSERS))}") from None
     try:
         return QuantConfig(method, raw, parser(raw))
     except (ValueError, TypeError, AttributeError, KeyError, IndexError, re.error) as e:
@@ -250,7 +249,7 @@ def _ct_scheme(fmt: str, weights: dict, acts: dict | None) -> QuantSpec:
 
 
 def _compressed_tensors(raw: dict):
-    if raw.get("quantization_status", "compressed") != "compressed":
+    if (raw.get("quantization_status") or "compressed") != "compressed":  # null counts as absent
         raise ValueError(f"quantization_status {raw.get('quantization_status')!r}: only compressed checkpoints can be split")
     groups = []
     if not isinstance(raw.get("config_groups") or {}, dict):

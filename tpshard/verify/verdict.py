@@ -59,6 +59,45 @@ def decide(verdicts: list[dict], torchrun_code: int) -> tuple[int, str]:
     return 0, ""
 
 
+def torchrun_world(torchrun_args: list[str]) -> int | str:
+    """The world size torchrun would start with these options (nnodes x nproc-per-node), read as
+    torch/distributed/run.py parses them; a str says why it cannot be known before the launch."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    # torchrun's defaults, which its PET_ variables replace (torch/distributed/argparse_util.py `env`)
+    parser.add_argument("--nnodes", default=os.environ.get("PET_NNODES", "1"))
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", default=os.environ.get("PET_NPROC_PER_NODE", "1"))
+    try:
+        known, _ = parser.parse_known_args(torchrun_args)
+    except argparse.ArgumentError as e:
+        return str(e)
+    low, _, high = known.nnodes.partition(":")
+    if not (low.isdecimal() and (not high or high == low)):
+        return f"--nnodes {known.nnodes} (an elastic range) leaves the world size to the rendezvous"
+    if not known.nproc_per_node.isdecimal():
+        return f"--nproc-per-node {known.nproc_per_node} leaves the processes per node to torchrun"
+    return int(low) * int(known.nproc_per_node)
+
+
+def refuse_torchrun_world(out: str | Path, torchrun_args: list[str]) -> None:
+    """Before torchrun starts: a world that is not the output's pp x tp would only end in every
+    rank's traceback around verify's own line (tpshard.verify._in_place)."""
+    from tpshard.errors import UsageError
+    from tpshard.manifest import read_manifest
+
+    topo = read_manifest(out).plan.topology
+    split_for = f"tp={topo.tp}" if topo.pp == 1 else f"pp={topo.pp} x tp={topo.tp} = {topo.world_size} ranks"
+    world = torchrun_world(torchrun_args)
+    if world == topo.world_size:
+        return
+    started = f"would start {world} processes" if isinstance(world, int) else f"cannot say how many processes: {world}"
+    raise UsageError(
+        f"--torchrun {' '.join(torchrun_args)!r} {started}, but {out} was split for {split_for}:"
+        f" give torchrun --nnodes and --nproc-per-node numbers whose product is {topo.world_size}"
+    )
+
+
 def run_under_torchrun(torchrun_args: list[str], verify_args: list[str]) -> tuple[int, str]:
     """`torchrun TORCHRUN_ARGS -m tpshard verify VERIFY_ARGS`, then verify's exit code and message."""
     with tempfile.TemporaryDirectory(prefix="tpshard-verdict-") as folder:

@@ -1,0 +1,49 @@
+"""The engine's launch line for an export: the command that starts the engine in exactly the layout
+that was exported (docs/deploy.md), every path and value quoted for a shell.
+
+SGLang (sglang/srt/server_args.py): --tp-size, --pp-size, --dp-size with --enable-dp-attention for
+attention DP, --ep-size, --moe-dense-tp-size, --enable-dp-lm-head. vLLM (vllm/engine/arg_utils.py):
+--tensor-parallel-size, --pipeline-parallel-size, --enable-expert-parallel (EP size = tp: the only
+EP an export for vLLM has, tpshard.export.layout). Both: --load-format sharded_state and --dtype of
+the exported weights (another one is cast while loading).
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections import Counter
+from pathlib import Path
+
+from tpshard.export.manifest import ExportManifest
+
+ENGINE_DTYPE = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def weights_dtype(manifest: ExportManifest) -> str | None:
+    """The engine --dtype of the exported weights: their most common dtype (constants and a few
+    float32 buffers, such as DeepSeek's e_score_correction_bias, aside)."""
+    counts = Counter(t.dtype for f in manifest.files for t in f.tensors if t.value is None and t.dtype in ENGINE_DTYPE)
+    return ENGINE_DTYPE[counts.most_common(1)[0][0]] if counts else None
+
+
+def launch_line(manifest: ExportManifest, dest: Path) -> str:
+    """The shell command that starts manifest.engine on the export at `dest`."""
+    topo, options = manifest.from_.topology, manifest.from_.options
+    env = "".join(f"{k}={shlex.quote(str(v))} " for k, v in (dict(manifest.env) if manifest.env else {}).items())
+    path = shlex.quote(str(dest))
+    if manifest.engine == "vllm":
+        flags = [f"--tensor-parallel-size {topo.tp}"]
+        flags += [f"--pipeline-parallel-size {topo.pp}"] * (topo.pp > 1)
+        flags += ["--enable-expert-parallel"] * (topo.ep > 1)
+        command = f"vllm serve {path} --load-format sharded_state"
+    else:
+        flags = [f"--tp-size {topo.tp}"]
+        flags += [f"--pp-size {topo.pp}"] * (topo.pp > 1)
+        flags += [f"--dp-size {topo.attn_dp} --enable-dp-attention"] * (topo.attn_dp > 1)
+        flags += ["--enable-dp-lm-head"] * bool(options.dp_lm_head)
+        flags += [f"--ep-size {topo.ep}"] * (topo.ep > 1)
+        flags += [f"--moe-dense-tp-size {topo.moe_dense_tp}"] * (topo.moe_dense_tp is not None)
+        command = f"python -m sglang.launch_server --model-path {path} --load-format sharded_state"
+    dtype = weights_dtype(manifest)
+    flags += [f"--dtype {dtype}"] * (dtype is not None)
+    return env + " ".join([command, *flags])
