@@ -156,14 +156,31 @@ def ranges(ids: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
+def human_bytes(n: int) -> str:
+    """Bytes in binary units, as every summary and progress bar counts them: 175.1 KiB, 3.6 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
 @contextlib.contextmanager
 def byte_progress(description: str, total: int, quiet: bool = False) -> Iterator[Callable[[int], None]]:
     """A transient bar with bytes and rate on stderr while `advance(nbytes)` is called; nothing when
     stderr is not a terminal or `quiet` (--json)."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+    from rich.progress import BarColumn, DownloadColumn, Progress, ProgressColumn
+    from rich.text import Text
+
+    class Rate(ProgressColumn):
+        """The rate in the summaries' units (rich's TransferSpeedColumn says GB/s)."""
+
+        def render(self, task) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("?" if speed is None else f"{human_bytes(int(speed))}/s", style="progress.data.speed")
 
     # binary_units: GiB, as the summaries count (rich's default is GB)
-    columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn())
+    columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(binary_units=True), Rate())
     with Progress(*columns, console=err, transient=True, redirect_stdout=False, disable=quiet or not err.is_terminal) as progress:
         task = progress.add_task(description, total=total)
         yield lambda n: progress.advance(task, n)

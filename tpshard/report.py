@@ -6,7 +6,7 @@ import re
 from collections import defaultdict
 
 from tpshard.manifest import Plan, ShardSpec, TensorPlan, shard_shape
-from tpshard.render import plural, ranges
+from tpshard.render import human_bytes, plural, ranges  # noqa: F401 (human_bytes: callers take it from here too)
 from tpshard.safetensors_format import nbytes_of
 from tpshard.stages import layer_of, stage_ranges
 
@@ -21,14 +21,6 @@ REDUCTION = {
     "ReplicatedLinear": "none (computed whole on every rank)",
     "Replicated": "none",
 }
-
-
-def human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""
 
 
 def slice_text(s: ShardSpec) -> str:
