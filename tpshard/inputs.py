@@ -58,10 +58,11 @@ CONFIG_FIELDS: list[Field] = [
     *(Field(k, "int", 0, 1 << 20) for k in (
         "n_routed_experts", "num_experts", "num_local_experts", "num_experts_per_tok", "n_shared_experts",
         "first_k_dense_replace", "n_group", "topk_group", "num_nextn_predict_layers", "decoder_sparse_step",
+        "num_hash_layers",
     )),
     *(Field(k, "int", 1, 1 << 24) for k in (
         "moe_intermediate_size", "shared_expert_intermediate_size", "moe_layer_freq", "q_lora_rank",
-        "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "o_groups", "o_lora_rank", "hc_mult",
     )),
     Field("routed_scaling_factor", "number", 0, 1e6),
     Field("norm_topk_prob", "bool"),
@@ -115,10 +116,10 @@ def check_config(config: object, where: str, fields: list[Field] | None = None, 
                     raise CheckpointError(f"{where}: {prefix}{f.key} = {value!r} is out of range {bounds}")
     if known is not None and config.get("architectures"):  # a model tpshard does not know: say so, not which keys it lacks
         known(config["architectures"][0])
-    absent = [f.key for f in fields or CONFIG_FIELDS if f.required and config.get(f.key) is None and (text or {}).get(f.key) is None]
+    get = lambda k: config.get(k) if config.get(k) is not None else (text or {}).get(k)  # noqa: E731
+    absent = [f.key for f in fields or CONFIG_FIELDS if f.required and get(f.key) is None and not _aliased(f.key, get)]
     if absent:
         raise CheckpointError(f"{where} lacks {', '.join(absent)}")
-    get = lambda k: config.get(k) if config.get(k) is not None else (text or {}).get(k)  # noqa: E731
     heads, kv = get("num_attention_heads"), get("num_key_value_heads")
     if kv is not None and (kv > heads or heads % kv):
         raise CheckpointError(f"{where}: num_key_value_heads {kv} does not divide num_attention_heads {heads}")
@@ -127,6 +128,12 @@ def check_config(config: object, where: str, fields: list[Field] | None = None, 
         raise CheckpointError(f"{where}: kv_lora_rank is set for MLA attention, but {', '.join(mla)} is not")
     if get("head_dim") is None and get("hidden_size") % heads:
         raise CheckpointError(f"{where}: hidden_size {get('hidden_size')} is not a multiple of num_attention_heads {heads}, and head_dim is not given")
+
+
+def _aliased(key: str, get: Callable[[str], object]) -> bool:
+    """DeepSeek-V4's config.json (o_groups) names only moe_intermediate_size: transformers'
+    DeepseekV4Config maps intermediate_size to it, and so does tpshard.checkpoint.model_info."""
+    return key == "intermediate_size" and get("o_groups") is not None and get("moe_intermediate_size") is not None
 
 
 def read_config(folder: Path, known: Callable[[str], None] | None = None) -> dict:

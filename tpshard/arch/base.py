@@ -19,7 +19,7 @@ from typing import Literal, NamedTuple
 
 from tpshard.arch.router import RouterRule
 from tpshard.manifest import ModelInfo
-from tpshard.topology import GroupName
+from tpshard.topology import GroupName, Topology
 
 # attn -> the architecture's attention group; embed -> its embedding group under attention DP;
 # lm_head -> tp (attn_tp with --dp-lm-head); mlp, shared_expert -> tp; dense_mlp -> tp, or whole
@@ -70,6 +70,13 @@ SHAPES: dict[str, Callable[[ModelInfo], tuple[int, int]]] = {
     "mla_kv_b": lambda m: (m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
     "mla_o": lambda m: (m.hidden_size, m.num_heads * m.v_head_dim),
     "eh_proj": lambda m: (m.hidden_size, 2 * m.hidden_size),
+    # DeepSeek-V4 (tpshard/arch/deepseek_v4.py): LoRA query, one shared kv head, grouped output projection
+    "v4_q_a": lambda m: (m.q_lora_rank or 0, m.hidden_size),
+    "v4_q_b": lambda m: (m.num_heads * m.head_dim, m.q_lora_rank or 0),
+    "v4_kv": lambda m: (m.head_dim, m.hidden_size),
+    "v4_o_a": lambda m: (m.o_groups * m.o_lora_rank, m.num_heads * m.head_dim // max(m.o_groups, 1)),
+    "v4_o_b": lambda m: (m.hidden_size, m.o_groups * m.o_lora_rank),
+    "v4_hc": lambda m: ((2 + m.hc_mult) * m.hc_mult, m.hc_mult * m.hidden_size),
 }
 
 
@@ -157,6 +164,8 @@ class Arch:
     # vLLM 0.33.0 at pp > 1: a tied model's last stage builds its own embedding and ties lm_head to it
     # (LlamaModel / Qwen2Model: `tie_word_embeddings and is_last_rank`); False: the class never ties.
     pp_vllm_tied: bool = False
+    # Refusals that need the topology (DeepSeek-V4: o_groups over attn_tp), before any tensor is cut.
+    check_topology: Callable[[Topology, ModelInfo], None] | None = None
 
     def table(self, model: ModelInfo) -> tuple[Rule, ...]:
         return self.rules + (self.variant(model) if self.variant else ())

@@ -48,6 +48,10 @@ def group_of(rule: Rule, ctx: Layout) -> GroupName:
         case "attn":
             return ctx.arch.attn_group
         case "embed":
+            # "replicated": whole under attention DP, over tp without it (DeepSeek-V4's
+            # VocabParallelEmbedding(enable_tp=not is_dp_attention_enabled()))
+            if ctx.arch.embed_group == "replicated" and ctx.topology.attn_dp == 1:
+                return "tp"
             return ctx.arch.embed_group
         case "lm_head":
             return "attn_tp" if ctx.options.dp_lm_head else "tp"
