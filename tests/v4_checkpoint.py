@@ -63,7 +63,7 @@ NATIVE = (
     (r"\.mlp\.shared_experts\.down_proj\.", ".ffn.shared_experts.w2."),
     (r"\.mlp\.", ".ffn."),
 )
-FP32 = re.compile(r".*(attn_sink|hc_|\.ape$|\.gate\.weight$|\.gate\.bias$)")
+FP32 = re.compile(r"attn_sink$|(^|\.)hc_|\.ape$|\.gate\.(weight|bias)$")
 
 
 def native_name(name: str) -> str:
@@ -106,7 +106,7 @@ def native_tensors(model, cfg: dict) -> dict[str, torch.Tensor]:
             out[new] = torch.randint(0, cfg["n_routed_experts"], t.shape, generator=g, dtype=torch.int32)
         else:
             out[new] = t.clone()
-    return {k: v if not v.dtype.is_floating_point else v.to(torch.float32 if FP32.fullmatch(k) else torch.bfloat16) for k, v in out.items()}
+    return {k: v if not v.dtype.is_floating_point else v.to(torch.float32 if FP32.search(k) else torch.bfloat16) for k, v in out.items()}
 
 
 def mtp_tensors(tensors: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
