@@ -288,3 +288,18 @@ def test_verify_layers_and_a_broken_output(v4, v4_tp4_ep2, copy_of):
     assert failing == {"model.layers.1.self_attn.wq_b", "model.layers.2.mlp.experts"}, broken.failures()
     p = tpshard_cli("verify", v4_tp4_ep2, "--source", v4, "--model")
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("stray", ["layers.1.attn.foo", "layers.1.hc_attn_extra", "hc_head_bias", "layers.2.ffn.gate.e_score"])
+def test_a_stray_parameter_is_refused(v4, copy_of, stray):
+    """The rules match module paths: a tensor of a known module under a name V4 does not have is
+    not understood, so not replicated."""
+    from safetensors.torch import save_file
+
+    model = copy_of(v4)
+    save_file({stray: torch.zeros(4)}, str(model / "extra.safetensors"))
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    index["weight_map"][stray] = "extra.safetensors"
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    p = tpshard_cli("plan", model, "--tp", "2")
+    assert p.returncode == 2 and f"no DeepseekV4ForCausalLM rule covers {stray}" in p.stderr, p.stderr

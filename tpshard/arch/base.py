@@ -166,6 +166,9 @@ class Arch:
     pp_vllm_tied: bool = False
     # Refusals that need the topology (DeepSeek-V4: o_groups over attn_tp), before any tensor is cut.
     check_topology: Callable[[Topology, ModelInfo], None] | None = None
+    # A regex every tensor name must match in full, where rules alone (which match module paths) would
+    # take any parameter name: DeepSeek-V4's bare parameters (hc_attn_fn, attn_sink, ape, tid2eid).
+    names: str = ""
 
     def table(self, model: ModelInfo) -> tuple[Rule, ...]:
         return self.rules + (self.variant(model) if self.variant else ())

@@ -88,6 +88,12 @@ RULES: tuple[Rule, ...] = (
     Rule(r"(mtp\.\d+)\.head", "ParallelLMHead", "lm_head", r"model.\1.shared_head.head", shape="vocab"),
 )  # fmt: skip
 
+# The rules match module paths; these are the only names a tensor of theirs may have: a weight, or
+# one of V4's bare parameters (mHC, the sink, a compressor's ape, the router's bias and tid2eid).
+NAMES = (
+    r"hc_head_(?:fn|base|scale)|(?:layers|mtp)\.\d+\.(?:hc_(?:attn|ffn|head)_(?:fn|base|scale)|attn\.attn_sink"
+    r"|attn\.(?:indexer\.)?compressor\.ape|ffn\.gate\.(?:bias|tid2eid))|.+\.weight"
+)
 HC = ("fn", "base", "scale")
 COMPRESSOR = ("wkv.weight", "wgate.weight", "ape", "norm.weight")
 
@@ -98,7 +104,8 @@ def sparse(model: ModelInfo, layer: int) -> bool:
 
 
 def compress_ratios(config: dict, model: ModelInfo) -> list[int]:
-    ratios = config_value(config, "compress_ratios")
+    """Each main layer's compress ratio (a config without them is refused first, by refuse_config)."""
+    ratios = config_value(config, "compress_ratios") or [0] * model.num_layers
     return list(ratios[: model.num_layers])
 
 
@@ -180,6 +187,6 @@ ARCHS = (
         "DeepseekV4ForCausalLM", RULES, "deepseek_v4.py", attn_group="attn_tp", embed_group="replicated",
         model_type="deepseek_v4", expected=expected, exports=EngineNames(vllm=None, sglang=None), verify=None,
         router=None, dp_lm_head=False, sparse=sparse, experts_limit="tp", check=refuse_config,
-        check_topology=refuse_topology,
+        check_topology=refuse_topology, names=NAMES,
     ),
 )  # fmt: skip
