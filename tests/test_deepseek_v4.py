@@ -303,3 +303,21 @@ def test_a_stray_parameter_is_refused(v4, copy_of, stray):
     (model / "model.safetensors.index.json").write_text(json.dumps(index))
     p = tpshard_cli("plan", model, "--tp", "2")
     assert p.returncode == 2 and f"no DeepseekV4ForCausalLM rule covers {stray}" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize(
+    "stray, message",
+    [("layers.4.attn_norm.weight", "layer 4, but config.json has 4 layers"), ("mtp.1.enorm.weight", "MTP layer 1, but config.json has 1 MTP layer(s)")],
+    ids=["layer-past-the-last", "second-mtp"],
+)
+def test_a_layer_config_json_has_no_place_for_is_refused(v4, copy_of, stray, message):
+    """V4 keeps its MTP layer apart (mtp.0): layers.N stops at num_hidden_layers, mtp.K at num_nextn_predict_layers."""
+    from safetensors.torch import save_file
+
+    model = copy_of(v4)
+    save_file({stray: torch.ones(64, dtype=torch.bfloat16)}, str(model / "extra.safetensors"))
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    index["weight_map"][stray] = "extra.safetensors"
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    p = tpshard_cli("plan", model, "--tp", "2")
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
