@@ -25,7 +25,10 @@ the engine layer names below are what that remap makes of them. What a rank hold
   and w2 dim 1 over moe_tp; `ffn.shared_experts.w1/w3/w2` a DeepseekV2MLP over the full tp even
   under EP. SGLang refuses tp greater than the routed experts.
 - `embed`: VocabParallelEmbedding(enable_tp=not is_dp_attention_enabled()): over tp, and *whole*
-  (padded to 64 rows) under attention DP (V3 cuts it over attn_tp). `head`: ParallelLMHead over tp.
+  (padded to 64 rows) under attention DP (V3 cuts it over attn_tp). `head`: ParallelLMHead over tp,
+  over attn_tp with --enable-dp-lm-head (use_attn_tp_group=enable_dp_lm_head); tied, it is the
+  embedding itself. With SGLang's shared-experts fusion (ep 1, 256 experts, bf16 on CUDA) the shared
+  expert is FusedMoE expert 256 over moe_tp = tp: the same bytes per rank.
 - The MTP layer `mtp.0.*` (DeepseekV4ForCausalLMNextN, one layer asserted): its decoder
   (`mtp.0.attn.*`, `mtp.0.ffn.*`, norms, mHC; compress ratio 0, so no compressor) cut like a main
   layer; `e_proj`, `h_proj` ReplicatedLinear, `enorm`, `hnorm`, `norm`, `hc_head_*` whole; its
@@ -186,7 +189,7 @@ ARCHS = (
     Arch(
         "DeepseekV4ForCausalLM", RULES, "deepseek_v4.py", attn_group="attn_tp", embed_group="replicated",
         model_type="deepseek_v4", expected=expected, exports=EngineNames(vllm=None, sglang=None), verify=None,
-        router=None, dp_lm_head=False, sparse=sparse, experts_limit="tp", check=refuse_config,
+        router=None, sparse=sparse, experts_limit="tp", check=refuse_config,
         check_topology=refuse_topology, names=NAMES,
     ),
 )  # fmt: skip
