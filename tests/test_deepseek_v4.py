@@ -333,3 +333,23 @@ def test_a_layer_config_json_has_no_place_for_is_refused(v4, copy_of, stray, mes
     (model / "model.safetensors.index.json").write_text(json.dumps(index))
     p = tpshard_cli("plan", model, "--tp", "2")
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_the_native_names_are_what_transformers_reads(v4):
+    """transformers' from_pretrained maps the release's names onto its own (conversion_mapping.py
+    "deepseek_v4"): every parameter of its model is the checkpoint's tensor under tests/v4_checkpoint's
+    native name, so the test checkpoint is in the release's spelling, not one made up here."""
+    from transformers import DeepseekV4ForCausalLM
+    from v4_checkpoint import native_name
+
+    model = DeepseekV4ForCausalLM.from_pretrained(v4, dtype=torch.float32)
+    full = source_tensors(v4)
+    for k, v in model.state_dict().items():
+        n = native_name(k)
+        if n.endswith(".experts.gate_up_proj"):  # [E, 2I, H]: experts.e.w1 rows, then w3
+            want = torch.stack([torch.cat([full[n.replace("gate_up_proj", f"{e}.{w}.weight")] for w in ("w1", "w3")]) for e in range(E)])
+        elif n.endswith(".experts.down_proj"):
+            want = torch.stack([full[n.replace("down_proj", f"{e}.w2.weight")] for e in range(E)])
+        else:
+            want = full[n]
+        assert torch.equal(v.to(want.dtype), want), (k, n)
