@@ -353,3 +353,15 @@ def test_the_native_names_are_what_transformers_reads(v4):
         else:
             want = full[n]
         assert torch.equal(v.to(want.dtype), want), (k, n)
+
+
+def test_explain_walks_one_layer_of_native_names(v4):
+    """explain --layer reads V4's layers.N (and mtp.0 as layer num_hidden_layers), not model.layers.N only."""
+    p = tpshard_cli("explain", v4, "--tp", "2", "--layer", "1", "--json")
+    assert p.returncode == 0, p.stderr
+    names = {r["tensor"] for r in json.loads(p.stdout)}
+    assert "layers.1.attn.wo_a.weight" in names and "layers.1.attn.indexer.wq_b.weight" in names
+    assert not [n for n in names if n.startswith(("layers.0.", "layers.2.", "mtp.")) or n == "norm.weight"], sorted(names)[:5]
+    p = tpshard_cli("explain", v4, "--tp", "2", "--layer", "4", "--json")
+    names = {r["tensor"] for r in json.loads(p.stdout)}
+    assert "mtp.0.e_proj.weight" in names and not [n for n in names if n.startswith("layers.")], sorted(names)[:5]
