@@ -186,11 +186,8 @@ def _moe_mla_info(config: dict) -> dict:
             qk_rope_head_dim=int(g("qk_rope_head_dim")),
             v_head_dim=int(g("v_head_dim")),
         )
-    if g("o_groups"):  # DeepSeek-V4 (tpshard/arch/deepseek_v4.py): LoRA query, grouped output projection, mHC
-        info.update(
-            q_lora_rank=int(g("q_lora_rank") or 0), o_groups=int(g("o_groups")), o_lora_rank=int(g("o_lora_rank") or 0),
-            hc_mult=int(g("hc_mult") or 0),
-        )  # fmt: skip
+    if g("o_groups"):  # DeepSeek-V4 (tpshard/arch/deepseek_v4.py): LoRA query, grouped output projection
+        info.update(q_lora_rank=int(g("q_lora_rank") or 0), o_groups=int(g("o_groups")), o_lora_rank=int(g("o_lora_rank") or 0))
     if experts or g("kv_lora_rank"):  # DeepSeek's and GLM's MTP layers, stored as layers num_hidden_layers, ...
         info.update(num_nextn_predict_layers=int(g("num_nextn_predict_layers") or 0))
     return info

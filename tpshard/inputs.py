@@ -62,7 +62,7 @@ CONFIG_FIELDS: list[Field] = [
     )),
     *(Field(k, "int", 1, 1 << 24) for k in (
         "moe_intermediate_size", "shared_expert_intermediate_size", "moe_layer_freq", "q_lora_rank",
-        "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "o_groups", "o_lora_rank", "hc_mult",
+        "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "o_groups", "o_lora_rank",
     )),
     Field("routed_scaling_factor", "number", 0, 1e6),
     Field("norm_topk_prob", "bool"),

@@ -76,7 +76,6 @@ SHAPES: dict[str, Callable[[ModelInfo], tuple[int, int]]] = {
     "v4_kv": lambda m: (m.head_dim, m.hidden_size),
     "v4_o_a": lambda m: (m.o_groups * m.o_lora_rank, m.num_heads * m.head_dim // max(m.o_groups, 1)),
     "v4_o_b": lambda m: (m.hidden_size, m.o_groups * m.o_lora_rank),
-    "v4_hc": lambda m: ((2 + m.hc_mult) * m.hc_mult, m.hc_mult * m.hidden_size),
 }
 
 

@@ -81,10 +81,8 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     v_head_dim: int = 0
     num_nextn_predict_layers: int = 0  # DeepSeek MTP layers, stored as layers num_layers, num_layers + 1, ...
     # DeepSeek-V4: the grouped output projection (wo_a [o_groups * o_lora_rank, heads * head_dim / o_groups])
-    # and the mHC width (hc_attn_fn [(2 + hc_mult) * hc_mult, hc_mult * hidden])
     o_groups: int = 0
     o_lora_rank: int = 0
-    hc_mult: int = 0
 
 
 class Options(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
