@@ -20,6 +20,7 @@ REDUCTION = {
     "FusedMoE": "each rank runs the tokens routed to its EP slot's experts on its I_e slice; all-reduce over tp",
     "ReplicatedLinear": "none (computed whole on every rank)",
     "Replicated": "none",
+    "RMSNormTP": "all-reduce the sum of squares over {g}; the weight stays with the rank's heads",
 }
 
 

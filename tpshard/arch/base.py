@@ -35,6 +35,7 @@ LayerClass = Literal[
     "FusedMoE",
     "ReplicatedLinear",
     "Replicated",
+    "RMSNormTP",  # MiniMax-M2's q/k norms over the full width: cut by heads like q / k, RMS all-reduced
 ]
 
 
@@ -50,7 +51,7 @@ class Rule(NamedTuple):
 
 
 # [out, in] of a weight according to config.json.
-SHAPES: dict[str, Callable[[ModelInfo], tuple[int, int]]] = {
+SHAPES: dict[str, Callable[[ModelInfo], tuple[int, ...]]] = {
     "vocab": lambda m: (m.vocab_size, m.hidden_size),
     "q": lambda m: (m.num_heads * m.head_dim, m.hidden_size),
     "kv": lambda m: (m.num_kv_heads * m.head_dim, m.hidden_size),
@@ -70,6 +71,8 @@ SHAPES: dict[str, Callable[[ModelInfo], tuple[int, int]]] = {
     "mla_kv_b": lambda m: (m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
     "mla_o": lambda m: (m.hidden_size, m.num_heads * m.v_head_dim),
     "eh_proj": lambda m: (m.hidden_size, 2 * m.hidden_size),
+    "q_norm": lambda m: (m.num_heads * m.head_dim,),  # [heads * head_dim]: MiniMax-M2's norm over every head
+    "k_norm": lambda m: (m.num_kv_heads * m.head_dim,),
 }
 
 

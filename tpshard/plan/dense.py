@@ -60,19 +60,20 @@ def group_of(rule: Rule, ctx: Layout) -> GroupName:
     return "replicated"
 
 
-def expected_shape(rule: Rule, model: ModelInfo) -> tuple[int, int] | None:
-    """[out, in] of a weight according to config.json."""
+def expected_shape(rule: Rule, model: ModelInfo) -> tuple[int, ...] | None:
+    """[out, in] of a weight according to config.json ([n] of a norm cut by heads)."""
     return SHAPES[rule.shape](model) if rule.shape else None
 
 
 def refuse_heads(name: str, rule: Rule, ctx: Layout) -> None:
     """Attention is cut by whole heads: QKV's k and v by kv heads (split, or replicated when the group
-    is larger), everything else cut by heads (q, o, MLA's projections) by the attention heads."""
-    if rule.layer_class != "QKVParallelLinear" and not rule.heads:
+    is larger), everything else cut by heads (q, o, MLA's projections) by the attention heads.
+    MiniMax-M2's RMSNormTP q_norm / k_norm follow their projection's heads (q, or k)."""
+    if rule.layer_class not in _BY_HEADS and not rule.heads:
         return
     group = group_of(rule, ctx)
     g, model = ctx.topology.group_size(group), ctx.model
-    if rule.layer_class == "QKVParallelLinear" and rule.piece != "q":
+    if rule.layer_class in _BY_HEADS and rule.piece != "q":
         kv = model.num_kv_heads
         if g % kv and kv % g:
             raise PlanError(
@@ -81,6 +82,12 @@ def refuse_heads(name: str, rule: Rule, ctx: Layout) -> None:
             )
     elif model.num_heads % g:
         raise PlanError(f"{name}: {model.num_heads} attention heads do not divide over the {group} group of {g} ranks")
+
+
+# Cut by whole heads along dim 0, kv pieces replicated when the group outnumbers the kv heads:
+# QKVParallelLinear's q / k / v, and MiniMax-M2's q_norm / k_norm (sglang/srt/models/minimax_m2.py,
+# MiniMaxM2RMSNormTP: num_head_replicas = attn_tp_size // num_heads, as QKVParallelLinear's kv).
+_BY_HEADS = ("QKVParallelLinear", "RMSNormTP")
 
 
 def cut_tensor(name: str, info: TensorInfo, rule: Rule, param: str, ctx: Layout) -> Cutting:
@@ -120,7 +127,9 @@ def cut_tensor(name: str, info: TensorInfo, rule: Rule, param: str, ctx: Layout)
         return Cutting("vocab", 0, 1, g, even_cuts(v, g, v_pad // g))
 
     refuse_heads(name, rule, ctx)
-    if cls == "QKVParallelLinear":
+    if cls in _BY_HEADS:  # RMSNormTP.weight_loader: shard attn_tp_rank // num_head_replicas, as QKV's q / k
+        if cls == "RMSNormTP" and param != "weight":
+            raise PlanError(f"{name}: no rule for parameter '{param}' of {cls} {rule.layer}")
         if rule.piece == "q":
             per = model.num_heads // g * model.head_dim
             return Cutting("qkv_q", 0, 1, g, even_cuts(shape[0], g, per))

@@ -38,6 +38,7 @@ from tpshard.runtime import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from tpshard.runtime.norms import RMSNormTP
 from tpshard.runtime.reference_quant import ReferenceQuantMethod, quant_spec_of
 from tpshard.topology import Topology
 from tpshard.verify.layer_specs import TIED_LM_HEAD, Built, LayerSpecs
@@ -89,6 +90,9 @@ def build_layer(
     elif cls in ("VocabParallelEmbedding", "ParallelLMHead"):
         layer_cls = VocabParallelEmbedding if cls == "VocabParallelEmbedding" else ParallelLMHead
         module = layer_cls(out_size, in_size, padding_size=plan.options.vocab_multiple, **kw)
+    elif cls == "RMSNormTP":  # MiniMax-M2's q_norm / k_norm: the RMS all-reduced over the group
+        hd = model.head_dim
+        module = RMSNormTP(out_size // hd, hd, group=group, piece=pieces[0], eps=model.rms_norm_eps, dtype=dtype, name=lay.layer)
     else:
         raise ValueError(f"{lay.layer}: verify has no layer for class {cls}")
     module.to(device)

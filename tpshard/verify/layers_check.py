@@ -6,7 +6,7 @@ a layer over `attn_tp` under attention DP sees one batch per DP replica, and its
 inside the replica only. Rank 0 regenerates the same inputs and computes the reference in float64
 from the *source* tensors, then compares:
 
-- column-style outputs (q/k/v, gate/up, column): the group ranks' pieces concatenated in group-rank
+- column-style outputs (q/k/v, gate/up, column, MiniMax-M2's q/k norms cut by heads): the group ranks' pieces concatenated in group-rank
   order (the combined result the next layer consumes), padding included and expected zero; replica
   ranks (GQA kv heads, DP replicas of nothing) must agree with each other;
 - reduced outputs (row-parallel, embedding, lm_head): every rank's output, which already went
@@ -60,6 +60,8 @@ def rank_outputs(built: Built, x: torch.Tensor, plan: Plan | None = None, *, see
     if cls in moe_layers.MOE_CLASSES:
         return moe_layers.rank_outputs(built, x, built.spec, plan, seed=seed, tokens=tokens)
     with torch.no_grad():
+        if cls == "RMSNormTP":  # the input is the whole projection; the rank normalises its heads' slice
+            return {built.spec.pieces()[0]: (module.shard, module(module.local(x)).double().cpu())}
         if cls in COLUMN:
             out = module(x)
             pieces = built.spec.pieces()
@@ -119,6 +121,9 @@ def reference(
     fake-quantizes its input with the *source* scale, as the ranks do with theirs."""
     if lay.layer_class == "VocabParallelEmbedding":
         return F.embedding(x, w)
+    if lay.layer_class == "RMSNormTP":  # transformers' MiniMaxM2RMSNorm over the whole width
+        x = x.double()
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + plan.model.rms_norm_eps)
     if lay.quant:
         spec = quant_spec_of(plan, lay.module(piece))
         names = {s.source.rpartition(".")[2]: s.source for s in lay.specs if s.quant and s.piece == piece}
@@ -161,7 +166,7 @@ def compare_layer(
     max_abs = 0.0
     findings: dict[str, list[int]] = defaultdict(list)  # diagnosis -> world ranks
 
-    if lay.layer_class in COLUMN:
+    if lay.layer_class in COLUMN + ("RMSNormTP",):
         for p in lay.pieces():
             spec = lay.main(p)
             for b in range(nbatch):
