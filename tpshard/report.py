@@ -20,6 +20,8 @@ REDUCTION = {
     "FusedMoE": "each rank runs the tokens routed to its EP slot's experts on its I_e slice; all-reduce over tp",
     "ReplicatedLinear": "none (computed whole on every rank)",
     "Replicated": "none",
+    "AttentionSinks": "none (one extra logit per local head in the softmax)",
+    "FusedExperts": "each rank runs every expert on its I_e slice of the fused [E, ...] tensors; all-reduce over tp, down bias added once",
 }
 
 
