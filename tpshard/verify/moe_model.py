@@ -30,7 +30,7 @@ from tpshard.manifest import Plan
 from tpshard.runtime import LogicalGroup
 from tpshard.runtime.mla import MLAAttention, MLAConfig
 from tpshard.runtime.moe import MoEBlock
-from tpshard.verify import sinks_model
+import tpshard.verify.sinks_model as sinks_model
 from tpshard.verify.decoder import INPUT_NORM, POST_NORM, TPDecoder, rms_norm
 from tpshard.verify.layer_specs import Built
 
