@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from tpshard.arch.fused import FusedExperts
 from tpshard.arch.router import RouterRule
 from tpshard.manifest import ModelInfo
 from tpshard.topology import GroupName
@@ -36,6 +37,8 @@ LayerClass = Literal[
     "ReplicatedLinear",
     "Replicated",
     "RMSNormTP",  # MiniMax-M2's q/k norms over the full width: cut by heads like q / k, RMS all-reduced
+    "AttentionSinks",  # gpt-oss `self_attn.sinks` [heads]: cut with the q heads over the attention group
+    "FusedExperts",  # routed experts stored fused [E, ...] (tpshard.arch.fused)
 ]
 
 
@@ -160,6 +163,8 @@ class Arch:
     # vLLM 0.33.0 at pp > 1: a tied model's last stage builds its own embedding and ties lm_head to it
     # (LlamaModel / Qwen2Model: `tie_word_embeddings and is_last_rank`); False: the class never ties.
     pp_vllm_tied: bool = False
+    # Routed experts stored fused [E, ...] (rule class FusedExperts): how each parameter is cut.
+    fused_experts: FusedExperts | None = None
 
     def table(self, model: ModelInfo) -> tuple[Rule, ...]:
         return self.rules + (self.variant(model) if self.variant else ())

@@ -21,6 +21,7 @@ from tpshard.arch import SHAPES, Arch, Rule
 from tpshard.cuts import Cutting, ceil_div, even_cuts
 from tpshard.errors import PlanError
 from tpshard.manifest import Cut, Kind, ModelInfo, Options
+from tpshard.plan.fused import fused_cut, sinks_cut
 from tpshard.plan.kinds import TensorKind
 from tpshard.quant.formats import QuantSpec
 from tpshard.quant.layers import LogicalLayer
@@ -48,6 +49,8 @@ def group_of(rule: Rule, ctx: Layout) -> GroupName:
         case "attn":
             return ctx.arch.attn_group
         case "embed":
+            if ctx.arch.embed_group == "replicated" and ctx.topology.attn_dp == 1:
+                return "tp"  # whole only under attention DP (gpt-oss: enable_tp=not is_dp_attention_enabled())
             return ctx.arch.embed_group
         case "lm_head":
             return "attn_tp" if ctx.options.dp_lm_head else "tp"
@@ -113,6 +116,11 @@ def cut_tensor(name: str, info: TensorInfo, rule: Rule, param: str, ctx: Layout)
         return whole("replicated")
     if cls == "RowParallelLinear" and param == "bias":
         return whole("row_bias")
+    if cls == "FusedExperts":
+        return fused_cut(name, shape, param, ctx.arch, model, topology)
+    if cls == "AttentionSinks":
+        refuse_heads(name, rule, ctx)
+        return sinks_cut(name, shape, param, model, g)
     if param not in ("weight", "bias"):
         raise PlanError(f"{name}: no rule for parameter '{param}' of {cls} {rule.layer}")
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+import tpshard.verify.fused_layers as fused_layers
 import tpshard.verify.moe_layers as moe_layers
 from tpshard.manifest import Plan, ShardSpec
 from tpshard.quant.shards import expected_physical_shape
@@ -53,6 +54,8 @@ def build_layer(
     lay: LayerSpecs, plan: Plan, rank: int, tensors, *, dtype: torch.dtype, device: torch.device
 ) -> Built:
     """Construct `lay` for world rank `rank` from its specs and load this rank's tensors into it."""
+    if lay.layer_class in fused_layers.FUSED_CLASSES:  # gpt-oss's fused experts and attention sinks
+        return fused_layers.build(lay, plan, rank, tensors, dtype=dtype, device=device)
     if lay.layer_class in moe_layers.MOE_CLASSES:  # routed experts, replicated linears (MoE / MLA plans)
         return moe_layers.build(lay, plan, rank, tensors, dtype=dtype, device=device)
     topo: Topology = plan.topology

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import tpshard.verify.fused_layers as fused_layers
 import tpshard.verify.moe_layers as moe_layers
 from tpshard.manifest import Plan
 from tpshard.quant.formats import dequantize
@@ -57,6 +58,8 @@ def batches(plan: Plan, group: str) -> int:
 def rank_outputs(built: Built, x: torch.Tensor, plan: Plan | None = None, *, seed: int = 0, tokens: int = 16) -> dict[str, tuple[int, torch.Tensor]]:
     """This rank's outputs of one layer: piece -> (group rank of the piece, tensor on the CPU)."""
     module, cls = built.module, built.spec.layer_class
+    if cls in fused_layers.FUSED_CLASSES:
+        return fused_layers.rank_outputs(built, x, built.spec, plan, seed=seed, tokens=tokens)
     if cls in moe_layers.MOE_CLASSES:
         return moe_layers.rank_outputs(built, x, built.spec, plan, seed=seed, tokens=tokens)
     with torch.no_grad():
@@ -143,8 +146,10 @@ def compare_layer(
 
     probe: the outputs are of a zero input, so they must equal the source bias rounded to the
     compute dtype, exactly (tolerance 0): a bias a few ULPs off is invisible next to x @ W.T."""
+    if lay.layer_class in fused_layers.FUSED_CLASSES:
+        return fused_layers.compare(lay, plan, sent, src, seed=seed, tokens=tokens, dtype=dtype, tolerance=tolerance)
     if lay.layer_class in moe_layers.MOE_CLASSES:
-        return moe_layers.compare(lay, plan, sent, src, seed=seed, tokens=tokens, dtype=dtype, tolerance=tolerance)
+        return moe_layers.compare(lay, plan, sent, src, seed=seed, tokens=tokens, dtype=dtype, tolerance=tolerance, probe=probe)
     nbatch = batches(plan, lay.group)
     result = LayerResult(
         layer=lay.layer, layer_class=lay.layer_class, group=lay.group, pieces=lay.pieces(), batches=nbatch,
