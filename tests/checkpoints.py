@@ -78,7 +78,10 @@ def make_checkpoint(
         "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
         "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
     }[arch]
-    config = config_cls(**{**BASE, **ARCH_DEFAULTS.get(arch, {}), **overrides})
+    fields = {**BASE, **ARCH_DEFAULTS.get(arch, {}), **overrides}
+    if arch == "qwen3_5_moe":  # every layer MoE: Qwen3.5-MoE's config.json has no intermediate_size
+        fields.pop("intermediate_size")
+    config = config_cls(**fields)
     torch.manual_seed(seed)
     dtype = torch.bfloat16 if overrides.get("dtype", "bf16") == "bf16" else torch.float32
     if arch == "glm4_moe":  # from_config keeps the router and its correction bias fp32, as GLM ships them; .to() would cast them

@@ -21,6 +21,7 @@ REDUCTION = {
     "FusedMoE": "each rank runs the tokens routed to its EP slot's experts on its I_e slice; all-reduce over tp",
     "ReplicatedLinear": "none (computed whole on every rank)",
     "Replicated": "none",
+    "HeadParameter": "none (each rank applies its heads' values)",
 }
 
 
