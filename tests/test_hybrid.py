@@ -229,3 +229,17 @@ def test_experts_round_robin_is_caught(models, tmp_path, family):
     round_robin_split(models[family], out, Topology(tp=4, ep=2))
     found = [f"[{p.check}] {p.message}" for p in tpshard.check(out, models[family]).problems]
     assert any("[experts]" in p and "mlp.experts.1." in p and "belongs to slot 0" in p for p in found), found[:4]
+
+
+def test_another_ranks_segments_are_caught(models, tmp_path):
+    """Rank 0 holds rank 1's in_proj_qkv (its q | k | v slices), checksums rewritten: only the source tells."""
+    from broken import overwrite_tensor, rewrite_checksums
+
+    out = tmp_path / "out"
+    tpshard.split(models[Q35], out, Topology(tp=2))
+    name = "model.layers.2.linear_attn.in_proj_qkv.weight"
+    overwrite_tensor(out, 0, name, tpshard.open_rank(out, 1)[name].clone())
+    rewrite_checksums(out)
+    assert tpshard.check(out, None).ok
+    found = [p.message for p in tpshard.check(out, models[Q35]).problems]
+    assert any(name in p and "holds the slice of group rank 1" in p for p in found), found[:4]

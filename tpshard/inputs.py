@@ -66,6 +66,7 @@ CONFIG_FIELDS: list[Field] = [
     # Gated DeltaNet linear attention (Qwen3.5, Qwen3-Next): head counts and sizes, the layers' kinds.
     *(Field(k, "int", 1, 1 << 16) for k in (
         "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+        "full_attention_interval",
     )),
     Field("layer_types", "list[str]"),
     Field("routed_scaling_factor", "number", 0, 1e6),

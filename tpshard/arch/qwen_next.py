@@ -1,5 +1,6 @@
-"""Hybrid decoders: Qwen3.5-MoE and Qwen3-Next (SGLang models/qwen3_5.py, qwen3_next.py, the shared
-MoE block of qwen2_moe.py; transformers models/qwen3_5_moe/, models/qwen3_next/).
+"""Hybrid decoders: Qwen3.5-MoE and Qwen3-Next (SGLang models/qwen3_5_text.py, which registers
+Qwen3_5MoeForCausalLM around the body of qwen3_5.py; qwen3_next.py; the shared MoE block of
+qwen2_moe.py; transformers models/qwen3_5_moe/, models/qwen3_next/).
 
 Layers are gated DeltaNet linear attention (`linear_attn`) or gated full attention (`self_attn`),
 as config.json's layer_types says; every layer has routed experts, a shared expert and its gate.
@@ -28,8 +29,9 @@ What rank r holds (attn_tp = tp / attn_dp, moe_tp = tp / ep) is what SGLang 0.5.
   renormalises, Qwen3-Next as norm_topk_prob says.
 - Refused: pipeline stages (no per-stage layout on record for these classes), export to either
   engine (no name table measured), verify --model (no gated DeltaNet runtime), dense MLP layers
-  (mlp_only_layers, decoder_sparse_step), MTP layers (mtp.* tensors have no rule here), the
-  multimodal Qwen3_5MoeForConditionalGeneration wrapper (not declared).
+  (mlp_only_layers, decoder_sparse_step). Not declared, so refused by name: MTP tensors (mtp.*),
+  experts stored fused ([E, 2I, H] `experts.gate_up_proj`, which qwen3_5.py's loader also reads),
+  and the multimodal Qwen3_5MoeForConditionalGeneration (model.language_model.*, the vision tower).
 """
 
 from tpshard.arch.base import NORMS, QK_NORM, VOCAB, Arch, EngineNames, L, Rule
@@ -99,8 +101,11 @@ def expected(fused: bool):
 
 
 def layer_kinds(config: dict, model: ModelInfo) -> list[str]:
-    """config.json's layer_types, one per decoder layer."""
-    kinds = config_value(config, "layer_types")
+    """config.json's layer_types, one per decoder layer; without it, as transformers' configs derive
+    it: every full_attention_interval-th layer (default 4) full attention, the others linear."""
+    every = config_value(config, "full_attention_interval", 4)
+    derived = [("full_attention" if isinstance(every, int) and every > 0 and (i + 1) % every == 0 else "linear_attention") for i in range(model.num_layers)]
+    kinds = config_value(config, "layer_types", derived)
     if not isinstance(kinds, list) or len(kinds) != model.num_layers or set(kinds) - {"linear_attention", "full_attention"}:
         raise PlanError(
             f"{model.architecture}: config.json's layer_types must name linear_attention or full_attention for each of"
@@ -119,8 +124,6 @@ def refuse_config(config: dict, model: ModelInfo) -> None:
             f"{model.architecture}: {model.linear_num_value_heads} linear-attention value heads are not a multiple of"
             f" the {model.linear_num_key_heads} key heads"
         )
-    if config_value(config, "mtp_num_hidden_layers", 0):
-        raise PlanError(f"{model.architecture}: MTP layers (mtp_num_hidden_layers) are not supported; split a checkpoint without them")
 
 
 def renormalised_router(config: dict, e: int, k: int) -> RouterConfig:
@@ -137,7 +140,7 @@ def every_layer_sparse(model: ModelInfo, layer: int) -> bool:
 
 ARCHS = (
     Arch(
-        "Qwen3_5MoeForCausalLM", COMMON + QWEN3_5_LINEAR, "qwen3_5.py", attn_group="attn_tp", embed_group="replicated",
+        "Qwen3_5MoeForCausalLM", COMMON + QWEN3_5_LINEAR, "qwen3_5_text.py", attn_group="attn_tp", embed_group="replicated",
         model_type="qwen3_5_moe_text", expected=expected(fused=False), exports=EngineNames(vllm=None, sglang=None),
         verify=None, router=renormalised_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config,
     ),
