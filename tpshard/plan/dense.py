@@ -12,12 +12,13 @@ What it is not: no walk over a checkpoint (tpshard.plan.make), no refusal of a t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
 import msgspec
 
-from tpshard.arch import SHAPES, Arch, Rule
+from tpshard.arch import HEAD_COUNTS, SEGMENTS, SHAPES, Arch, Rule
 from tpshard.cuts import Cutting, ceil_div, even_cuts
 from tpshard.errors import PlanError
 from tpshard.manifest import Cut, Kind, ModelInfo, Options
@@ -76,7 +77,11 @@ def refuse_heads(name: str, rule: Rule, ctx: Layout) -> None:
         return
     group = group_of(rule, ctx)
     g, model = ctx.topology.group_size(group), ctx.model
-    if rule.layer_class in _BY_HEADS and rule.piece != "q":
+    if rule.head_counts:
+        counts = HEAD_COUNTS[rule.head_counts](model)
+        if any(n % g for _, n in counts):
+            raise PlanError(f"{name}: {' and '.join(f'{n} {what}' for what, n in counts)} must each divide over the {group} group of {g} ranks")
+    elif rule.layer_class in _BY_HEADS and rule.piece != "q":
         kv = model.num_kv_heads
         if g % kv and kv % g:
             raise PlanError(
@@ -121,6 +126,11 @@ def cut_tensor(name: str, info: TensorInfo, rule: Rule, param: str, ctx: Layout)
     if cls == "AttentionSinks":
         refuse_heads(name, rule, ctx)
         return sinks_cut(name, shape, param, model, g)
+    if cls == "HeadParameter":  # any parameter name (A_log, dt_bias), cut by the heads checked above
+        refuse_heads(name, rule, ctx)
+        if expected and shape != (expected[0],):
+            raise PlanError(f"{name}: shape {list(shape)} on disk, but config.json implies [{expected[0]}]")
+        return Cutting("column", 0, 1, g, even_cuts(shape[0], g, shape[0] // g))
     if param not in ("weight", "bias"):
         raise PlanError(f"{name}: no rule for parameter '{param}' of {cls} {rule.layer}")
 
@@ -135,11 +145,13 @@ def cut_tensor(name: str, info: TensorInfo, rule: Rule, param: str, ctx: Layout)
         return Cutting("vocab", 0, 1, g, even_cuts(v, g, v_pad // g))
 
     refuse_heads(name, rule, ctx)
+    if rule.segments:  # each segment cut over the group, the rank's slices concatenated (ShardSpec.segments)
+        return segmented_cut(name, shape, rule, model, g)
     if cls in _BY_HEADS:  # RMSNormTP.weight_loader: shard attn_tp_rank // num_head_replicas, as QKV's q / k
         if cls == "RMSNormTP" and param != "weight":
             raise PlanError(f"{name}: no rule for parameter '{param}' of {cls} {rule.layer}")
-        if rule.piece == "q":
-            per = model.num_heads // g * model.head_dim
+        if rule.piece == "q":  # whole heads of the rows per head on disk (a gated q holds [q_h | gate_h] per head)
+            per = model.num_heads // g * (shape[0] // model.num_heads)
             return Cutting("qkv_q", 0, 1, g, even_cuts(shape[0], g, per))
         kv = model.num_kv_heads
         head_rows = shape[0] // kv  # v_head_dim may differ from head_dim
@@ -171,6 +183,18 @@ def cut_tensor(name: str, info: TensorInfo, rule: Rule, param: str, ctx: Layout)
     raise PlanError(f"{name}: layer class {cls} has no load rule")
 
 
+def segmented_cut(name: str, shape: tuple[int, ...], rule: Rule, model: ModelInfo, g: int) -> Cutting:
+    """A cut of each of the rule's segments of dim 0 over the group, the rank's slices concatenated
+    (ShardSpec.segments): in units of the segments' greatest common size, segment i of m_i units."""
+    sizes = SEGMENTS[rule.segments](model)
+    if not shape or shape[0] != sum(sizes):
+        raise PlanError(f"{name}: shape {list(shape)} on disk, but config.json implies {sum(sizes)} rows ({' + '.join(map(str, sizes))}) along dim 0")
+    unit = math.gcd(*sizes)
+    if unit % g:
+        raise PlanError(f"{name}: its segments of {' + '.join(map(str, sizes))} rows do not each divide over the group of {g} ranks")
+    return Cutting("segmented", 0, 1, g, even_cuts(unit, g, unit // g), tuple(n // unit for n in sizes))
+
+
 def dense_kind(
     name: str, info: TensorInfo, rule: Rule, param: str, ep_slot: int | None, stages: tuple[int, ...] | None,
     ctx: Layout, kinds: dict[tuple, TensorKind],
@@ -184,13 +208,13 @@ def dense_kind(
         for cut in cutting.cuts:
             shape = list(info.shape)
             if cutting.dim is not None:
-                shape[cutting.dim] = cut.length + cut.pad
+                shape[cutting.dim] = (cut.length + cut.pad) * (sum(cutting.segments) or 1)
             records.append(
                 dict(
                     layer_class=rule.layer_class, piece=rule.piece, kind=cutting.kind, dtype=info.dtype,
                     source_shape=info.shape, shape=tuple(shape), dim=cutting.dim, start=cut.start, length=cut.length,
                     pad=cut.pad, group=group, factor=cutting.factor, group_rank=cut.group_rank,
-                    group_size=cutting.group_size, ep_slot=ep_slot,
+                    group_size=cutting.group_size, ep_slot=ep_slot, segments=cutting.segments,
                     ranks=ctx.topology.ranks_of(group, cut.group_rank, cutting.factor, ep_slot, stages),
                 )  # fmt: skip
             )
