@@ -40,7 +40,7 @@ CONFIG_FIELDS: list[Field] = [
     Field("num_attention_heads", "int", 1, 1 << 16, required=True),
     Field("num_key_value_heads", "int", 1, 1 << 16),
     Field("head_dim", "int", 1, 1 << 16),
-    Field("intermediate_size", "int", 1, 1 << 24, required=True),
+    Field("intermediate_size", "int", 1, 1 << 24),  # required unless the config names routed experts (check_config)
     Field("vocab_size", "int", 1, 1 << 26, required=True),
     Field("tie_word_embeddings", "bool"),
     Field("attention_bias", "bool"),
@@ -64,11 +64,21 @@ CONFIG_FIELDS: list[Field] = [
         "moe_intermediate_size", "shared_expert_intermediate_size", "moe_layer_freq", "q_lora_rank",
         "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "o_groups", "o_lora_rank",
     )),
+    # Gated DeltaNet linear attention (Qwen3.5, Qwen3-Next): head counts and sizes, the layers' kinds.
+    *(Field(k, "int", 1, 1 << 16) for k in (
+        "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+        "full_attention_interval",
+    )),
+    Field("layer_types", "list[str]"),
     Field("routed_scaling_factor", "number", 0, 1e6),
     Field("norm_topk_prob", "bool"),
     Field("scoring_func", "str"),
     Field("topk_method", "str"),
 ]  # fmt: skip
+
+
+# The config.json keys that name a count of routed experts (one per family's spelling).
+EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts")
 
 
 def _lookup(scope: dict, key: str):
@@ -117,7 +127,9 @@ def check_config(config: object, where: str, fields: list[Field] | None = None, 
     if known is not None and config.get("architectures"):  # a model tpshard does not know: say so, not which keys it lacks
         known(config["architectures"][0])
     get = lambda k: config.get(k) if config.get(k) is not None else (text or {}).get(k)  # noqa: E731
-    absent = [f.key for f in fields or CONFIG_FIELDS if f.required and get(f.key) is None and not _aliased(f.key, get)]
+    # A MoE model may have no dense MLP at all (Qwen3.5-MoE): intermediate_size is then not needed.
+    needed = [f.key for f in fields or CONFIG_FIELDS if f.required] + ([] if any(get(k) for k in EXPERT_COUNTS) else ["intermediate_size"])
+    absent = [k for k in needed if get(k) is None]
     if absent:
         raise CheckpointError(f"{where} lacks {', '.join(absent)}")
     heads, kv = get("num_attention_heads"), get("num_key_value_heads")
@@ -128,12 +140,6 @@ def check_config(config: object, where: str, fields: list[Field] | None = None, 
         raise CheckpointError(f"{where}: kv_lora_rank is set for MLA attention, but {', '.join(mla)} is not")
     if get("head_dim") is None and get("hidden_size") % heads:
         raise CheckpointError(f"{where}: hidden_size {get('hidden_size')} is not a multiple of num_attention_heads {heads}, and head_dim is not given")
-
-
-def _aliased(key: str, get: Callable[[str], object]) -> bool:
-    """DeepSeek-V4's config.json (o_groups) names only moe_intermediate_size: transformers'
-    DeepseekV4Config maps intermediate_size to it, and so does tpshard.checkpoint.model_info."""
-    return key == "intermediate_size" and get("o_groups") is not None and get("moe_intermediate_size") is not None
 
 
 def read_config(folder: Path, known: Callable[[str], None] | None = None) -> dict:
