@@ -141,8 +141,9 @@ def model_info(ckpt: Checkpoint) -> ModelInfo:
         head_dim=_get(config, "head_dim") or hidden // heads,
         intermediate_size=_get(config, "intermediate_size", 0),  # 0: a MoE model without a dense MLP (Qwen3.5-MoE)
         vocab_size=_get(config, "vocab_size"),
-        # What is on disk decides: a checkpoint without lm_head.weight is tied whatever config says.
-        tie_word_embeddings="lm_head.weight" not in ckpt.tensors,
+        # What is on disk decides: a checkpoint without lm_head.weight (DeepSeek-V4's native name:
+        # head.weight) is tied whatever config says.
+        tie_word_embeddings="lm_head.weight" not in ckpt.tensors and "head.weight" not in ckpt.tensors,
         rms_norm_eps=float(_get(config, "rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", _get(config, "rope_theta", 10000.0))),
         dtype={"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(str(dtype), str(dtype)),
@@ -186,6 +187,8 @@ def _moe_mla_info(config: dict) -> dict:
             qk_rope_head_dim=int(g("qk_rope_head_dim")),
             v_head_dim=int(g("v_head_dim")),
         )
+    if g("o_groups"):  # DeepSeek-V4 (tpshard/arch/deepseek_v4.py): LoRA query, grouped output projection
+        info.update(q_lora_rank=int(g("q_lora_rank") or 0), o_groups=int(g("o_groups")), o_lora_rank=int(g("o_lora_rank") or 0))
     if experts or g("kv_lora_rank"):  # DeepSeek's and GLM's MTP layers, stored as layers num_hidden_layers, ...
         info.update(num_nextn_predict_layers=int(g("num_nextn_predict_layers") or 0))
     if g("linear_num_value_heads"):  # gated DeltaNet linear attention (Qwen3.5, Qwen3-Next)

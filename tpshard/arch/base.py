@@ -20,7 +20,7 @@ from typing import Literal, NamedTuple
 from tpshard.arch.fused import FusedExperts
 from tpshard.arch.router import RouterRule
 from tpshard.manifest import ModelInfo
-from tpshard.topology import GroupName
+from tpshard.topology import GroupName, Topology
 
 # attn -> the architecture's attention group; embed -> its embedding group under attention DP;
 # lm_head -> tp (attn_tp with --dp-lm-head); mlp, shared_expert -> tp; dense_mlp -> tp, or whole
@@ -82,6 +82,12 @@ SHAPES: dict[str, Callable[[ModelInfo], tuple[int, ...]]] = {
     "mla_kv_b": lambda m: (m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
     "mla_o": lambda m: (m.hidden_size, m.num_heads * m.v_head_dim),
     "eh_proj": lambda m: (m.hidden_size, 2 * m.hidden_size),
+    # DeepSeek-V4 (tpshard/arch/deepseek_v4.py): LoRA query, one shared kv head, grouped output projection
+    "v4_q_a": lambda m: (m.q_lora_rank or 0, m.hidden_size),
+    "v4_q_b": lambda m: (m.num_heads * m.head_dim, m.q_lora_rank or 0),
+    "v4_kv": lambda m: (m.head_dim, m.hidden_size),
+    "v4_o_a": lambda m: (m.o_groups * m.o_lora_rank, m.num_heads * m.head_dim // max(m.o_groups, 1)),
+    "v4_o_b": lambda m: (m.hidden_size, m.o_groups * m.o_lora_rank),
     "q_norm": lambda m: (m.num_heads * m.head_dim,),  # [heads * head_dim]: MiniMax-M2's norm over every head
     "k_norm": lambda m: (m.num_kv_heads * m.head_dim,),
     # Gated attention (Qwen3.5 / Qwen3-Next full-attention layers): q_proj holds per head [q_h | gate_h].
@@ -201,6 +207,11 @@ class Arch:
     pp_vllm_tied: bool = False
     # Routed experts stored fused [E, ...] (rule class FusedExperts): how each parameter is cut.
     fused_experts: FusedExperts | None = None
+    # Refusals that need the topology (DeepSeek-V4: o_groups over attn_tp), before any tensor is cut.
+    check_topology: Callable[[Topology, ModelInfo], None] | None = None
+    # A regex every tensor name must match in full, where rules alone (which match module paths) would
+    # take any parameter name: DeepSeek-V4's bare parameters (hc_attn_fn, attn_sink, ape, tid2eid).
+    names: str = ""
 
     def table(self, model: ModelInfo) -> tuple[Rule, ...]:
         return self.rules + (self.variant(model) if self.variant else ())

@@ -15,7 +15,9 @@ from tpshard.arch import Rule
 from tpshard.errors import PlanError
 from tpshard.plan.dense import Layout
 
-_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+# model.layers.N (HF names); DeepSeek-V4's native layers.N, and its MTP layers mtp.K, which SGLang's
+# NextN loader reads as layer num_hidden_layers + K (deepseek_v4.py remap_weight_name_to_dpsk_hf_format)
+_LAYER_INDEX = re.compile(r"(?:model\.)?(layers|mtp)\.(\d+)\.")
 
 
 class Experts:
@@ -32,9 +34,15 @@ class Experts:
         found = _LAYER_INDEX.match(name)
         if found is None:
             return None
-        index = int(found.group(1))
-        if index >= m.num_layers + m.num_nextn_predict_layers:
-            mtp = f" and {m.num_nextn_predict_layers} MTP layer(s)" if m.num_nextn_predict_layers else ""
+        kind, index = found.group(1), int(found.group(2))
+        # DeepSeek-V4's native names keep the MTP layers apart (mtp.K): its layers.N stop at num_hidden_layers
+        apart = kind == "mtp" or (kind == "layers" and not name.startswith("model."))
+        if kind == "mtp":
+            if index >= m.num_nextn_predict_layers:
+                raise PlanError(f"{name}: MTP layer {index}, but config.json has {m.num_nextn_predict_layers} MTP layer(s)")
+            index += m.num_layers
+        elif index >= m.num_layers + (0 if apart else m.num_nextn_predict_layers):
+            mtp = f" and {m.num_nextn_predict_layers} MTP layer(s)" if m.num_nextn_predict_layers and not apart else ""
             raise PlanError(f"{name}: layer {index}, but config.json has {m.num_layers} layers{mtp}")
         if a.sparse is not None and rule.moe is not None and a.sparse(m, index) != rule.moe:
             raise PlanError(

@@ -24,6 +24,8 @@ def refuse_topology(ctx: Layout, config: dict) -> list[str]:
     engine = f"SGLang {a.engine}"
     if a.check:
         a.check(config, m)
+    if a.check_topology:
+        a.check_topology(t, m)
     if t.attn_dp > 1 and not a.attn_dp:
         raise PlanError(
             f"--attn-dp {t.attn_dp}: {m.architecture} has no attention-DP layout in {engine} (attention, embedding"
