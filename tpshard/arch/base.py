@@ -22,8 +22,8 @@ from tpshard.manifest import ModelInfo
 from tpshard.topology import GroupName
 
 # attn -> the architecture's attention group; embed -> its embedding group under attention DP;
-# lm_head -> tp (attn_tp with --dp-lm-head); mlp, shared_expert -> tp; dense_mlp -> tp, or whole
-# with --moe-dense-tp 1; expert -> moe_tp within the expert's EP slot; replicated -> whole.
+# lm_head -> tp (attn_tp with --dp-lm-head); mlp -> tp; shared_expert -> tp, or whole under an
+# all-to-all backend of Arch.a2a_shared; dense_mlp -> tp, or whole with --moe-dense-tp 1; expert -> moe_tp within the expert's EP slot; replicated -> whole.
 Role = Literal["attn", "mlp", "dense_mlp", "shared_expert", "expert", "embed", "lm_head", "replicated"]
 LayerClass = Literal[
     "VocabParallelEmbedding",
@@ -157,6 +157,10 @@ class Arch:
     # vLLM 0.33.0 at pp > 1: a tied model's last stage builds its own embedding and ties lm_head to it
     # (LlamaModel / Qwen2Model: `tie_word_embeddings and is_last_rank`); False: the class never ties.
     pp_vllm_tied: bool = False
+    # SGLang --moe-a2a-backend: the backends under which the model class builds its shared experts
+    # "replicated" (whole on every rank) instead of over tp; None: not established, so an all-to-all
+    # backend is refused for a family with shared experts (tpshard.plan.refusals).
+    a2a_shared: frozenset[str] | None = None
 
     def table(self, model: ModelInfo) -> tuple[Rule, ...]:
         return self.rules + (self.variant(model) if self.variant else ())

@@ -33,6 +33,11 @@ What a rank holds is what SGLang 0.5.23's Glm4MoeForCausalLM builds for it:
   (transformers does not run it). Export: refused for both engines (vLLM's models/glm4_moe.py
   keeps the correction bias and the shared expert under names not measured here; SGLang's
   sharded_state refuses every family with routed experts).
+- Under an all-to-all MoE backend (--moe-a2a-backend) Glm4MoeSparseMoeBlock.__init__ builds the
+  shared experts "replicated" for deepep, mooncake, nixl, mori, ascend_fuseep, flashinfer and
+  flashinfer_megamoe (glm4_moe.py L472-490): whole on every rank; under megamoe, deepep_v2 and pplx
+  (not in that list) they stay over tp. Shared-expert fusion is off there whenever ep > 1 on NVIDIA
+  (Glm4MoeForCausalLM.shared_experts_fusion_disable_reason L1022-1027).
 """
 
 from tpshard.arch.base import NORMS, QK_NORM, QKV_ATTENTION, VOCAB, Arch, EngineNames
@@ -89,5 +94,6 @@ ARCHS = (
         "Glm4MoeForCausalLM", RULES, "glm4_moe.py", attn_group="attn_tp", embed_group="attn_tp", model_type="glm4_moe",
         expected=expected, exports=EngineNames(vllm=None, sglang=None), verify="moe", router=v3_router,
         sparse=sparse, experts_limit="tp", check=refuse_config,
+        a2a_shared=frozenset(("deepep", "mooncake", "nixl", "mori", "ascend_fuseep", "flashinfer", "flashinfer_megamoe")),
     ),
 )  # fmt: skip

@@ -43,6 +43,7 @@ def launch_line(manifest: ExportManifest, dest: Path) -> str:
         flags += ["--enable-dp-lm-head"] * bool(options.dp_lm_head)
         flags += [f"--ep-size {topo.ep}"] * (topo.ep > 1)
         flags += [f"--moe-dense-tp-size {topo.moe_dense_tp}"] * (topo.moe_dense_tp is not None)
+        flags += [f"--moe-a2a-backend {topo.moe_a2a_backend}"] * bool(topo.moe_a2a_backend)
         command = f"python -m sglang.launch_server --model-path {path} --load-format sharded_state"
     dtype = weights_dtype(manifest)
     flags += [f"--dtype {dtype}"] * (dtype is not None)

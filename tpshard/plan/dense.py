@@ -55,7 +55,10 @@ def group_of(rule: Rule, ctx: Layout) -> GroupName:
             return "replicated" if ctx.topology.dense_tp == 1 else "tp"
         case "expert":
             return "moe_tp"
-        case "mlp" | "shared_expert":
+        case "shared_expert":  # SGLang builds them "replicated" under the all-to-all backends of a2a_shared
+            shared_whole = ctx.arch.a2a_shared and ctx.topology.moe_a2a_backend in ctx.arch.a2a_shared
+            return "replicated" if shared_whole else "tp"
+        case "mlp":
             return "tp"
     return "replicated"
 
