@@ -47,6 +47,7 @@ class Rule(NamedTuple):
     shape: str = ""  # key of SHAPES: the weight's [out, in] by config.json ("" = not checked)
     heads: bool = False  # cut by whole attention heads: the head count must divide the group
     moe: bool | None = None  # True: only in layers with experts; False: only in dense layers
+    bias: bool = True  # False: the engine layer is built without a bias, so a checkpoint bias is refused
 
 
 # [out, in] of a weight according to config.json.

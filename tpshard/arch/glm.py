@@ -4,7 +4,8 @@ models/glm4_moe/modeling_glm4_moe.py).
 What a rank holds is what SGLang 0.5.23's Glm4MoeForCausalLM builds for it:
 - Glm4MoeAttention: q/k/v one QKVParallelLinear over attn_tp (q heads even; kv heads even, or
   each replicated attn_tp / kv ways when attn_tp > kv), their biases (config.json attention_bias)
-  cut with their weights; o_proj a RowParallelLinear over attn_tp that never has a bias; q_norm /
+  cut with their weights; o_proj a RowParallelLinear over attn_tp that never has a bias (a checkpoint
+  carrying one is refused: SGLang's loader would skip it silently); q_norm /
   k_norm ([head_dim], config.json use_qk_norm) whole. The heads must divide attn_tp.
 - The embedding is a VocabParallelEmbedding with use_attn_tp_group=is_dp_attention_enabled(), so
   over attn_tp under attention DP; lm_head over tp (attn_tp with --enable-dp-lm-head).
@@ -46,7 +47,11 @@ from tpshard.arch.tensors import attention_tensors, config_value, decoder_tensor
 from tpshard.errors import PlanError
 from tpshard.manifest import ModelInfo
 
-RULES = VOCAB + NORMS + QKV_ATTENTION + QK_NORM + MOE + DENSE + MTP
+# Glm4MoeAttention builds o_proj with bias=False (glm4_moe.py L268-276) and load_weights skips a
+# ".bias" it has no parameter for (L1234-1236), as transformers' Glm4MoeAttention has none either:
+# a checkpoint's o_proj.bias would be carried by the split and silently dropped by the engine.
+ATTENTION = tuple(r._replace(bias=False) if r.module.endswith(r"o_proj") else r for r in QKV_ATTENTION)
+RULES = VOCAB + NORMS + ATTENTION + QK_NORM + MOE + DENSE + MTP
 
 
 def sparse(model: ModelInfo, layer: int) -> bool:

@@ -94,6 +94,12 @@ def cut_tensor(name: str, info: TensorInfo, rule: Rule, param: str, ctx: Layout)
     shape = info.shape
     cls = rule.layer_class
 
+    if param == "bias" and not rule.bias:
+        raise PlanError(
+            f"{name}: SGLang {ctx.arch.engine} builds {name.rpartition('.')[0]} without a bias and its loader skips"
+            " this tensor unread, so the engine would serve the model without it; remove it from the checkpoint"
+            " rather than split a weight the engine ignores"
+        )
     expected = expected_shape(rule, model)
     if expected and param == "weight" and shape != expected:
         raise PlanError(f"{name}: shape {list(shape)} on disk, but config.json implies {list(expected)}")
