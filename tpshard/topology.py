@@ -72,7 +72,7 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
         tp (`int`):
             Tensor-parallel size of one pipeline stage (the world size without a pipeline).
         attn_dp (`int`, *optional*, defaults to 1):
-            Attention data-parallel replicas (SGLang `--dp` with `--enable-dp-attention`).
+            Attention data-parallel replicas (SGLang `--attn-dp-size`).
         attn_cp (`int`, *optional*, defaults to 1):
             Attention context-parallel size; attention is cut over attn_tp = tp // (attn_dp * attn_cp).
         ep (`int`, *optional*, defaults to 1):

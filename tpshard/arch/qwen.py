@@ -13,7 +13,7 @@
   top-k weights renormalised when config.json's norm_topk_prob says so.
 - Export: vLLM for all four; SGLang for Qwen2 and Qwen3 (its dense classes). SGLang 0.5.23 splits
   attention heads over attn_tp only in the classes written for DP attention (Qwen3Attention);
-  Qwen2 splits over the full tp even under --enable-dp-attention, which tpshard's attn-dp plan does
+  Qwen2 splits over the full tp even under --attn-dp-size, which tpshard's attn-dp plan does
   not match (docs/deploy.md, measured). vLLM's Qwen3-MoE router is kept as
   `mlp.experts.gate.weight` (passed to the FusedMoE, models/qwen3_moe.py L170-205), Qwen2-MoE's as
   `mlp.gate.weight`.

@@ -242,7 +242,7 @@ def refuse_unexportable(plan: Plan, engine: str, config_tied: bool) -> NameMap:
             "vLLM's dense models take attention and MLP widths from the same TP size, so no vLLM rank holds"
             " attention sharded over attn_tp"
             if engine == "vllm"
-            else f"SGLang's {arch} splits attention heads over the full tp even with --enable-dp-attention,"
+            else f"SGLang's {arch} splits attention heads over the full tp even with --attn-dp-size,"
             " so its ranks hold other slices than this split"
         )
         raise ExportError(f"--format {engine}: split with --attn-dp {topo.attn_dp}, but {why}; split again without --attn-dp")
