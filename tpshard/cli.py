@@ -36,7 +36,7 @@ app = typer.Typer(
 SplitTp = Annotated[Optional[int], typer.Option("--tp", help="Tensor-parallel size (world size); without it, one rank (said so).")]
 Model = Annotated[Path, typer.Argument(help="Hugging Face checkpoint folder (config.json + safetensors).")]
 Tp = Annotated[int, typer.Option("--tp", help="Tensor-parallel size (world size).")]
-AttnDp = Annotated[int, typer.Option("--attn-dp", help="Attention data-parallel replicas (SGLang --dp with --enable-dp-attention).")]
+AttnDp = Annotated[int, typer.Option("--attn-dp", help="Attention data-parallel replicas (SGLang --attn-dp-size).")]
 AttnCp = Annotated[int, typer.Option("--attn-cp", help="Attention context-parallel size.")]
 Ep = Annotated[Optional[int], typer.Option("--ep", help="Expert-parallel size (SGLang --ep-size): routed experts in tp/ep-rank blocks, MoE-TP = tp / ep (default 1; tp with --moe-a2a-backend).")]
 A2aBackend = Annotated[Optional[str], typer.Option("--moe-a2a-backend", help="SGLang --moe-a2a-backend the server will run (deepep, mooncake, ...): ep = tp, and shared experts whole on every rank where SGLang replicates them.")]
@@ -439,10 +439,13 @@ def _verify_here(out, source, model, backend, device, dtype, tokens, seed, timeo
             err.print(line, style="bold", markup=False)
             step("every rank loading its shards, then the layers" + (" and the model" if model else "") + " against the source")
 
+        def layers_done(done: int, total: int) -> None:  # rank 0's count: each layer judged, then the model
+            step("layers" + (", then the model," if model else "") + " against the source", done, total, "steps" if model else "layers")
+
         step("reading the manifest and the source")
         result = do_verify(
             out, source, model=model, backend=backend, device=device, dtype=dtype, tokens=tokens, seed=seed,
-            timeout_s=timeout, announce=announce, pp=pp, pp_layers=pp_layers,
+            timeout_s=timeout, announce=announce, pp=pp, pp_layers=pp_layers, on_progress=layers_done,
         )  # fmt: skip
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 speaks and writes
         if report:
@@ -493,8 +496,9 @@ def merge(
     from tpshard.merge import merge as do_merge
     from tpshard.merge import missing_ranks
 
-    with step_progress(f"merging {plural(len(parts), 'part')}"):
-        manifest = do_merge(parts, out, force=force)
+    with step_progress(f"merging {plural(len(parts), 'part')}", quiet=json) as step:
+        step("checking the parts")
+        manifest = do_merge(parts, out, force=force, on_rank=lambda done, total: step("linking", done, total, "ranks"))
     missing = missing_ranks(manifest)
     if json:
         _emit_json({"out": str(out), "parts": len(parts), "ranks": list(manifest.written_ranks), "missing_ranks": missing})
@@ -515,10 +519,12 @@ def export_cmd(
 ) -> None:  # fmt: skip
     """Write the per-rank files an engine's sharded_state loader reads, from a tpshard output."""
     from tpshard.export import export
+    from tpshard.export.writer import export_total
 
     start = time.perf_counter()
-    with step_progress(f"exporting for {format}", quiet=json):
-        manifest = export(out, dest, format, max_part_bytes=parse_size(max_part_size), workers=workers, force=force)
+    shown = err.is_terminal and not json  # the total costs a read of the manifest: only for a bar someone sees
+    with byte_progress(f"exporting for {format}", export_total(out) if shown else 0, quiet=not shown) as advance:
+        manifest = export(out, dest, format, max_part_bytes=parse_size(max_part_size), workers=workers, force=force, on_bytes=advance)
     _export_summary(manifest, dest, time.perf_counter() - start, json)
 
 
