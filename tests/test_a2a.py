@@ -5,8 +5,8 @@ What SGLang 0.5.23 does under one (the expected values below are its source, not
   (sglang/srt/arg_groups/overrides.py, _a2a_ep_size);
 - DeepseekV2MoE builds the shared experts "replicated" under every one of them (deepseek_v2.py
   L874-897); Qwen2MoeSparseMoeBlock only under deepep, deepep_v2, mori, megamoe, flashinfer,
-  flashinfer_megamoe, ascend_fuseep (qwen2_moe.py L362-381); Glm4MoeSparseMoeBlock only under
-  deepep, mooncake, nixl, mori, ascend_fuseep, flashinfer, flashinfer_megamoe (glm4_moe.py L472-490);
+  flashinfer_megamoe, ascend_fuseep (qwen2_moe.py L362-382); Glm4MoeSparseMoeBlock only under
+  deepep, mooncake, nixl, mori, ascend_fuseep, flashinfer, flashinfer_megamoe (glm4_moe.py L471-491);
   elsewhere they stay over tp. Qwen3-MoE and Mixtral have no shared expert.
 """
 

@@ -36,7 +36,7 @@ What a rank holds is what SGLang 0.5.23's Glm4MoeForCausalLM builds for it:
   sharded_state refuses every family with routed experts).
 - Under an all-to-all MoE backend (--moe-a2a-backend) Glm4MoeSparseMoeBlock.__init__ builds the
   shared experts "replicated" for deepep, mooncake, nixl, mori, ascend_fuseep, flashinfer and
-  flashinfer_megamoe (glm4_moe.py L472-490): whole on every rank; under megamoe, deepep_v2 and pplx
+  flashinfer_megamoe (glm4_moe.py L471-491): whole on every rank; under megamoe, deepep_v2 and pplx
   (not in that list) they stay over tp. Shared-expert fusion is off there whenever ep > 1 on NVIDIA
   (Glm4MoeForCausalLM.shared_experts_fusion_disable_reason L1022-1027).
 """

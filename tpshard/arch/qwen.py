@@ -19,7 +19,7 @@
   `mlp.gate.weight`.
 - Under an all-to-all MoE backend (--moe-a2a-backend) Qwen2MoeSparseMoeBlock.__init__ builds the
   shared expert "replicated" for deepep, deepep_v2, mori, megamoe, flashinfer, flashinfer_megamoe and
-  ascend_fuseep only (qwen2_moe.py L362-381): whole on every rank; under mooncake, nixl and pplx it
+  ascend_fuseep only (qwen2_moe.py L362-382): whole on every rank; under mooncake, nixl and pplx it
   stays over tp. Qwen3-MoE has no shared expert: a backend only sets ep = tp.
 """
 
