@@ -23,8 +23,8 @@ from tpshard.manifest import ModelInfo
 from tpshard.topology import GroupName, Topology
 
 # attn -> the architecture's attention group; embed -> its embedding group under attention DP;
-# lm_head -> tp (attn_tp with --dp-lm-head); mlp, shared_expert -> tp; dense_mlp -> tp, or whole
-# with --moe-dense-tp 1; expert -> moe_tp within the expert's EP slot; replicated -> whole.
+# lm_head -> tp (attn_tp with --dp-lm-head); mlp -> tp; shared_expert -> tp, or whole under an
+# all-to-all backend of Arch.a2a_shared; dense_mlp -> tp, or whole with --moe-dense-tp 1; expert -> moe_tp within the expert's EP slot; replicated -> whole.
 Role = Literal["attn", "mlp", "dense_mlp", "shared_expert", "expert", "embed", "lm_head", "replicated"]
 LayerClass = Literal[
     "VocabParallelEmbedding",
@@ -59,6 +59,7 @@ class Rule(NamedTuple):
     segments: str = ""
     # Head counts that must all divide the group (HEAD_COUNTS key), with `heads`; "" = the attention heads.
     head_counts: str = ""
+    bias: bool = True  # False: the engine layer is built without a bias, so a checkpoint bias is refused
 
 
 # [out, in] of a weight according to config.json.
@@ -212,6 +213,10 @@ class Arch:
     # A regex every tensor name must match in full, where rules alone (which match module paths) would
     # take any parameter name: DeepSeek-V4's bare parameters (hc_attn_fn, attn_sink, ape, tid2eid).
     names: str = ""
+    # SGLang --moe-a2a-backend: the backends under which the model class builds its shared experts
+    # "replicated" (whole on every rank) instead of over tp; None: not established, so an all-to-all
+    # backend is refused for a family with shared experts (tpshard.plan.refusals).
+    a2a_shared: frozenset[str] | None = None
 
     def table(self, model: ModelInfo) -> tuple[Rule, ...]:
         return self.rules + (self.variant(model) if self.variant else ())

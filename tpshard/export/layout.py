@@ -230,6 +230,11 @@ def refuse_unexportable(plan: Plan, engine: str, config_tied: bool) -> NameMap:
             f"--format vllm: split with --moe-dense-tp {topo.moe_dense_tp}; vLLM has no such option and cuts the"
             f" dense layers' MLP over tp {topo.tp} (models/deepseek_v2.py L1339, DeepseekV2MLP); split again without it"
         )
+    if engine == "vllm" and topo.moe_a2a_backend:  # UNSET is falsy
+        raise ExportError(
+            f"--format vllm: split with --moe-a2a-backend {topo.moe_a2a_backend}, an SGLang server option whose layout"
+            " (shared experts whole on every rank) vLLM does not build; split again without it"
+        )
     if topo.attn_cp > 1:
         raise ExportError(f"--format {engine}: {topo.describe()}: neither engine has a sharded_state layout for attention context parallelism")
     if topo.attn_dp > 1 and not table.attn_dp:
@@ -237,7 +242,7 @@ def refuse_unexportable(plan: Plan, engine: str, config_tied: bool) -> NameMap:
             "vLLM's dense models take attention and MLP widths from the same TP size, so no vLLM rank holds"
             " attention sharded over attn_tp"
             if engine == "vllm"
-            else f"SGLang's {arch} splits attention heads over the full tp even with --enable-dp-attention,"
+            else f"SGLang's {arch} splits attention heads over the full tp even with --attn-dp-size,"
             " so its ranks hold other slices than this split"
         )
         raise ExportError(f"--format {engine}: split with --attn-dp {topo.attn_dp}, but {why}; split again without --attn-dp")

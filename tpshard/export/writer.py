@@ -20,7 +20,7 @@ import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Callable, Iterator
 
 import msgspec
 import numpy as np
@@ -28,7 +28,7 @@ import numpy as np
 from tpshard.version import __version__
 from tpshard.collector import paused
 from tpshard.digest import crc32_combine, file_digest, new_hash, sha256_file, tensor_digest
-from tpshard.errors import CheckpointError, OutputError
+from tpshard.errors import CheckpointError, OutputError, TpshardError
 from tpshard.export.layout import (
     DEFAULT_MAX_PART_BYTES,
     EngineTensor,
@@ -70,9 +70,11 @@ def export(
     max_part_bytes: int = DEFAULT_MAX_PART_BYTES,
     workers: int | None = None,
     force: bool = False,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> ExportManifest:
     """Write the `engine` ("vllm" or "sglang") sharded_state files of the tpshard output at
-    `out_dir` into `dest`, with the source's config and tokenizer files and an export manifest."""
+    `out_dir` into `dest`, with the source's config and tokenizer files and an export manifest;
+    `on_bytes(n)` as each run of n tensor bytes is written (the command's progress)."""
     out = Path(out_dir)
     manifest = read_manifest(out)
     plan = manifest.plan
@@ -87,8 +89,18 @@ def export(
     layouts = rank_layouts(plan, engine, config_tied(config), max_part_bytes, config)  # the engine's refusals first
 
     with staged_output(dest, force=force, inputs=[out]) as staging:
-        result = _write(out, manifest, layouts, engine, max_part_bytes, staging, workers or default_workers())
+        result = _write(out, manifest, layouts, engine, max_part_bytes, staging, workers or default_workers(), on_bytes)
     return result
+
+
+def export_total(out_dir: str | Path) -> int:
+    """The bytes `export`'s on_bytes counts, near enough for a progress bar: every rank's files of the
+    tpshard output, which the engine files hold again (headers aside); 0 where export will refuse it."""
+    try:
+        plan = read_manifest(Path(out_dir)).plan
+    except (TpshardError, OSError):
+        return 0
+    return sum(f.size for r in range(plan.topology.world_size) for f in plan.rank_files(r))
 
 
 class _Source:
@@ -123,7 +135,10 @@ class _Source:
         self.fds = {}
 
 
-def _write(out: Path, manifest: Manifest, layouts: Iterator[list[PartFile]], engine: str, max_part_bytes: int, staging: Path, workers: int) -> ExportManifest:
+def _write(
+    out: Path, manifest: Manifest, layouts: Iterator[list[PartFile]], engine: str, max_part_bytes: int, staging: Path,
+    workers: int, on_bytes: Callable[[int], None] | None = None,
+) -> ExportManifest:  # fmt: skip
     """Write the export rank by rank (rank_layouts): only one rank's engine tensors and copy jobs
     are held, and each file's record keeps its digests as one string and shares its tensor list
     with the same part of the stage's other ranks (the same names, dtypes and shapes)."""
@@ -134,7 +149,7 @@ def _write(out: Path, manifest: Manifest, layouts: Iterator[list[PartFile]], eng
     try:
         with ThreadPoolExecutor(max(1, workers)) as pool:
             for layout in layouts:
-                files += _write_rank(source, layout, staging, pool, shared)
+                files += _write_rank(source, layout, staging, pool, shared, on_bytes)
                 del layout  # or it would live on (every engine tensor of the rank) while the next is laid out
     finally:
         source.close()
@@ -160,11 +175,13 @@ def _write(out: Path, manifest: Manifest, layouts: Iterator[list[PartFile]], eng
     return result
 
 
-def _write_rank(source: _Source, layout: list[PartFile], staging: Path, pool: ThreadPoolExecutor, shared: dict) -> list[ExportFile]:
+def _write_rank(
+    source: _Source, layout: list[PartFile], staging: Path, pool: ThreadPoolExecutor, shared: dict, on_bytes=None
+) -> list[ExportFile]:  # fmt: skip
     """The files of one rank written (_copy_all), and their manifest records. A record's tensors
     are the tuple of the same part of the stage's first rank (`shared`) where they are equal."""
     topo = source.plan.topology
-    digests, headers = _copy_all(source, layout, staging, pool)
+    digests, headers = _copy_all(source, layout, staging, pool, on_bytes)
     files = []
     for p, (f, found) in enumerate(zip(layout, digests)):
         tensors = tuple(ExportTensor(name=t.name, dtype=t.dtype, shape=t.shape, value=t.value) for t in f.tensors)
@@ -180,9 +197,11 @@ def _write_rank(source: _Source, layout: list[PartFile], staging: Path, pool: Th
     return files
 
 
-def _copy_all(source: _Source, layout: list[PartFile], staging: Path, pool: ThreadPoolExecutor) -> tuple[list[list[bytes]], dict[str, bytes]]:
+def _copy_all(
+    source: _Source, layout: list[PartFile], staging: Path, pool: ThreadPoolExecutor, on_bytes: Callable[[int], None] | None = None
+) -> tuple[list[list[bytes]], dict[str, bytes]]:  # fmt: skip
     """The files of one rank (`layout`) written into `staging` and fsynced: each file's tensor
-    digests, in data order, and its header."""
+    digests, in data order, and its header; `on_bytes` hears each task's bytes once written."""
     algorithm = source.plan.options.checksum
     fds: dict[str, int] = {}
     headers: dict[str, bytes] = {}
@@ -201,6 +220,8 @@ def _copy_all(source: _Source, layout: list[PartFile], staging: Path, pool: Thre
         for task, got in zip(tasks, pool.map(lambda task: _copy_task(task, jobs, sizes, source, algorithm), tasks)):
             for i, digest in zip(task, got):
                 digests[i] = digest
+            if on_bytes is not None:
+                on_bytes(sum(sizes[i] for i in task))
         list(pool.map(os.fsync, fds.values()))
     finally:
         for fd in fds.values():
