@@ -182,6 +182,8 @@ def _moe_mla_info(config: dict) -> dict:
             qk_rope_head_dim=int(g("qk_rope_head_dim")),
             v_head_dim=int(g("v_head_dim")),
         )
+    if experts and str((config.get("quantization_config") or {}).get("quant_method", "")).lower() == "mxfp4":
+        info.update(expert_block=32)  # gpt-oss MXFP4: the fused experts in 32-value blocks
     if experts or g("kv_lora_rank"):  # DeepSeek's and GLM's MTP layers, stored as layers num_hidden_layers, ...
         info.update(num_nextn_predict_layers=int(g("num_nextn_predict_layers") or 0))
     return info

@@ -52,13 +52,19 @@ RULES = VOCAB + NORMS + QKV_ATTENTION + (
 )  # fmt: skip
 
 EXPERT_PARAMS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+MXFP4_PARAMS = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias", "down_proj_blocks", "down_proj_scales", "down_proj_bias")
 
 FUSED = FusedExperts(
     params={
-        "gate_up_proj": FusedParam("w13", "interleaved", 2, per_i=2, shape="e_h_2i"),
+        "gate_up_proj": FusedParam("w13", "interleaved", 2, per_i=2, shape="e_h_2i", blocks=False),
         "gate_up_proj_bias": FusedParam("w13_bias", "interleaved", 1, per_i=2, shape="e_2i"),
-        "down_proj": FusedParam("w2", "single", 1, shape="e_i_h"),
+        "down_proj": FusedParam("w2", "single", 1, shape="e_i_h", blocks=False),
         "down_proj_bias": FusedParam("w2_bias", "whole", None, shape="e_h"),
+        # MXFP4: stored transposed ([E, out, in]), so gate/up rows on dim 1 and down's blocks on dim 2
+        "gate_up_proj_blocks": FusedParam("w13", "interleaved", 1, per_i=2, shape="e_2i_hb_16", blocks=True),
+        "gate_up_proj_scales": FusedParam("w13", "interleaved", 1, per_i=2, shape="e_2i_hb", blocks=True),
+        "down_proj_blocks": FusedParam("w2", "single", 2, shape="e_h_ib_16", block=32, blocks=True),
+        "down_proj_scales": FusedParam("w2", "single", 2, shape="e_h_ib", block=32, blocks=True),
     },
     ep_loads=False,
     ep_refusal=(
@@ -83,7 +89,7 @@ def expected(model: ModelInfo, config: dict):
 
     def mlp(p: str, i: int):
         yield from (f"{p}.mlp.router.weight", f"{p}.mlp.router.bias")
-        yield from (f"{p}.mlp.experts.{n}" for n in EXPERT_PARAMS)
+        yield from (f"{p}.mlp.experts.{n}" for n in (MXFP4_PARAMS if model.expert_block else EXPERT_PARAMS))
 
     return decoder_tensors(model, config, attention, mlp)
 

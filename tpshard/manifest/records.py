@@ -80,6 +80,9 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     num_nextn_predict_layers: int = 0  # DeepSeek MTP layers, stored as layers num_layers, num_layers + 1, ...
+    # Routed experts stored in blocks of this many intermediate values (gpt-oss MXFP4: 32), cut in
+    # whole blocks, ceil(blocks / moe_tp) per rank; 0: not block-quantized.
+    expert_block: int = 0
 
 
 class Options(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

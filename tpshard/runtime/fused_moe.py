@@ -32,13 +32,16 @@ PARAMS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 class InterleavedExperts(nn.Module):
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, *, group: LogicalGroup,
-        alpha: float, limit: float, dtype: torch.dtype, name: str = "",
+        alpha: float, limit: float, dtype: torch.dtype, name: str = "", per_rank: int | None = None,
     ):  # fmt: skip
+        """per_rank: the intermediate elements a rank holds, padding included (MXFP4's whole
+        32-blocks, ceil(blocks / moe_tp) a rank); default I / moe_tp."""
         super().__init__()
         self.name, self.group = name or "InterleavedExperts", group
         self.num_experts, self.hidden_size, self.alpha, self.limit = num_experts, hidden_size, alpha, limit
         self.moe_tp_size, self.moe_tp_rank = group.size, group.rank
-        self.intermediate_per_rank = i_p = divide(intermediate_size, group.size, f"{self.name}: expert intermediate size over MoE-TP")
+        i_p = per_rank or divide(intermediate_size, group.size, f"{self.name}: expert intermediate size over MoE-TP")
+        self.intermediate_per_rank = i_p
         e, h = num_experts, hidden_size
         self.shapes = {"gate_up_proj": (e, h, 2 * i_p), "gate_up_proj_bias": (e, 2 * i_p), "down_proj": (e, i_p, h), "down_proj_bias": (e, h)}
         # Zeros, not empty: a parameter never loaded must not look like plausible weights.
@@ -81,6 +84,19 @@ class InterleavedExperts(nn.Module):
             if tok.numel():
                 out.index_add_(0, tok, self.expert(e, x[tok]) * topk_weights[tok, pick, None].to(x.dtype))
         return self.group.all_reduce(out) if self.reduce_results else out
+
+
+# The E2M1 values of the 16 FP4 codes (OCP MX spec), sign in bit 3.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 blocks [..., G, 16] uint8 (two codes a byte, the low nibble the even element) and E8M0
+    scales [..., G] (2^(s - 127)) -> float32 [..., G * 32]: the checkpoint's [E, out, in] layout."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    b = blocks.to(torch.int64)
+    vals = torch.stack((lut[b & 0x0F], lut[b >> 4]), dim=-1).flatten(-2)  # [..., G, 32]
+    return torch.ldexp(vals, (scales.to(torch.int32) - 127).unsqueeze(-1)).flatten(-2)
 
 
 def swiglu(gu: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
