@@ -19,11 +19,14 @@ What a rank holds is what SGLang 0.5.23's GptOssForCausalLM builds for it:
   dim 1; `down_proj_bias` [E, H] kept whole, as tpshard keeps every row-parallel bias (the
   runtime adds it once; SGLang zeroes it on moe_tp ranks != 0 after loading, a choice of its
   kernel, not of the checkpoint). FusedMoE asserts I % moe_tp == 0.
-- Expert parallelism: refused for these bf16 fused experts. The fused loader copies the whole
-  [E, ...] tensor into each rank's [E / ep, ...] parameter (no expert map; fused_moe_triton
-  layer.py); only the MXFP4 loader (_load_mxfp4_experts_weights) slices experts by EP rank, and
-  MXFP4 checkpoints (quant_method mxfp4) are not split by tpshard yet (refused with the other
-  unsupported quant_methods).
+- MXFP4 (quant_method mxfp4, _load_mxfp4_experts_weights): `*_blocks` [E, out, in/32, 16] and
+  `*_scales` [E, out, in/32], stored transposed (gate/up rows interleaved on dim 1, down's blocks on
+  dim 2), replace gate_up_proj / down_proj; the intermediate axis is cut in whole 32-blocks,
+  ceil(I/32 / moe_tp) a rank and the last rank short (`end = min(.., I)`), the gate/up bias alike,
+  the down bias whole. A rank left empty is refused; SGLang asserts I % 32 == 0.
+- Expert parallelism: refused. The bf16 fused loader copies the whole [E, ...] tensor into each
+  rank's [E / ep, ...] parameter (no expert map; fused_moe_triton layer.py); the MXFP4 loader slices
+  experts by EP rank and moe_tp at once, a cut on two dims that tpshard's manifest does not hold.
 - No tp > experts check in this class (unlike GLM); no MTP layer (the NextN path only logs).
 - Router (transformers GptOssTopKRouter): logits = x W^T + b, top-k of the logits, softmax over
   the k: the same as a softmax over all experts renormalised over the k picked.
