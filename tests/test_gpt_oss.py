@@ -267,7 +267,7 @@ def test_mxfp4_per_rank_as_sglang_loads(gpt_oss_mxfp4, tmp_path):
     "args, message",
     [
         (("--tp", "4"), "3 MXFP4 blocks of the expert intermediate size over moe_tp 4: 1 per rank leaves moe_tp rank 3 none"),
-        (("--tp", "2", "--ep", "2"), "which SGLang's MXFP4 loader cuts on two dims"),
+        (("--tp", "4", "--ep", "2"), "which the engine's loader cuts on two dims at ep < tp"),
     ],
     ids=["empty-rank", "ep"],
 )
@@ -301,3 +301,29 @@ def test_mxfp4_breakages_seen(gpt_oss_mxfp4, tmp_path):
     assert failed == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}, failed
     p = tpshard_cli("verify", out, "--source", gpt_oss_mxfp4, "--model")
     assert p.returncode == 2 and "not MXFP4 experts" in p.stderr
+
+
+def test_mxfp4_expert_parallel(gpt_oss_mxfp4, tmp_path):
+    """--tp 2 --ep 2 (moe_tp 1): each rank holds its EP slot's 4 experts of every fused tensor, the
+    whole intermediate size, the down bias sliced too (SGLang's _load_mxfp4_experts_weights slices
+    [ep_rank * E/ep, +E/ep) of each). A round-robin placement (experts 0, 2, 4, 6 on rank 0) is seen
+    by check --source and by verify."""
+    out = tmp_path / "out"
+    tpshard.split(gpt_oss_mxfp4, out, Topology(tp=2, ep=2))
+    assert tpshard.check(out, gpt_oss_mxfp4).ok
+    full = source_tensors(gpt_oss_mxfp4)
+    x = EXPERTS.format(i=0)
+    params = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias", "down_proj_blocks", "down_proj_scales", "down_proj_bias")
+    for r in range(2):
+        held = tpshard.open_rank(out, r)
+        for p in params:
+            assert torch.equal(held[x + p], full[x + p][4 * r : 4 * r + 4]), (r, p)
+    for r in range(2):  # round-robin: rank r holds experts r, r + 2, r + 4, r + 6
+        for p in params:
+            overwrite_tensor(out, r, x + p, full[x + p][r::2].contiguous())
+    rewrite_checksums(out)
+    found = " ".join(p.message for p in tpshard.check(out, gpt_oss_mxfp4).problems)
+    assert all(x + p in found for p in params), found
+    (report,) = verify_many([out], [gpt_oss_mxfp4])
+    failed = {r.layer: " ".join(r.problems) for r in report.layers if r.problems}
+    assert set(failed) == {"model.layers.0.mlp.experts"} and "expert 1 on MoE-TP rank 0/1 differs (it holds expert 2)" in failed[x[:-1]], failed

@@ -58,5 +58,7 @@ FUSED_SHAPES = {
 
 class FusedExperts(NamedTuple):
     params: dict[str, FusedParam]
-    ep_loads: bool = False  # the engine's loader slices the experts axis by EP slot (False: --ep > 1 refused)
+    # Which checkpoints the engine's loader slices by EP slot on the experts axis: "never" (--ep > 1
+    # refused with `ep_refusal`), "blocks" (block-quantized ones only: gpt-oss MXFP4), "always".
+    ep_loads: Literal["never", "blocks", "always"] = "never"
     ep_refusal: str = ""  # why not, for the refusal

@@ -24,9 +24,11 @@ What a rank holds is what SGLang 0.5.23's GptOssForCausalLM builds for it:
   dim 2), replace gate_up_proj / down_proj; the intermediate axis is cut in whole 32-blocks,
   ceil(I/32 / moe_tp) a rank and the last rank short (`end = min(.., I)`), the gate/up bias alike,
   the down bias whole. A rank left empty is refused; SGLang asserts I % 32 == 0.
-- Expert parallelism: refused. The bf16 fused loader copies the whole [E, ...] tensor into each
-  rank's [E / ep, ...] parameter (no expert map; fused_moe_triton layer.py); the MXFP4 loader slices
-  experts by EP rank and moe_tp at once, a cut on two dims that tpshard's manifest does not hold.
+- Expert parallelism: bf16 refused. The bf16 fused loader copies the whole [E, ...] tensor into each
+  rank's [E / ep, ...] parameter (no expert map; fused_moe_triton layer.py). The MXFP4 loader
+  slices experts by EP rank (`[ep_rank * E/ep, +E/ep)`, the down bias too) and moe_tp at once:
+  tpshard writes --ep == --tp (moe_tp 1: every fused tensor cut on dim 0, one EP slot's experts a
+  rank, the whole intermediate size) and refuses ep < tp (a cut on two dims the manifest does not hold).
 - No tp > experts check in this class (unlike GLM); no MTP layer (the NextN path only logs).
 - Router (transformers GptOssTopKRouter): logits = x W^T + b, top-k of the logits, softmax over
   the k: the same as a softmax over all experts renormalised over the k picked.
@@ -69,7 +71,7 @@ FUSED = FusedExperts(
         "down_proj_blocks": FusedParam("w2", "single", 2, shape="e_h_ib_16", block=32, blocks=True),
         "down_proj_scales": FusedParam("w2", "single", 2, shape="e_h_ib", block=32, blocks=True),
     },
-    ep_loads=False,
+    ep_loads="blocks",
     ep_refusal=(
         "SGLang's fused expert loader (weight_loader_fused, models/gpt_oss.py) copies all experts of a bf16"
         " gpt-oss checkpoint into every EP rank, so it cannot load --ep > 1; split with --ep 1"

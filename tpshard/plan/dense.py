@@ -57,7 +57,8 @@ def group_of(rule: Rule, ctx: Layout) -> GroupName:
         case "dense_mlp":
             return "replicated" if ctx.topology.dense_tp == 1 else "tp"
         case "expert":
-            return "moe_tp"
+            # Fused [E, ...] tensors under EP (moe_tp 1): cut on the experts axis, one slot a tp rank.
+            return "tp" if rule.layer_class == "FusedExperts" and ctx.topology.ep > 1 else "moe_tp"
         case "mlp" | "shared_expert":
             return "tp"
     return "replicated"

@@ -30,18 +30,21 @@ def fused_cut(name: str, shape: tuple[int, ...], param: str, arch: Arch, model: 
     if spec.blocks is not None and spec.blocks != bool(b):
         kind = "a block-quantized (MXFP4)" if spec.blocks else "an unquantized"
         raise PlanError(f"{name}: {kind} expert tensor, but config.json's quantization_config says the experts are {'MXFP4' if b else 'unquantized'}")
-    if topology.ep > 1 and b:
-        raise PlanError(
-            f"--ep {topology.ep}: {name} holds every expert in one tensor, which SGLang's MXFP4 loader cuts on two dims"
-            " (the EP slot's experts and the moe_tp slice); tpshard writes one-dim cuts only: split with --ep 1"
-        )
-    if topology.ep > 1 and not fused.ep_loads:
+    if topology.ep > 1 and (fused.ep_loads == "never" or (fused.ep_loads == "blocks" and not b)):
         raise PlanError(f"--ep {topology.ep}: {name} holds every expert in one tensor; {fused.ep_refusal}")
+    if topology.ep > 1 and topology.moe_tp > 1:
+        raise PlanError(
+            f"--ep {topology.ep} --tp {topology.tp}: {name} holds every expert in one tensor, which the engine's loader"
+            f" cuts on two dims at ep < tp (the EP slot's experts and the moe_tp slice); tpshard writes one-dim cuts:"
+            f" split with --ep {topology.tp} (or --ep 1)"
+        )
     e, h, i = model.num_experts, model.hidden_size, model.moe_intermediate_size
     want = FUSED_SHAPES[spec.shape](e, h, i)
     if tuple(shape) != want:
         raise PlanError(f"{name}: shape {list(shape)} on disk, but config.json implies {list(want)} ([E, ...] of {e} experts)")
     g = topology.moe_tp
+    if topology.ep > 1:  # moe_tp 1: each rank its EP slot's block of experts, every parameter whole inside it
+        return Cutting("column", 0, 1, topology.ep, even_cuts(e, topology.ep, e // topology.ep))
     if spec.layout == "whole":  # a row-parallel bias: whole, added once after the reduction
         return Cutting("row_bias", None, g, 1, [Cut(0, 0, shape[0], 0, 0)])
     if spec.layout == "segmented":

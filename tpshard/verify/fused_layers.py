@@ -67,7 +67,7 @@ def build(lay, plan: Plan, rank: int, tensors, *, dtype: torch.dtype, device: to
     per = per_rank(plan)
     module = InterleavedExperts(
         m.num_experts, m.hidden_size, m.moe_intermediate_size, group=group, alpha=alpha, limit=limit, dtype=dtype,
-        name=lay.layer, per_rank=per[1] if m.expert_block else None,
+        name=lay.layer, per_rank=per[1] if m.expert_block else None, ep_size=topo.ep,
     ).to(device)  # fmt: skip
     built = Built(lay, module, group)
     held = {_param(s): tensors[s.name] for s in lay.specs if rank in s.ranks}
@@ -122,7 +122,7 @@ def rank_outputs(built: Built, x: torch.Tensor, lay, plan: Plan, *, seed: int, t
             return {} if module.sinks is None else {"": (built.group.rank, module.sinks.double().cpu())}
         x, ids, w = (t.to(x.device) for t in experts_inputs(lay, plan, seed=seed, tokens=tokens, dtype=x.dtype))
         out = module(x, ids, w)
-        partial = torch.stack([module.expert(e, x, bias=False) for e in range(module.num_experts)])  # [E, T, H]
+        partial = torch.stack([module.expert(e, x, bias=False) for e in range(module.num_local_experts)])  # [E / ep, T, H]
     return {"": (built.group.rank, out.double().cpu()), "partial": (built.group.rank, partial.double().cpu())}
 
 
@@ -204,18 +204,21 @@ def _compare_experts(lay, plan, sent, src, *, seed, tokens, dtype, tol, findings
         max_abs = max(max_abs, err)
         if err / scale > tol:
             findings["routed output differs from the source's"].append(rank)
-    moe_tp = plan.topology.moe_tp
+    moe_tp, local = plan.topology.moe_tp, e_total // plan.topology.ep
     ranges = [slice(r.start, r.stop) for r in per_rank(plan)[0]]
     for rank, msg in sent.items():
         if "partial" not in msg["outputs"]:
             continue
-        m, partial = msg["outputs"]["partial"]
-        for e in range(e_total):
+        tp_rank, partial = msg["outputs"]["partial"]
+        m, start = tp_rank % moe_tp, tp_rank // moe_tp * local  # the MoE-TP rank and first expert of its EP slot
+        for j in range(partial.shape[0]):
+            e = start + j
             want = _expert(w, e, x, ranges[m], alpha, limit, False)
-            err = (partial[e] - want).abs().max().item() / scale
+            err = (partial[j] - want).abs().max().item() / scale
             if err <= tol:
                 continue
-            others = [k for k in range(moe_tp) if k != m and (partial[e] - _expert(w, e, x, ranges[k], alpha, limit, False)).abs().max().item() / scale <= tol]
-            what = f"it holds MoE-TP rank {others[0]}'s slice" if others else f"rel error {err:.3g}"
+            others = [k for k in range(moe_tp) if k != m and (partial[j] - _expert(w, e, x, ranges[k], alpha, limit, False)).abs().max().item() / scale <= tol]
+            other = [k for k in range(e_total) if k != e and (partial[j] - _expert(w, k, x, ranges[m], alpha, limit, False)).abs().max().item() / scale <= tol]
+            what = f"it holds MoE-TP rank {others[0]}'s slice" if others else f"it holds expert {other[0]}" if other else f"rel error {err:.3g}"
             findings[f"expert {e} on MoE-TP rank {m}/{moe_tp} differs ({what})"].append(rank)
     return max_abs, scale
