@@ -34,7 +34,7 @@ from tpshard.check.report import CheckReport
 from tpshard.check.rules import check_copies_against_source, check_source_sizes
 from tpshard.digest import file_digest, range_digests, sha256_file
 from tpshard.errors import TpshardError
-from tpshard.export.layout import PART_GLOBS, PartFile, config_tied, constant_bytes, parse_part_name, partition_env, rank_layouts, stage_problems
+from tpshard.export.layout import PART_GLOBS, EngineTensor, PartFile, config_tied, constant_bytes, parse_part_name, partition_env, rank_layouts, stage_problems
 from tpshard.export.manifest import ExportFile, ExportManifest, ExportTensor, read_export_manifest
 from tpshard.manifest import FILE_METADATA, Plan, differing
 from tpshard.safetensors_format import build_header, header_layout, nbytes_of
@@ -206,7 +206,7 @@ def _check_files(folder: Path, m: ExportManifest, report: CheckReport, workers: 
             for t, offset, n in zip(f.tensors, offsets, sizes):
                 if t.value is not None:
                     fh.seek(offset)
-                    if fh.read(n) != constant_bytes(t.dtype, t.value):
+                    if fh.read(n) != constant_bytes(t.dtype, t.value, t.shape):
                         found.append(("checksum", f"{f.name}: {t.name} does not hold the constant {t.value}"))
         if file_digest(header, digests) != f.checksum:
             found.append(("checksum", f"{f.name}: file checksum differs from the manifest"))
@@ -259,6 +259,65 @@ def _check_against_source(folder: Path, m: ExportManifest, ckpt: Checkpoint, rep
     if report.found != before:  # the rules refuse: nothing to reassemble
         return
     reassemble(ckpt, plan, located.names, located.places(), report, workers, reader)
+    _check_transformed(ckpt, plan, located.transformed, report, reader)
+
+
+def _check_transformed(ckpt: Checkpoint, plan: Plan, tensors: list, report: CheckReport, reader) -> None:
+    """The quantized parameters that are not their shards' bytes back to back (fused along dim 1,
+    cast: tpshard.export.quant), each slot cut from its source tensor as the rules place it and
+    compared with the slot as read back out of the file; a slot holding another rank's shard, or
+    another slot's, is named as such. Each source tensor proven in every place is counted."""
+    import numpy as np
+
+    from tpshard.export.quant import split_back
+    from tpshard.pieces import read_into, shard_bytes
+
+    cache: dict[str, np.ndarray] = {}
+
+    def source_bytes(name: str) -> np.ndarray:
+        if name not in cache:
+            info = ckpt.tensors[name]
+            if reader is not None:
+                with reader.tensor(name, info) as (_, _, data):
+                    cache[name] = np.array(data, np.uint8)
+            else:
+                fd = os.open(ckpt.path / info.file, os.O_RDONLY)
+                try:
+                    cache[name] = read_into(fd, np.empty(info.nbytes, np.uint8), info.begin, info.nbytes).copy()
+                finally:
+                    os.close(fd)
+        return cache[name]
+
+    def cut_of(part, cut) -> np.ndarray:
+        name = part.tensor.source or part.tensor.name
+        return shard_bytes(source_bytes(name), ckpt.tensors[name].shape, part.tensor.dim, cut)
+
+    seen, bad = set(), set()
+    for file_name, path, t, at in tensors:
+        with open(path, "rb") as fh:
+            fh.seek(at)
+            data = np.frombuffer(fh.read(t.nbytes), np.uint8)
+        names = [p.tensor.source or p.tensor.name for p in t.parts]
+        seen.update(names)
+        if len(data) != t.nbytes:
+            report.add("files", f"{file_name}: {t.name} ends early")
+            bad.update(names)
+            continue
+        held = split_back(data, [p.shape for p in t.parts], [p.nbytes for p in t.parts], t.parts[0].dtype, t.dtype, t.axis)
+        want = [cut_of(p, p.cut) for p in t.parts]
+        for i, (part, h, w) in enumerate(zip(t.parts, held, want)):
+            if np.array_equal(h, w):
+                continue
+            bad.add(names[i])
+            what = f"{file_name}: {t.name} slot {i} ({part.name}, group rank {part.group_rank}) differs from the source"
+            other = [c for c in part.tensor.cuts if c is not part.cut and np.array_equal(h, cut_of(part, c))]
+            slot = [j for j, w2 in enumerate(want) if j != i and np.array_equal(h, w2)]
+            if other:
+                what += f": it holds the shard of rank(s) {list(plan.files[other[0].file].ranks)} (group rank {other[0].group_rank})"
+            elif slot:
+                what += f": it holds slot {slot[0]} ({t.parts[slot[0]].name}): slots out of order"
+            report.add("reassembly", what)
+    report.tensors_reassembled += len(seen - bad)
 
 
 class _Located:
@@ -275,6 +334,7 @@ class _Located:
         # per place, in the order added: its source tensor, the shard's tpshard file and its index
         # there, the export file, the data offset
         self.source, self.held, self.index, self.file, self.offset = array("I"), array("I"), array("I"), array("I"), array("Q")
+        self.transformed: list[tuple[str, Path, EngineTensor, int]] = []  # (file name, path, tensor, data offset)
 
     def add(self, f: PartFile, path: Path) -> None:
         """The places of the shards of the rules' file `f`, written at `path`."""
@@ -282,6 +342,9 @@ class _Located:
         k = len(self.files)
         self.files.append((path, f" [{f.name}]"))
         for t, at in zip(f.tensors, offsets):
+            if t.transformed:  # not the shards' bytes back to back: compared by _check_transformed
+                self.transformed.append((f.name, path, t, at))
+                continue
             for part in t.parts:
                 self.source.append(self.position[part.tensor.source or part.tensor.name])
                 self.held.append(part.cut.file)

@@ -34,7 +34,8 @@ class ExportTensor(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     name: str  # engine key
     dtype: str  # a safetensors dtype (_tensors_problem)
     shape: tuple[Count, ...]
-    value: float | None = None  # a constant buffer's content (vLLM attention scales), F32 or F64
+    # A constant's content (vLLM attention scales; CT weight_shape): one value filling the shape, or every value.
+    value: float | tuple[float, ...] | None = None
 
 
 class ExportFile(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -137,14 +138,19 @@ def read_export_manifest(folder: str | Path) -> ExportManifest:
 
 def _tensors_problem(i: int, tensors: tuple[ExportTensor, ...]) -> str | None:
     """The first tensor of files[i] whose dtype is not one safetensors has, or whose constant is
-    not of a float dtype tpshard writes constants in (layout.constant_bytes)."""
+    not one tpshard writes (layout.constant_bytes)."""
     from tpshard.safetensors_format import DTYPE_SIZE
 
     for j, t in enumerate(tensors):
         if t.dtype not in DTYPE_SIZE:
             return f"files[{i}].tensors[{j}] ({t.name}).dtype: {t.dtype!r} is not a safetensors dtype"
-        if t.value is not None and t.dtype not in ("F32", "F64"):
-            return f"files[{i}].tensors[{j}] ({t.name}).value: a constant of dtype {t.dtype}, not F32 or F64"
+        if t.value is not None:
+            from tpshard.export.layout import constant_bytes
+
+            try:
+                constant_bytes(t.dtype, t.value, t.shape)
+            except (ValueError, KeyError, OverflowError):
+                return f"files[{i}].tensors[{j}] ({t.name}).value: {t.value!r} is not a constant tpshard writes as {t.dtype} {list(t.shape)}"
     return None
 
 

@@ -227,7 +227,7 @@ def _tasks(jobs: list[tuple[EngineTensor, int, int]], sizes: list[int]) -> list[
 def _copy_task(task: list[int], jobs: list[tuple[EngineTensor, int, int]], sizes: list[int], source: _Source, algorithm: str) -> list[bytes]:
     """Write the tensors of one task (_tasks); returns their digests."""
     first, fd, begin = jobs[task[0]]
-    if sizes[task[0]] >= SMALL_BYTES and first.value is None:  # a constant is written from memory
+    if sizes[task[0]] >= SMALL_BYTES and first.value is None and not first.transformed:  # a constant or a cast is made in memory
         return [_copy(jobs[task[0]], source, algorithm)]
     end = jobs[task[-1]][2] + sizes[task[-1]]
     buf = scratch("export-run", end - begin)
@@ -259,9 +259,11 @@ def _copy(job: tuple[EngineTensor, int, int], source: _Source, algorithm: str) -
 def _gather(tensor: EngineTensor, into: np.ndarray, source: _Source, algorithm: str) -> bytes:
     """Put one small engine tensor's bytes into `into`; returns its digest (_digest)."""
     if tensor.value is not None:
-        data = constant_bytes(tensor.dtype, tensor.value)
+        data = constant_bytes(tensor.dtype, tensor.value, tensor.shape)
         into[:] = np.frombuffer(data, np.uint8)
         return tensor_digest(algorithm, data)
+    if tensor.transformed:
+        return _transform(tensor, into, source, algorithm)
     at = 0
     for part in tensor.parts:
         src, src_offset = source.at(part)
@@ -271,6 +273,24 @@ def _gather(tensor: EngineTensor, into: np.ndarray, source: _Source, algorithm: 
     if algorithm != "crc32" and len(tensor.parts) > 1:
         return tensor_digest(algorithm, into)
     return _digest(tensor, source, algorithm)
+
+
+def _transform(tensor: EngineTensor, into: np.ndarray, source: _Source, algorithm: str) -> bytes:
+    """A quantized parameter whose bytes are not its shards' back to back (fused along dim 1, or
+    cast: tpshard.export.quant.assemble). Each shard is read whole and proven against its digest
+    in the tpshard manifest first, so that a shard damaged on disk is refused here instead of
+    exported under a digest of its damaged bytes; the result is hashed as written."""
+    from tpshard.export.quant import assemble
+
+    pieces = []
+    for part in tensor.parts:
+        src, src_offset = source.at(part)
+        data = _read(src, np.empty(part.nbytes, np.uint8), src_offset, part.nbytes)
+        if tensor_digest(algorithm, data) != source.digest(part):
+            raise OutputError(f"{part.name}: a shard in the tpshard output differs from its {algorithm} in the manifest; run tpshard check on it")
+        pieces.append((data, part.shape))
+    into[:] = assemble(pieces, tensor.parts[0].dtype, tensor.dtype, tensor.axis)
+    return tensor_digest(algorithm, into)
 
 
 def _digest(tensor: EngineTensor, source: _Source, algorithm: str) -> bytes:
