@@ -58,7 +58,7 @@ _CT_ATTN = tuple(AttnParam(n + "_scale", "F32", (1,), 1.0) for n in "kqv") + tup
 
 METHODS: dict[str, Method] = {
     # fp8.py Fp8LinearMethod.create_weights: weight [N_r, K_r] F8, weight_scale_inv [ceil(N_r/bn), ceil(K_r/bk)] F32
-    "fp8_block": Method("Fp8LinearMethod (block)", {"weight": Param("weight"), "weight_scale_inv": Param("weight_scale_inv")}, _FP8_ATTN),
+    "fp8_block": Method("Fp8LinearMethod (block)", {"weight": Param("weight"), "weight_scale_inv": Param("weight_scale_inv", dtype="F32")}, _FP8_ATTN),
     # the same, per tensor: weight_scale / input_scale are PerTensorScaleParameter [len(output_partition_sizes)] F32
     "fp8_tensor": Method("Fp8LinearMethod (per-tensor)", {
         "weight": Param("weight"), "weight_scale": Param("weight_scale", dtype="F32", slots=True),

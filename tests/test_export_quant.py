@@ -1,0 +1,273 @@
+"""Issue 27: quantized checkpoints exported for vLLM 0.33.0's sharded_state loader, in the layout its
+quant methods' create_weights build per rank (docs/deploy.md, "Quantized checkpoints").
+
+The expected files are built here from the checkpoint with torch alone, from vLLM's per-format
+parameter table (names, dtypes, which dim is N and which K, fused along which dim, per-slot
+scales, the attention parameters each method adds), not from tpshard's code; then `check --source`
+must prove the export and catch it broken on purpose: two ranks swapped, a scale of another rank,
+two slots out of order.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import tpshard
+from tpshard.check import check
+from tpshard.export import ExportError, export, split_and_export
+
+sys.path.insert(0, str(Path(__file__).parent))
+from quant_fixtures import DEFAULT_SPECS, TinyLlama, write_quant_checkpoint  # noqa: E402
+from test_export import rewrite_export_checksums  # noqa: E402
+
+TP = 2
+SHAPES = {"fp8_block": TinyLlama(kv_heads=4)}  # FP8 blocks of 128 rows: k/v of 2 x 64 would not cut at tp 2
+
+# format -> {checkpoint suffix: (vLLM suffix, vLLM dtype or None = the checkpoint's, N dim, K dim)};
+# N dim None: a per-tensor scale (one slot per fused matrix); K dim None: not cut by a row split.
+# Fused matrices are concatenated along the N dim (AWQ's tensors are [K, N]: side by side).
+TABLE = {
+    "fp8_block": {"weight": ("weight", None, 0, 1), "weight_scale_inv": ("weight_scale_inv", "F32", 0, 1)},
+    "fp8_tensor": {"weight": ("weight", None, 0, 1), "weight_scale": ("weight_scale", "F32", None, None), "input_scale": ("input_scale", "F32", None, None)},
+    "ct_w4a16": {"weight_packed": ("weight_packed", None, 0, 1), "weight_scale": ("weight_scale", None, 0, 1)},
+    "ct_fp8_dynamic": {"weight": ("weight", None, 0, 1), "weight_scale": ("weight_scale", "F32", 0, None)},
+    "ct_nvfp4": {
+        "weight_packed": ("weight_packed", None, 0, 1), "weight_scale": ("weight_scale", None, 0, 1),
+        "weight_global_scale": ("weight_global_scale", "F32", None, None), "input_global_scale": ("input_global_scale", "F32", None, None),
+    },
+    "awq": {"qweight": ("qweight", None, 1, 0), "qzeros": ("qzeros", None, 1, 0), "scales": ("scales", None, 1, 0)},
+}  # fmt: skip
+FP8_ATTN = {n: ("BF16", (), -1.0) for n in ("k_scale", "v_scale", "q_scale", "prob_scale")}  # kv_cache.py
+CT_ATTN = {**{f"{n}_scale": ("F32", (1,), 1.0) for n in "kqv"}, **{f"{n}_zero_point": ("BF16", (1,), 0.0) for n in "kqv"}}
+ATTENTION = {"fp8_block": FP8_ATTN, "fp8_tensor": FP8_ATTN, "ct_w4a16": CT_ATTN, "ct_fp8_dynamic": CT_ATTN, "ct_nvfp4": CT_ATTN, "awq": {}}
+DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
+TORCH = {v: k for k, v in DTYPES.items()}
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+ROW_PARALLEL = {"o_proj", "down_proj"}
+
+
+def source_tensors(src: Path) -> dict[str, torch.Tensor]:
+    with safe_open(src / "model.safetensors", "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def rank_slice(t: torch.Tensor, dim: int | None, rank: int) -> torch.Tensor:
+    return t if dim is None else torch.chunk(t, TP, dim=dim)[rank]
+
+
+def expected_rank(fmt: str, src: dict[str, torch.Tensor], shape: TinyLlama, rank: int) -> dict[str, torch.Tensor]:
+    """vLLM's create_weights state of one rank, from the checkpoint and the table above."""
+    model_dtype = src["model.embed_tokens.weight"].dtype
+    out: dict[str, torch.Tensor] = {}
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        padded = torch.zeros(-(-shape.vocab // 64) * 64, shape.hidden, dtype=model_dtype)
+        padded[: shape.vocab] = src[name]
+        out[name] = rank_slice(padded, 0, rank)
+    out["model.norm.weight"] = src["model.norm.weight"]
+    for layer in range(shape.layers):
+        p = f"model.layers.{layer}"
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{p}.{norm}.weight"] = src[f"{p}.{norm}.weight"]
+        for b in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale"):
+            out[f"{p}.self_attn.attn.{b}"] = torch.tensor(1.0)
+        for n, (dtype, dims, value) in ATTENTION[fmt].items():
+            out[f"{p}.self_attn.attn.{n}"] = torch.full(dims, value, dtype=TORCH[dtype])
+        for fused, members in FUSED.items():
+            block = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
+            for suffix, (vname, vdtype, n_dim, k_dim) in TABLE[fmt].items():
+                parts = []
+                for m in members:
+                    t = src[f"{p}.{block}.{m}.{suffix}"]
+                    parts.append(rank_slice(t, k_dim if fused in ROW_PARALLEL else n_dim, rank).reshape(-1) if n_dim is None else
+                                 rank_slice(t, k_dim if fused in ROW_PARALLEL else n_dim, rank))  # fmt: skip
+                t = torch.cat(parts, dim=n_dim or 0)
+                out[f"{p}.{block}.{fused}.{vname}"] = t.to(TORCH[vdtype]) if vdtype else t
+            if fmt == "ct_w4a16":  # the source's unsliced [N, K] of the last matrix vLLM's loader copies in
+                out[f"{p}.{block}.{fused}.weight_shape"] = src[f"{p}.{block}.{members[-1]}.weight_shape"]
+    return out
+
+
+def read_rank(dest: Path, rank: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in sorted(dest.glob(f"model-rank-{rank}-part-*.safetensors")):
+        with safe_open(path, "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """fmt -> (checkpoint, its vLLM export at tp 2)."""
+    root = tmp_path_factory.mktemp("quant")
+    made = {}
+    for fmt in TABLE:
+        src = root / fmt
+        write_quant_checkpoint(src, DEFAULT_SPECS[fmt], shape=SHAPES.get(fmt, TinyLlama()))
+        split_and_export(src, root / f"{fmt}-vllm", tpshard.Topology(tp=TP), "vllm")
+        made[fmt] = src, root / f"{fmt}-vllm"
+    return made
+
+
+@pytest.mark.parametrize("fmt", list(TABLE))
+def test_each_rank_holds_vllms_create_weights_layout_bit_for_bit(exported, fmt):
+    src, dest = exported[fmt]
+    source = source_tensors(src)
+    for rank in range(TP):
+        want, got = expected_rank(fmt, source, SHAPES.get(fmt, TinyLlama()), rank), read_rank(dest, rank)
+        assert sorted(got) == sorted(want)
+        bad = [(k, DTYPES[got[k].dtype], list(got[k].shape), DTYPES[want[k].dtype], list(want[k].shape)) for k in want if not same(got[k], want[k])]
+        assert not bad, bad[:4]
+    report = check(dest, src)
+    assert report.ok and report.tensors_reassembled > 0, [p.message for p in report.problems]
+
+
+def test_launch_dtype_is_the_models_not_the_scales(exported):
+    """More float32 scale tensors than bf16 ones per layer: the launch line still says bfloat16."""
+    from tpshard.export import read_export_manifest
+    from tpshard.export.launch import launch_line
+
+    _, dest = exported["fp8_block"]
+    assert launch_line(read_export_manifest(dest), dest).endswith("--dtype bfloat16")
+
+
+def _tensor_at(path: Path, name: str) -> tuple[int, int]:
+    """(data offset, bytes) of tensor `name` in a safetensors file."""
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    begin, end = json.loads(data[8 : 8 + n])[name]["data_offsets"]
+    return 8 + n + begin, end - begin
+
+
+def _replace(path: Path, name: str, content: bytes) -> None:
+    at, n = _tensor_at(path, name)
+    assert len(content) == n
+    data = bytearray(path.read_bytes())
+    data[at : at + n] = content
+    path.write_bytes(bytes(data))
+
+
+def _bytes(path: Path, name: str) -> bytes:
+    at, n = _tensor_at(path, name)
+    return path.read_bytes()[at : at + n]
+
+
+def _broken(copy_of, dest: Path, edit) -> Path:
+    broken = copy_of(dest)
+    edit(broken)
+    rewrite_export_checksums(broken)  # the manifest agrees with the files: only the source can tell
+    assert check(broken).ok
+    return broken
+
+
+def _findings(report) -> str:
+    return "\n".join(p.message for p in report.problems)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "fp8_block"])
+def test_two_ranks_swapped_are_caught_and_named(exported, copy_of, fmt):
+    src, dest = exported[fmt]
+
+    def swap(d: Path) -> None:
+        a, b = d / "model-rank-0-part-0.safetensors", d / "model-rank-1-part-0.safetensors"
+        tmp = d / "swap"
+        shutil.move(a, tmp)
+        shutil.move(b, a)
+        shutil.move(tmp, b)
+
+    report = check(_broken(copy_of, dest, swap), src)
+    assert not report.ok
+    text = _findings(report)
+    if fmt == "awq":  # fused along dim 1: compared slot by slot
+        assert "qkv_proj.qweight slot 0 (model.layers.0.self_attn.q_proj.qweight, group rank 0) differs from the source: it holds the shard of rank(s) [1]" in text, text
+    else:
+        assert "holds the slice of group rank 1" in text, text
+
+
+@pytest.mark.parametrize("fmt, key", [("awq", "model.layers.1.mlp.gate_up_proj.scales"), ("fp8_block", "model.layers.1.mlp.gate_up_proj.weight_scale_inv")])
+def test_a_scale_of_another_rank_is_caught(exported, copy_of, fmt, key):
+    src, dest = exported[fmt]
+    r0, r1 = "model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"
+    report = check(_broken(copy_of, dest, lambda d: _replace(d / r1, key, _bytes(d / r0, key))), src)
+    assert not report.ok
+    text = _findings(report)
+    assert ("it holds the shard of rank(s) [0]" if fmt == "awq" else "holds the slice of group rank 0") in text, text
+
+
+def test_slots_out_of_order_are_caught(exported, copy_of):
+    """AWQ's gate_up_proj: gate and up side by side in every row; swapped, check names the slot. FP8
+    per-tensor: qkv_proj.weight_scale [q, k, v] with q and k swapped."""
+    src, dest = exported["awq"]
+    key, f = "model.layers.0.mlp.gate_up_proj.qweight", "model-rank-1-part-0.safetensors"
+
+    def swap_halves(d: Path) -> None:
+        t = torch.frombuffer(bytearray(_bytes(d / f, key)), dtype=torch.int32).reshape(256, -1)
+        half = t.shape[1] // 2
+        _replace(d / f, key, torch.cat([t[:, half:], t[:, :half]], dim=1).contiguous().numpy().tobytes())
+
+    text = _findings(check(_broken(copy_of, dest, swap_halves), src))
+    assert "gate_up_proj.qweight slot 0 (model.layers.0.mlp.gate_proj.qweight, group rank 1) differs from the source: it holds slot 1" in text, text
+
+    src, dest = exported["fp8_tensor"]
+    key = "model.layers.0.self_attn.qkv_proj.weight_scale"
+
+    def swap_slots(d: Path) -> None:
+        q, k, v = struct.unpack("<3f", _bytes(d / f, key))
+        assert q != k
+        _replace(d / f, key, struct.pack("<3f", k, q, v))
+
+    report = check(_broken(copy_of, dest, swap_slots), src)
+    assert not report.ok and "self_attn.q_proj.weight_scale" in _findings(report), _findings(report)
+
+
+def test_a_shard_damaged_in_the_tpshard_output_is_refused_where_the_export_recomputes_bytes(tmp_path):
+    """AWQ fuses along dim 1, so the export's digest is of the bytes it writes: each shard is proven
+    against the tpshard manifest first, and a damaged one stops the export in one line."""
+    src, out = tmp_path / "awq", tmp_path / "out"
+    write_quant_checkpoint(src, DEFAULT_SPECS["awq"])
+    tpshard.split(src, out, tpshard.Topology(tp=TP))
+    victim = out / "rank-00001" / "model-tp-001-of-002.safetensors"
+    if not victim.exists():
+        victim = sorted((out / "rank-00001").glob("*.safetensors"))[0]
+    at, n = _tensor_at(victim, "model.layers.0.self_attn.q_proj.qweight")
+    data = bytearray(victim.read_bytes())
+    data[at + n // 2] ^= 0x40
+    victim.write_bytes(bytes(data))
+    with pytest.raises(tpshard.errors.OutputError, match="differs from its crc32 in the manifest; run tpshard check"):
+        export(out, tmp_path / "x", "vllm")
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    "spec, wanted",
+    [
+        ("gptq", "GPTQ: vLLM 0.33.0 decides which fused layers are quantized from config.json's modules_in_block_to_quantize"),
+        ("gptq_act_order", 'vLLM 0.33.0 refuses it (quantization/utils/gptq_utils.py: "desc_act=True is no longer supported")'),
+        ("marlin", "legacy Marlin (B, s): vLLM 0.33.0 has no parameter for it"),
+        ("ct_w4a16_asym_actorder", "compressed-tensors with act-order (weight_g_idx): not mapped"),
+    ],
+)
+def test_what_vllm_cannot_load_is_refused_in_one_line(tmp_path, spec, wanted):
+    src = tmp_path / spec
+    write_quant_checkpoint(src, DEFAULT_SPECS[spec])
+    with pytest.raises(ExportError, match="^--format vllm: the checkpoint is quantized: ") as e:
+        split_and_export(src, tmp_path / "x", tpshard.Topology(tp=TP), "vllm")
+    assert wanted in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "x").exists()
+
+
+def test_sglang_refusal_says_what_to_do_instead(exported, tmp_path):
+    src, _ = exported["fp8_tensor"]
+    with pytest.raises(ExportError, match=r"sglang: the checkpoint is quantized \(fp8_tensor\); .*serve the HF checkpoint with the engine's own loader, or export for vLLM \(--format vllm\)"):
+        split_and_export(src, tmp_path / "x", tpshard.Topology(tp=TP), "sglang")
