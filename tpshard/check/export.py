@@ -71,6 +71,9 @@ def check_export(
             report.add("files", _link_finding(path))
         elif not path.is_file():
             report.add("files", f"{extra.name} is missing (the engine builds the model from the source's config.json)")
+        elif extra.name == "config.json" and m.config:  # the source's, with what vLLM needs added (ConfigEdit)
+            if path.stat().st_size != m.config.size or sha256_file(path) != m.config.checksum:
+                report.add("checksum", f"config.json: sha256 differs from the one the export wrote (the source's, {sorted(m.config.added)} added)")
         elif path.stat().st_size != extra.size or sha256_file(path) != extra.checksum:
             report.add("checksum", f"{extra.name}: sha256 differs from the source's copy")
     if source is not None:
@@ -236,6 +239,7 @@ def _check_against_source(folder: Path, m: ExportManifest, ckpt: Checkpoint, rep
     got = {f.name: f for f in m.files}
     try:
         plan = make_plan(ckpt, m.from_.topology, m.from_.options)
+        _check_config_edit(folder, m, ckpt, plan, report)
         located = _Located(plan, list(ckpt.tensors))
         for layout in rank_layouts(plan, m.engine, config_tied(ckpt.config), m.max_part_bytes, ckpt.config):
             for f in layout:
@@ -318,6 +322,31 @@ def _check_transformed(ckpt: Checkpoint, plan: Plan, tensors: list, report: Chec
                 what += f": it holds slot {slot[0]} ({t.parts[slot[0]].name}): slots out of order"
             report.add("reassembly", what)
     report.tensors_reassembled += len(seen - bad)
+
+
+def _check_config_edit(folder: Path, m: ExportManifest, ckpt: Checkpoint, plan: Plan, report: CheckReport) -> None:
+    """config.json: the source's with exactly what the rules add for vLLM (tpshard.export.quant.config_additions),
+    and nothing else; without an addition it is a byte-identical copy (checked with the other copies)."""
+    from tpshard.export.quant import config_additions, config_bytes
+
+    try:
+        source = json.loads((ckpt.path / "config.json").read_bytes())
+    except (OSError, ValueError) as e:
+        report.add("rules", f"the source's config.json: unreadable ({e})")
+        return
+    want = config_additions(plan, source) if m.engine == "vllm" else {}
+    have = dict(m.config.added) if m.config else {}
+    if have != want:
+        report.add("rules", f"config.json: the export adds {sorted(have) or 'nothing'} to quantization_config, the rules add {sorted(want) or 'nothing'}")
+        return
+    if have:
+        edited = dict(source, quantization_config={**source["quantization_config"], **have})
+        try:
+            held = (folder / "config.json").read_bytes()
+        except OSError:
+            return  # reported as missing with the copies
+        if held != config_bytes(edited):
+            report.add("rules", f"config.json: not the source's with exactly {sorted(have)} added to quantization_config")
 
 
 class _Located:

@@ -51,6 +51,16 @@ class ExportFile(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     tensors: tuple[ExportTensor, ...] = ()
 
 
+class ConfigEdit(msgspec.Struct, frozen=True, kw_only=True):
+    """config.json as the export wrote it: the source's, with `added` put into its
+    quantization_config so that vLLM loads the export quantized (tpshard.export.quant.config_additions);
+    `check --source` accepts exactly this addition and nothing else."""
+
+    added: dict[str, list[str]]
+    size: int
+    checksum: str  # sha256 of the file written
+
+
 class From(msgspec.Struct, frozen=True, kw_only=True):
     """The tpshard output exported, and what its plan needs to be made again from the source."""
 
@@ -74,6 +84,8 @@ class ExportManifest(msgspec.Struct, frozen=True, kw_only=True):
     # Pipeline stages: the environment the server must be started with (VLLM_PP_LAYER_PARTITION);
     # UNSET (left out of the JSON) at one stage, so such exports read as before.
     env: dict[str, str] | UnsetType = UNSET
+    # Quantized exports: what config.json gained over the source's (UNSET: a byte-identical copy).
+    config: ConfigEdit | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         from tpshard.export.layout import parse_part_name, part_name

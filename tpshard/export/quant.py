@@ -79,6 +79,11 @@ METHODS: dict[str, Method] = {
         "weight_global_scale": Param("weight_global_scale", dtype="F32", slots=True),
         "input_global_scale": Param("input_global_scale", dtype="F32", slots=True),
     }, _CT_ATTN),  # fmt: skip
+    # auto_gptq.py AutoGPTQLinearMethod.create_weights: qweight [K_r/pack, N_r], scales [K_r/G, N_r], qzeros
+    # [K_r/G, N_r/pack]; no g_idx (vLLM regenerates none without act-order: the checkpoint's is dropped)
+    "gptq": Method("AutoGPTQLinearMethod", {
+        "qweight": Param("qweight", 1), "scales": Param("scales", 1), "qzeros": Param("qzeros", 1), "g_idx": Param(None),
+    }),  # fmt: skip
     # auto_awq.py AutoAWQMarlinLinearMethod.create_weights: qweight [K_r, N_r/8], qzeros [K_r/G, N_r/8],
     # scales [K_r/G, N_r]: output dim last, so fused matrices sit side by side
     "awq": Method("AutoAWQMarlinLinearMethod", {"qweight": Param("qweight", 1), "qzeros": Param("qzeros", 1), "scales": Param("scales", 1)}),
@@ -88,18 +93,17 @@ METHODS: dict[str, Method] = {
 def refuse_method(fmt: str, specs: list[dict]) -> str | None:
     """Why vLLM 0.33.0 cannot load an export of quantized format `fmt` (specs: its layers' QuantSpecs
     as plain data), in one line; None when it can."""
-    if fmt in ("gptq", "gptq_v2"):
-        if any(s.get("desc_act") for s in specs):
+    if fmt == "gptq":
+        if any(s.get("desc_act") and s.get("group_size") != -1 for s in specs):
             return (
                 "GPTQ with act-order (desc_act=true): vLLM 0.33.0 refuses it"
                 ' (quantization/utils/gptq_utils.py: "desc_act=True is no longer supported"); serve a checkpoint without act-order'
             )
-        return (
-            "GPTQ: vLLM 0.33.0 decides which fused layers are quantized from config.json's modules_in_block_to_quantize,"
-            " else from the files' dtypes matched against HF names (quantization/auto_gptq.py, utils/gptq_utils.py), so an"
-            " export of fused qkv_proj / gate_up_proj would load unquantized; tpshard does not export GPTQ for vLLM yet:"
-            " serve the HF checkpoint with vLLM's own loader"
-        )
+        odd = sorted({(s.get("bits"), s.get("sym")) for s in specs} - {(4, True), (8, True)})
+        if odd:
+            return f"GPTQ bits/sym {odd}: vLLM 0.33.0's AutoGPTQConfig has kernels for 4- and 8-bit symmetric only (auto_gptq.py TYPE_MAP)"
+    if fmt == "gptq_v2":
+        return "GPTQ checkpoint_format gptq_v2: vLLM 0.33.0's AutoGPTQ reads qzeros as v1 (z - 1); not mapped; serve the HF checkpoint"
     if fmt == "marlin":
         return (
             "legacy Marlin (B, s): vLLM 0.33.0 has no parameter for it (its own load fails: models/utils.py"
@@ -110,6 +114,27 @@ def refuse_method(fmt: str, specs: list[dict]) -> str | None:
     if fmt not in METHODS:
         return f"{fmt}: no vLLM 0.33.0 parameter layout mapped for it; serve the HF checkpoint with vLLM's own loader"
     return None
+
+
+def config_additions(plan, config: dict) -> dict[str, list[str]]:
+    """What the export adds to config.json's quantization_config so that vLLM loads it quantized.
+
+    GPTQ: without `modules_in_block_to_quantize`, vLLM lists the quantized modules from the folder's
+    safetensors dtypes (auto_gptq.py maybe_update_config), i.e. from the export's fused names
+    (qkv_proj), and then matches each fused layer's HF shards (q_proj) against them
+    (utils/gptq_utils.py is_layer_gptq_quantized): no match, so every linear would be built
+    unquantized and the load would fail. The HF modules quantized, as full prefixes, match."""
+    q = config.get("quantization_config") or {}
+    if q.get("quant_method") != "gptq" or q.get("modules_in_block_to_quantize"):
+        return {}
+    return {"modules_in_block_to_quantize": sorted(m for m, spec in plan.quant_layers.items() if spec.get("format") == "gptq")}
+
+
+def config_bytes(config: dict) -> bytes:
+    """config.json as an export writes it when it adds to it (config_additions)."""
+    import json
+
+    return (json.dumps(config, indent=2) + "\n").encode()
 
 
 def engine_param(piece_engine: str, suffix: str, fmt: str) -> tuple[str, Param] | None:

@@ -44,12 +44,14 @@ from tpshard.export.manifest import (
     EXPORT_FORMAT,
     EXPORT_MANIFEST_NAME,
     EXPORT_VERSION,
+    ConfigEdit,
     ExportFile,
     ExportManifest,
     ExportTensor,
     From,
     encode_export_manifest,
 )
+from tpshard.export.quant import config_additions, config_bytes
 from tpshard.manifest import MANIFEST_NAME, Manifest, rank_dir, read_manifest
 from tpshard.pieces import read_into, scratch
 from tpshard.plan import file_header
@@ -144,6 +146,7 @@ def _write(out: Path, manifest: Manifest, layouts: Iterator[list[PartFile]], eng
         shutil.copyfile(folder / extra.name, staging / extra.name)
         if sha256_file(staging / extra.name) != extra.checksum:
             raise OutputError(f"{folder / extra.name}: differs from its sha256 in the tpshard manifest; run tpshard check {out}")
+    edit = _edit_config(staging, plan)
 
     result = ExportManifest(
         format=EXPORT_FORMAT,
@@ -155,9 +158,28 @@ def _write(out: Path, manifest: Manifest, layouts: Iterator[list[PartFile]], eng
         max_part_bytes=max_part_bytes,
         files=tuple(files),
         env=partition_env(plan.topology) or msgspec.UNSET,
+        config=edit,
     )
     write_durably(staging / EXPORT_MANIFEST_NAME, encode_export_manifest(result))
     return result
+
+
+def _edit_config(staging: Path, plan) -> ConfigEdit | msgspec.UnsetType:
+    """config.json with what vLLM needs to load the export quantized (tpshard.export.quant.config_additions),
+    or UNSET where the source's copy is loaded as it is."""
+    path = staging / "config.json"
+    config = json.loads(path.read_bytes())
+    added = config_additions(plan, config)
+    if not added:
+        return msgspec.UNSET
+    return ConfigEdit(added=added, **_write_config(path, config, added))
+
+
+def _write_config(path: Path, config: dict, added: dict) -> dict:
+    """Write the source's config with `added` in its quantization_config; its size and sha256."""
+    edited = dict(config, quantization_config={**config["quantization_config"], **added})
+    path.write_bytes(config_bytes(edited))
+    return {"size": path.stat().st_size, "checksum": sha256_file(path)}
 
 
 def _write_rank(source: _Source, layout: list[PartFile], staging: Path, pool: ThreadPoolExecutor, shared: dict) -> list[ExportFile]:
