@@ -103,7 +103,9 @@ def main(model: str, export: str, tp: int, ranks: list[int]) -> int:
 
     quantized = "quantization_config" in json.loads(open(os.path.join(model, "config.json")).read())
     # Quantized: the files hold create_weights' layout, so both loads stop before post-processing.
-    build = vllm_loader(model, post_process=not quantized)
+    # An export split with --ep = tp is served with --enable-expert-parallel (docs/deploy.md).
+    ep = json.loads(open(os.path.join(export, "tpshard-export.json")).read())["from"]["topology"].get("ep", 1) > 1
+    build = vllm_loader(model, expert_parallel=ep, post_process=not quantized)
     if quantized:
         patch_kernel_selection()
 

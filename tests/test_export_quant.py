@@ -10,6 +10,7 @@ two slots out of order.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import struct
@@ -44,10 +45,12 @@ TABLE = {
         "weight_global_scale": ("weight_global_scale", "F32", None, None), "input_global_scale": ("input_global_scale", "F32", None, None),
     },
     "awq": {"qweight": ("qweight", None, 1, 0), "qzeros": ("qzeros", None, 1, 0), "scales": ("scales", None, 1, 0)},
+    # [K, N] like AWQ; the checkpoint's g_idx is not a vLLM parameter without act-order
+    "gptq": {"qweight": ("qweight", None, 1, 0), "qzeros": ("qzeros", None, 1, 0), "scales": ("scales", None, 1, 0)},
 }  # fmt: skip
 FP8_ATTN = {n: ("BF16", (), -1.0) for n in ("k_scale", "v_scale", "q_scale", "prob_scale")}  # kv_cache.py
 CT_ATTN = {**{f"{n}_scale": ("F32", (1,), 1.0) for n in "kqv"}, **{f"{n}_zero_point": ("BF16", (1,), 0.0) for n in "kqv"}}
-ATTENTION = {"fp8_block": FP8_ATTN, "fp8_tensor": FP8_ATTN, "ct_w4a16": CT_ATTN, "ct_fp8_dynamic": CT_ATTN, "ct_nvfp4": CT_ATTN, "awq": {}}
+ATTENTION = {"fp8_block": FP8_ATTN, "fp8_tensor": FP8_ATTN, "ct_w4a16": CT_ATTN, "ct_fp8_dynamic": CT_ATTN, "ct_nvfp4": CT_ATTN, "awq": {}, "gptq": {}}
 DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
 TORCH = {v: k for k, v in DTYPES.items()}
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
@@ -252,7 +255,7 @@ def test_a_shard_damaged_in_the_tpshard_output_is_refused_where_the_export_recom
 @pytest.mark.parametrize(
     "spec, wanted",
     [
-        ("gptq", "GPTQ: vLLM 0.33.0 decides which fused layers are quantized from config.json's modules_in_block_to_quantize"),
+        ("gptq_v2_3bit", "GPTQ checkpoint_format gptq_v2: vLLM 0.33.0's AutoGPTQ reads qzeros as v1"),
         ("gptq_act_order", 'vLLM 0.33.0 refuses it (quantization/utils/gptq_utils.py: "desc_act=True is no longer supported")'),
         ("marlin", "legacy Marlin (B, s): vLLM 0.33.0 has no parameter for it"),
         ("ct_w4a16_asym_actorder", "compressed-tensors with act-order (weight_g_idx): not mapped"),
@@ -271,3 +274,113 @@ def test_sglang_refusal_says_what_to_do_instead(exported, tmp_path):
     src, _ = exported["fp8_tensor"]
     with pytest.raises(ExportError, match=r"sglang: the checkpoint is quantized \(fp8_tensor\); .*serve the HF checkpoint with the engine's own loader, or export for vLLM \(--format vllm\)"):
         split_and_export(src, tmp_path / "x", tpshard.Topology(tp=TP), "sglang")
+
+
+def test_gptq_export_tells_vllm_which_layers_are_quantized(exported, copy_of, tmp_path):
+    """vLLM matches the HF modules of a fused layer against modules_in_block_to_quantize (or the
+    files' quantized names, which in an export are the fused ones): the export's config.json is the
+    source's with exactly that list added, the manifest says so, and check --source accepts that
+    addition and nothing else."""
+    from tpshard.export import read_export_manifest
+
+    src, dest = exported["gptq"]
+    source, held = json.loads((src / "config.json").read_text()), json.loads((dest / "config.json").read_text())
+    modules = [f"model.layers.{i}.{m}" for i in range(2) for m in ("mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj")]
+    assert held == dict(source, quantization_config={**source["quantization_config"], "modules_in_block_to_quantize": modules})
+    assert read_export_manifest(dest).config.added == {"modules_in_block_to_quantize": modules}
+    assert "config" not in json.loads((exported["awq"][1] / "tpshard-export.json").read_text())  # others: copied as they are
+
+    more = copy_of(dest)  # one more key, resealed in the manifest: only the source can tell
+    edited = dict(held, quantization_config={**held["quantization_config"], "lm_head": True})
+    (more / "config.json").write_text(json.dumps(edited, indent=2) + "\n")
+    data = json.loads((more / "tpshard-export.json").read_text())
+    data["config"].update(size=(more / "config.json").stat().st_size, checksum=hashlib.sha256((more / "config.json").read_bytes()).hexdigest())
+    (more / "tpshard-export.json").write_text(json.dumps(data))
+    assert check(more).ok
+    assert "config.json: not the source's with exactly ['modules_in_block_to_quantize'] added" in _findings(check(more, src))
+
+    less = copy_of(dest)  # the addition left out of the manifest: the copy no longer matches the source's
+    data = json.loads((less / "tpshard-export.json").read_text())
+    del data["config"]
+    (less / "tpshard-export.json").write_text(json.dumps(data))
+    assert "config.json: sha256 differs from the source's copy" in _findings(check(less))
+    assert "config.json: the export adds nothing to quantization_config, the rules add ['modules_in_block_to_quantize']" in _findings(check(less, src))
+
+
+# --- DeepSeek-V3 in FP8 block format: MLA and routed experts -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def deepseek_fp8_noaux(deepseek_fp8, tmp_path_factory):
+    """The FP8 DeepSeek-V3 checkpoint with DeepSeek-V3's topk_method (vLLM builds the router bias for it)."""
+    src = tmp_path_factory.mktemp("dsfp8") / "model"
+    shutil.copytree(deepseek_fp8, src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(dict(config, topk_method="noaux_tc"), indent=1))
+    return src
+
+
+def _all_source(src: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in sorted(src.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_deepseek_fp8_experts_mla_and_router_bias_in_vllms_layout(deepseek_fp8_noaux, tmp_path, ep):
+    """Fp8MoEMethod.create_weights: w13_weight [E_local, 2 I_r, H] (each expert's gate rows, then its
+    up rows), w13_weight_scale_inv [E_local, 2 I_r/128, H/128], w2 alike; fused_qkv_a_proj with its
+    block-scale rows [q_a; kv_a]; e_score_correction_bias in float32; no quant-method scales on MLA
+    attention; the MTP layer left out. At --ep 2 (vLLM --enable-expert-parallel) rank r holds experts
+    4r..4r+3 whole."""
+    src, dest = deepseek_fp8_noaux, tmp_path / "vllm"
+    split_and_export(src, dest, tpshard.Topology(tp=TP, ep=ep), "vllm")
+    source = _all_source(src)
+    config = json.loads((src / "config.json").read_text())
+    experts, layers = config["n_routed_experts"], config["num_hidden_layers"]
+    moe_tp = TP // ep
+    for rank in range(TP):
+        got = read_rank(dest, rank)
+        assert not any(k.startswith(f"model.layers.{layers}.") for k in got)  # MTP
+        assert not [k for k in got if k.rsplit(".", 1)[1] in ("k_scale", "v_scale", "q_scale", "prob_scale")]
+        local = range(experts // ep * (rank if ep > 1 else 0), experts // ep * ((rank if ep > 1 else 0) + 1))
+        part = rank % moe_tp
+        for layer in range(config["first_k_dense_replace"], layers):
+            p = f"model.layers.{layer}"
+            for suffix, vsuffix in (("weight", "weight"), ("weight_scale_inv", "weight_scale_inv")):
+                def e(i, m):
+                    return rank_slice(source[f"{p}.mlp.experts.{i}.{m}.{suffix}"], 0 if m != "down_proj" else 1, part) if moe_tp > 1 else source[f"{p}.mlp.experts.{i}.{m}.{suffix}"]
+                w13 = torch.stack([torch.cat([e(i, "gate_proj"), e(i, "up_proj")]) for i in local])
+                w2 = torch.stack([e(i, "down_proj") for i in local])
+                assert same(got[f"{p}.mlp.experts.routed_experts.w13_{vsuffix}"], w13)
+                assert same(got[f"{p}.mlp.experts.routed_experts.w2_{vsuffix}"], w2)
+            bias = source[f"{p}.mlp.gate.e_score_correction_bias"]
+            assert same(got[f"{p}.mlp.experts.gate.e_score_correction_bias"], bias.float())
+        for layer in range(layers):
+            p = f"model.layers.{layer}.self_attn"
+            for suffix in ("weight", "weight_scale_inv"):
+                fused = torch.cat([source[f"{p}.q_a_proj.{suffix}"], source[f"{p}.kv_a_proj_with_mqa.{suffix}"]])
+                assert same(got[f"{p}.fused_qkv_a_proj.{suffix}"], fused)
+                assert same(got[f"{p}.kv_b_proj.{suffix}"], rank_slice(source[f"{p}.kv_b_proj.{suffix}"], 0, rank))
+                assert same(got[f"{p}.mla_attn.o_proj.{suffix}"], rank_slice(source[f"{p}.o_proj.{suffix}"], 1, rank))
+    report = check(dest, src)
+    assert report.ok, _findings(report)
+
+
+def test_quantized_moe_in_another_format_is_refused(deepseek_fp8_noaux):
+    """Quantized experts and MLA are mapped for FP8 block only: any other format says so in one line
+    (the planner of this tree cuts no other quantized expert yet; the refusal is asked directly)."""
+    from tpshard.checkpoint import open_checkpoint
+    from tpshard.export.layout import refuse_quantized
+    from tpshard.export.names import TABLES
+    from tpshard.plan import make_plan
+
+    plan = make_plan(open_checkpoint(deepseek_fp8_noaux), tpshard.Topology(tp=TP))
+    table = TABLES["vllm"][plan.model.architecture]
+    refuse_quantized(plan, "vllm", ["fp8_block"], table)  # mapped
+    with pytest.raises(ExportError, match=r"^--format vllm: the checkpoint is quantized \(ct_int\) and has routed experts or MLA attention; tpshard maps those for vLLM in FP8 block format only"):
+        refuse_quantized(plan, "vllm", ["ct_int"], table)
+    with pytest.raises(ExportError, match=r"serve the HF checkpoint with the engine's own loader, or export for vLLM"):
+        refuse_quantized(plan, "sglang", ["fp8_block"], table)

@@ -275,10 +275,10 @@ def refuse_quantized(plan: Plan, engine: str, quant: list[str], table) -> None:
             " its quant methods' process_weights_after_loading (srt/model_loader/loader.py ShardedStateLoader), i.e."
             f" kernel- and platform-specific layouts an offline export cannot know; {instead}"
         )
-    if plan.model.num_experts or table.q_lora or table.drop_mtp:
+    if (plan.model.num_experts or table.q_lora or table.drop_mtp) and quant != ["fp8_block"]:
         raise ExportError(
             f"--format vllm: the checkpoint is quantized ({', '.join(quant)}) and has routed experts or MLA attention;"
-            " tpshard maps quantized vLLM exports of dense Llama-style models only (docs/deploy.md); serve the HF checkpoint"
+            " tpshard maps those for vLLM in FP8 block format only (docs/deploy.md); serve the HF checkpoint with vLLM's own loader"
         )
     for fmt in quant:
         why = refuse_method(fmt, [q for q in plan.quant_layers.values() if q.get("format") == fmt])
@@ -329,14 +329,17 @@ def _route(plan: Plan, names: NameMap, anchor: re.Pattern, t: TensorPlan) -> tup
             raise ExportError(f"{name}: no pipeline stage of vLLM's {plan.model.architecture} holds it")
     if not t.quant:
         m = anchor.fullmatch(name)
-        return held, names.piece(name), m.group(1) if m else None, None
+        param = None
+        if names.table.ep == "vllm" and name.endswith(".e_score_correction_bias"):
+            from tpshard.export.quant import ROUTER_BIAS as param
+        return held, names.piece(name), m.group(1) if m else None, param
     # A quantized module's tensors go where its `.weight` would, under the method's parameter names.
     from tpshard.export.quant import engine_param
 
     module, _, suffix = name.rpartition(".")
     m = anchor.fullmatch(module + ".weight")
     base = names.piece(module + ".weight")
-    found = engine_param(base.engine, suffix, t.quant) if base is not None and base.engine else None
+    found = engine_param(base.engine, suffix, t.quant, base.stacked) if base is not None and base.engine else None
     if found is None:
         return held, None, None, None
     return held, base._replace(engine=found[0]), m.group(1) if m else None, found[1]
@@ -412,6 +415,8 @@ class _Known:
         if not formats or not buffers:
             return []
         attn = buffers[0].name.rpartition(".")[0]  # {layer}.self_attn.attn
+        if attn.endswith(".mla_attn"):  # vLLM's MLA attention has no KV-cache scale parameters of the method
+            return []
         dtype = self.plan.model.dtype
         return [EngineTensor(f"{attn}.{a.name}", a.dtype or dtype, a.shape, (), a.value) for a in METHODS[formats[0]].attention]
 
@@ -473,8 +478,9 @@ def rank_tensors(plan: Plan, rank: int, shards: list[Part], known: _Known) -> li
                 raise ExportError(f"rank {rank}: {engine}: experts of {rows} and {n} rows do not stack")
             rows = n
             parts += slots
-        if engine in params:
-            out.append(_quantized(rank, engine, params[engine], parts))
+        param = params.get(engine)
+        if param is not None and not stacked:
+            out.append(_quantized(rank, engine, param, parts))
             continue
         first = parts[0]
         if len(parts) > 1 and any(s.dtype != first.dtype or s.shape[1:] != first.shape[1:] or not s.shape for s in parts[1:]):
@@ -483,7 +489,7 @@ def rank_tensors(plan: Plan, rank: int, shards: list[Part], known: _Known) -> li
             shape = (len(by_expert), rows, *first.shape[1:])
         else:
             shape = (rows, *first.shape[1:]) if len(parts) > 1 else first.shape
-        out.append(EngineTensor(engine, first.dtype, shape, tuple(parts)))
+        out.append(EngineTensor(engine, param.dtype or first.dtype if param else first.dtype, shape, tuple(parts)))
     for layer in layers:
         out += known.layer_buffers(layer)
     out.sort(key=lambda t: _order(t.name))

@@ -162,7 +162,7 @@ def _tensors_problem(i: int, tensors: tuple[ExportTensor, ...]) -> str | None:
             try:
                 constant_bytes(t.dtype, t.value, t.shape)
             except (ValueError, KeyError, OverflowError):
-                return f"files[{i}].tensors[{j}] ({t.name}).value: {t.value!r} is not a constant tpshard writes as {t.dtype} {list(t.shape)}"
+                return f"files[{i}].tensors[{j}] ({t.name}).value: {list(t.value) if isinstance(t.value, tuple) else t.value!r} is not a constant tpshard writes as {t.dtype} {list(t.shape)}"
     return None
 
 

@@ -137,14 +137,26 @@ def config_bytes(config: dict) -> bytes:
     return (json.dumps(config, indent=2) + "\n").encode()
 
 
-def engine_param(piece_engine: str, suffix: str, fmt: str) -> tuple[str, Param] | None:
+def engine_param(piece_engine: str, suffix: str, fmt: str, stacked: bool = False) -> tuple[str, Param] | None:
     """(vLLM key, Param) of the checkpoint tensor `<module>.<suffix>` whose module's `.weight` maps
-    to `piece_engine`; None when vLLM's method has no such tensor."""
+    to `piece_engine`; None when vLLM's method has no such tensor. Routed experts (`stacked`): the
+    FusedMoE parameter of the weight is `w13_weight`, its scale `w13_weight_scale_inv`
+    (fp8.py Fp8MoEMethod.create_weights)."""
     param = METHODS[fmt].params.get(suffix)
     if param is None:
         return None
-    base = piece_engine.removesuffix(".weight")
-    return (base + "." + param.name if param.name else ""), param
+    if not param.name:
+        return "", param
+    if stacked:
+        if param.axis or param.slots or param.source_shape or not piece_engine.endswith("_weight"):
+            return None  # not mapped for experts
+        return piece_engine.removesuffix("weight") + param.name, param
+    return piece_engine.removesuffix(".weight") + "." + param.name, param
+
+
+# vLLM's DeepSeek gate builds e_score_correction_bias in float32 (models/deepseek_v2.py, DeepseekV2MoE):
+# written as such, not cast by the loader with a warning.
+ROUTER_BIAS = Param("e_score_correction_bias", dtype="F32")
 
 
 # ---- bytes ------------------------------------------------------------------------------------
@@ -160,7 +172,7 @@ def constant_array(dtype: str, value: float | tuple, shape: tuple[int, ...]) -> 
         raise ValueError(f"a constant of shape {list(shape)} given {len(values)} values")
     if dtype == "BF16":  # the top half of the float32: exact for the constants used (0, ±1, small ints)
         f = values.astype("<f4")
-        if not np.array_equal(f.view("<u4") & 0xFFFF, np.zeros(n, "<u4")):
+        if not np.array_equal(f.astype(np.float64), values) or (f.view("<u4") & 0xFFFF).any():
             raise ValueError(f"{value} is not exact in BF16")
         return (f.view("<u4") >> 16).astype("<u2").view(np.uint8)
     out = values.astype(_NUMPY[dtype])
