@@ -384,3 +384,30 @@ def test_quantized_moe_in_another_format_is_refused(deepseek_fp8_noaux):
         refuse_quantized(plan, "vllm", ["ct_int"], table)
     with pytest.raises(ExportError, match=r"serve the HF checkpoint with the engine's own loader, or export for vLLM"):
         refuse_quantized(plan, "sglang", ["fp8_block"], table)
+
+
+@pytest.mark.parametrize("kind, ep", [("qwen3_moe", 2), ("mixtral", 1)])
+def test_fp8_block_experts_of_qwen3_moe_and_mixtral(tmp_path, kind, ep):
+    """The same Fp8MoEMethod layout for Qwen3-MoE and Mixtral, whose attention gets Fp8KVCacheMethod's
+    q/k/v/prob scales (0-d, -1.0, model dtype) beside vLLM's own buffers."""
+    from moe_configs import make_fp8_moe
+
+    src, dest = make_fp8_moe(tmp_path / kind, kind), tmp_path / "vllm"
+    split_and_export(src, dest, tpshard.Topology(tp=TP, ep=ep), "vllm")
+    source = source_tensors(src)
+    block, (gate, up, down) = ("mlp", ("gate_proj", "up_proj", "down_proj")) if kind == "qwen3_moe" else ("block_sparse_moe", ("w1", "w3", "w2"))
+    experts = 4
+    for rank in range(TP):
+        got = read_rank(dest, rank)
+        local = range(rank * experts // ep, (rank + 1) * experts // ep) if ep > 1 else range(experts)
+        cut = (lambda t, d: t) if ep > 1 else (lambda t, d: rank_slice(t, d, rank))
+        for layer in range(2):
+            p = f"model.layers.{layer}"
+            for s in ("weight", "weight_scale_inv"):
+                e = lambda i, m, d: cut(source[f"{p}.{block}.experts.{i}.{m}.{s}"], d)  # noqa: E731
+                assert same(got[f"{p}.{block}.experts.routed_experts.w13_{s}"], torch.stack([torch.cat([e(i, gate, 0), e(i, up, 0)]) for i in local]))
+                assert same(got[f"{p}.{block}.experts.routed_experts.w2_{s}"], torch.stack([e(i, down, 1) for i in local]))
+            for n in ("k_scale", "v_scale", "q_scale", "prob_scale"):
+                assert same(got[f"{p}.self_attn.attn.{n}"], torch.tensor(-1.0, dtype=torch.bfloat16))
+    report = check(dest, src)
+    assert report.ok, _findings(report)

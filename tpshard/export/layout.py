@@ -1,9 +1,11 @@
 """What an engine export holds, rank by rank, computed from a tpshard plan: no tensor data.
 
 Each engine tensor is the rank's shards concatenated along dim 0 in the table's order (one shard
-for an unfused tensor) or a constant buffer. Everything the engine cannot build from such files is
-refused here, before a byte is written: padded dims, topologies the engine model does not shard
-the same way, quantized checkpoints, architectures without a name table. The files are laid out
+for an unfused tensor) or a constant buffer; for quantized vLLM exports, under the quant method's
+parameter names, also fused along dim 1, cast, or one slot per fused matrix (tpshard.export.quant).
+Everything the engine cannot build from such files is refused here, before a byte is written:
+padded dims, topologies the engine model does not shard the same way, quantized checkpoints the
+engine cannot load, architectures without a name table. The files are laid out
 one rank at a time (rank_layouts); a plan that lacks a rank's pieces is refused at that rank.
 
 Pipeline stages (vLLM only, docs/pipeline.md): vLLM 0.33.0's sharded_state loader reads
