@@ -30,7 +30,7 @@ from quant_fixtures import DEFAULT_SPECS, TinyLlama, write_quant_checkpoint  # n
 from test_export import rewrite_export_checksums  # noqa: E402
 
 TP = 2
-SHAPES = {"fp8_block": TinyLlama(kv_heads=4)}  # FP8 blocks of 128 rows: k/v of 2 x 64 would not cut at tp 2
+SHAPES = {"fp8_block": TinyLlama(kv_heads=4), "ct_fp8_block": TinyLlama(kv_heads=4)}  # FP8 blocks of 128 rows: k/v of 2 x 64 would not cut at tp 2
 
 # format -> {checkpoint suffix: (vLLM suffix, vLLM dtype or None = the checkpoint's, N dim, K dim)};
 # N dim None: a per-tensor scale (one slot per fused matrix); K dim None: not cut by a row split.
@@ -40,6 +40,8 @@ TABLE = {
     "fp8_tensor": {"weight": ("weight", None, 0, 1), "weight_scale": ("weight_scale", "F32", None, None), "input_scale": ("input_scale", "F32", None, None)},
     "ct_w4a16": {"weight_packed": ("weight_packed", None, 0, 1), "weight_scale": ("weight_scale", None, 0, 1)},
     "ct_fp8_dynamic": {"weight": ("weight", None, 0, 1), "weight_scale": ("weight_scale", "F32", 0, None)},
+    "ct_fp8": {"weight": ("weight", None, 0, 1), "weight_scale": ("weight_scale", "F32", None, None), "input_scale": ("input_scale", "F32", None, None)},
+    "ct_fp8_block": {"weight": ("weight", None, 0, 1), "weight_scale": ("weight_scale", "F32", 0, 1)},
     "ct_nvfp4": {
         "weight_packed": ("weight_packed", None, 0, 1), "weight_scale": ("weight_scale", None, 0, 1),
         "weight_global_scale": ("weight_global_scale", "F32", None, None), "input_global_scale": ("input_global_scale", "F32", None, None),
@@ -50,7 +52,7 @@ TABLE = {
 }  # fmt: skip
 FP8_ATTN = {n: ("BF16", (), -1.0) for n in ("k_scale", "v_scale", "q_scale", "prob_scale")}  # kv_cache.py
 CT_ATTN = {**{f"{n}_scale": ("F32", (1,), 1.0) for n in "kqv"}, **{f"{n}_zero_point": ("BF16", (1,), 0.0) for n in "kqv"}}
-ATTENTION = {"fp8_block": FP8_ATTN, "fp8_tensor": FP8_ATTN, "ct_w4a16": CT_ATTN, "ct_fp8_dynamic": CT_ATTN, "ct_nvfp4": CT_ATTN, "awq": {}, "gptq": {}}
+ATTENTION = {"fp8_block": FP8_ATTN, "fp8_tensor": FP8_ATTN, "ct_w4a16": CT_ATTN, "ct_fp8_dynamic": CT_ATTN, "ct_fp8": CT_ATTN, "ct_fp8_block": CT_ATTN, "ct_nvfp4": CT_ATTN, "awq": {}, "gptq": {}}
 DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
 TORCH = {v: k for k, v in DTYPES.items()}
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}

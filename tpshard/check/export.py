@@ -329,11 +329,7 @@ def _check_config_edit(folder: Path, m: ExportManifest, ckpt: Checkpoint, plan: 
     and nothing else; without an addition it is a byte-identical copy (checked with the other copies)."""
     from tpshard.export.quant import config_additions, config_bytes
 
-    try:
-        source = json.loads((ckpt.path / "config.json").read_bytes())
-    except (OSError, ValueError) as e:
-        report.add("rules", f"the source's config.json: unreadable ({e})")
-        return
+    source = ckpt.config  # the source's config.json as read (check --from: the output's copy of it)
     want = config_additions(plan, source) if m.engine == "vllm" else {}
     have = dict(m.config.added) if m.config else {}
     if have != want:

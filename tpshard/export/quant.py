@@ -70,8 +70,15 @@ METHODS: dict[str, Method] = {
         "weight_packed": Param("weight_packed"), "weight_scale": Param("weight_scale"),
         "weight_zero_point": Param("weight_zero_point"), "weight_shape": Param("weight_shape", source_shape=True),
     }, _CT_ATTN),  # fmt: skip
-    # schemes/compressed_tensors_w8a8_fp8.py CompressedTensorsW8A8Fp8: weight F8, weight_scale F32 [N_r, 1]
+    # schemes/compressed_tensors_w8a8_fp8.py CompressedTensorsW8A8Fp8 (create_fp8_scale_parameter: float32):
+    # weight F8, weight_scale F32 [N_r, 1]
     "ct_fp8_channel": Method("CompressedTensorsW8A8Fp8 (channel)", {"weight": Param("weight"), "weight_scale": Param("weight_scale", dtype="F32")}, _CT_ATTN),
+    # the same scheme per tensor (PerTensorScaleParameter [slots], F32) and per 128-block (F32 block rows)
+    "ct_fp8_tensor": Method("CompressedTensorsW8A8Fp8 (tensor)", {
+        "weight": Param("weight"), "weight_scale": Param("weight_scale", dtype="F32", slots=True),
+        "input_scale": Param("input_scale", dtype="F32", slots=True),
+    }, _CT_ATTN),  # fmt: skip
+    "ct_fp8_block": Method("CompressedTensorsW8A8Fp8 (block)", {"weight": Param("weight"), "weight_scale": Param("weight_scale", dtype="F32")}, _CT_ATTN),
     # schemes/compressed_tensors_w4a4_nvfp4.py CompressedTensorsW4A4Fp4: weight_packed U8 [N_r, K_r/2], weight_scale
     # F8 [N_r, K_r/16], weight_global_scale / input_global_scale F32 [slots]
     "ct_nvfp4": Method("CompressedTensorsW4A4Fp4", {
