@@ -81,7 +81,7 @@ class _NoKernel:
 
 def patch_kernel_selection() -> None:
     """Replace vLLM's quantized linear kernel choice (kernels/linear: choose_*_kernel returns a
-    class, init_*_kernel an instance) wherever a vllm module bound it. No weight loader is touched:
+    class, init_*_kernel an instance; Marlin's supported-type check) wherever a vllm module bound it. No weight loader is touched:
     create_weights and the loaders run as they are."""
     import vllm.model_executor.kernels.linear  # noqa: F401
     import vllm.model_executor.layers.quantization.auto_awq  # noqa: F401
@@ -96,6 +96,8 @@ def patch_kernel_selection() -> None:
                 setattr(mod, attr, lambda *a, **k: _NoKernel)
             elif attr.endswith("_linear_kernel") and attr.startswith("init_") and callable(getattr(mod, attr)):
                 setattr(mod, attr, lambda *a, **k: _NoKernel())
+            elif attr == "verify_marlin_supported":  # GPTQ 8-bit: Marlin's type list on this (CPU) device
+                setattr(mod, attr, lambda *a, **k: None)
 
 
 def main(model: str, export: str, tp: int, ranks: list[int]) -> int:
