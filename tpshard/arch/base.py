@@ -201,6 +201,8 @@ class Arch:
     pp_vllm_tied: bool = False
     # Routed experts stored fused [E, ...] (rule class FusedExperts): how each parameter is cut.
     fused_experts: FusedExperts | None = None
+    # Tensors the family refuses by name before any cut (Llama-4's vision tower): one line, or None.
+    refuse_tensors: Callable[[Iterable[str]], None] | None = None
 
     def table(self, model: ModelInfo) -> tuple[Rule, ...]:
         return self.rules + (self.variant(model) if self.variant else ())

@@ -6,14 +6,16 @@ A family declares how each parameter of its fused-experts module is cut (`Arch.f
 param -> `FusedParam`); tpshard.plan.fused turns that into cuts and verify reads the same table
 to know which rows are gate and which are up. The vocabulary:
 
-- the **experts axis** is dim 0: under expert parallelism an EP slot holds the contiguous block
-  `[slot * E/ep, (slot + 1) * E/ep)` (only where the engine's loader slices it: `ep_loads`);
+- the **experts axis** is dim 0: under expert parallelism an EP slot would hold the contiguous
+  block `[slot * E/ep, (slot + 1) * E/ep)` where the engine's loader slices it (`ep_loads`); that
+  cuts dims 0 and `dim` of one tensor, which tpshard's cuts (one dim per tensor) do not express, so
+  `--ep > 1` is refused for every fused-experts family, with `ep_refusal` saying why;
 - the **intermediate axis** (`dim`) is cut over moe_tp; `per_i` indices of it per intermediate
   element (2 for a gate/up tensor, 1 for down);
 - `layout` says how gate and up share a gate/up axis: `interleaved` (gpt-oss: gate_j, up_j
   alternate, so a rank keeps ONE contiguous slice of the axis, its (gate_j, up_j) pairs for
   j in its intermediate range), `segmented` (Llama-4: [gate | up] halves, a rank keeps its slice of
-  each half, concatenated), `single` (down: one projection), `whole` (down's bias: not cut, kept
+  each half, concatenated: a segmented cut, ShardSpec.segments (1, 1) along `dim`), `single` (down: one projection), `whole` (down's bias: not cut, kept
   whole on every rank of the EP slot, as every row-parallel bias);
 - `role`: which projection a parameter is (w13 / w2), for verify.
 
@@ -46,5 +48,5 @@ FUSED_SHAPES = {
 
 class FusedExperts(NamedTuple):
     params: dict[str, FusedParam]
-    ep_loads: bool = False  # the engine's loader slices the experts axis by EP slot (False: --ep > 1 refused)
-    ep_refusal: str = ""  # why not, for the refusal
+    ep_loads: bool = False  # the engine's loader slices the experts axis by EP slot (a fact; --ep > 1 is refused either way)
+    ep_refusal: str = ""  # why --ep > 1 is refused, for the message

@@ -15,7 +15,7 @@ from tpshard.arch import Rule
 from tpshard.errors import PlanError
 from tpshard.plan.dense import Layout
 
-_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+_LAYER_INDEX = re.compile(r"(?:language_model\.)?model\.layers\.(\d+)\.")  # Llama-4 nests the text model
 
 
 class Experts:

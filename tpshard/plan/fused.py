@@ -1,6 +1,7 @@
 """The cut of routed experts stored fused [E, ...] (tpshard.arch.fused): one tensor per projection
-of a layer's experts, its intermediate axis cut over moe_tp, the experts axis whole (or, where the
-engine's loader slices it, by EP slot: not built yet, refused).
+of a layer's experts, its intermediate axis cut over moe_tp, the experts axis whole (expert
+parallelism, where the engine's loader slices the experts axis by EP slot, would cut two dims of one
+tensor: not built, refused).
 
 What this file is: `fused_cut`, the Cutting of one parameter of a FusedExperts module from the
 family's FusedParam, and `sinks_cut`, attention sinks [heads] cut with the q heads.
@@ -26,7 +27,7 @@ def fused_cut(name: str, shape: tuple[int, ...], param: str, arch: Arch, model: 
     if spec is None:
         known = ", ".join(sorted(fused.params)) if fused is not None else "none"
         raise PlanError(f"{name}: no rule for parameter '{param}' of the fused experts (known: {known})")
-    if topology.ep > 1 and not fused.ep_loads:
+    if topology.ep > 1:
         raise PlanError(f"--ep {topology.ep}: {name} holds every expert in one tensor; {fused.ep_refusal}")
     e, h, i = model.num_experts, model.hidden_size, model.moe_intermediate_size
     want = FUSED_SHAPES[spec.shape](e, h, i)
@@ -35,17 +36,17 @@ def fused_cut(name: str, shape: tuple[int, ...], param: str, arch: Arch, model: 
     g = topology.moe_tp
     if spec.layout == "whole":  # a row-parallel bias: whole, added once after the reduction
         return Cutting("row_bias", None, g, 1, [Cut(0, 0, shape[0], 0, 0)])
-    if spec.layout == "segmented":
-        raise PlanError(f"{name}: a [gate | up] segmented fused expert tensor has no segment cut in tpshard yet")
     if i % g:
         raise PlanError(
             f"{name}: expert intermediate size {i} does not divide over moe_tp {g} (tp {topology.tp} / ep"
             f" {topology.ep}); SGLang's FusedMoE asserts it"
         )
+    kind = "row" if spec.role == "w2" else "column"
+    if spec.layout == "segmented":  # [gate | up] halves of I each: the rank's I / moe_tp of each, concatenated
+        return Cutting("segmented", spec.dim, 1, g, even_cuts(i, g, i // g), (1,) * spec.per_i)
     # interleaved gate/up: ONE contiguous slice of the 2I axis (the rank's (gate_j, up_j) pairs);
     # single (down): the rank's I / moe_tp columns.
     per = spec.per_i * (i // g)
-    kind = "row" if spec.role == "w2" else "column"
     return Cutting(kind, spec.dim, 1, g, even_cuts(shape[spec.dim], g, per))
 
 
