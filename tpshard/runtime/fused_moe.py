@@ -9,6 +9,10 @@ elementwise over the intermediate axis, so each rank's slice gives its partial s
 down bias is added by MoE-TP rank 0 only (SGLang zeroes it on the other ranks), and one
 all-reduce over the group sums the slices.
 
+`SegmentedExperts` is the same for Llama-4 (models/mllama4.py, transformers Llama4TextExperts): no
+biases, gate_up_proj [E, H, 2 I_r] holding the rank's slice of the gate half then of the up half,
+silu(gate) * up.
+
 `sinks_attention` is transformers' eager_attention_forward of gpt-oss on a rank's heads: the
 sink of each head an extra logit column of the softmax, dropped after it; a sliding window keeps
 the `window` most recent positions (the query's own included).
@@ -30,6 +34,8 @@ PARAMS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
 
 class InterleavedExperts(nn.Module):
+    params = PARAMS  # the checkpoint's fused tensors of the layer
+
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, *, group: LogicalGroup,
         alpha: float, limit: float, dtype: torch.dtype, name: str = "",
@@ -40,7 +46,8 @@ class InterleavedExperts(nn.Module):
         self.moe_tp_size, self.moe_tp_rank = group.size, group.rank
         self.intermediate_per_rank = i_p = divide(intermediate_size, group.size, f"{self.name}: expert intermediate size over MoE-TP")
         e, h = num_experts, hidden_size
-        self.shapes = {"gate_up_proj": (e, h, 2 * i_p), "gate_up_proj_bias": (e, 2 * i_p), "down_proj": (e, i_p, h), "down_proj_bias": (e, h)}
+        shapes = {"gate_up_proj": (e, h, 2 * i_p), "gate_up_proj_bias": (e, 2 * i_p), "down_proj": (e, i_p, h), "down_proj_bias": (e, h)}
+        self.shapes = {p: shapes[p] for p in self.params}
         # Zeros, not empty: a parameter never loaded must not look like plausible weights.
         self.weights = {p: torch.zeros(s, dtype=dtype) for p, s in self.shapes.items()}
         self.reduce_results = True
@@ -53,7 +60,7 @@ class InterleavedExperts(nn.Module):
     def load(self, param: str, tensor: torch.Tensor) -> None:
         """Copy this rank's presharded tensor of `param`; never slices."""
         if param not in self.shapes:
-            raise KeyError(f"{self.name}: no parameter {param!r}; the fused experts have {list(PARAMS)}")
+            raise KeyError(f"{self.name}: no parameter {param!r}; the fused experts have {list(self.params)}")
         if tuple(tensor.shape) != self.shapes[param]:
             raise ValueError(
                 f"{self.name}: {param} has shape {tuple(tensor.shape)}, MoE-TP rank {self.moe_tp_rank}/{self.moe_tp_size}"
@@ -63,7 +70,7 @@ class InterleavedExperts(nn.Module):
         self._loaded.add(param)
 
     def missing_shards(self) -> list[str]:
-        return [p for p in PARAMS if p not in self._loaded]
+        return [p for p in self.params if p not in self._loaded]
 
     def expert(self, e: int, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
         """Expert e on tokens x [n, H] over this rank's slice of I -> [n, H], partial; the down
@@ -73,6 +80,7 @@ class InterleavedExperts(nn.Module):
         y = swiglu(gu, self.alpha, self.limit) @ w["down_proj"][e]
         return y + w["down_proj_bias"][e] if bias and self.moe_tp_rank == 0 else y
 
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], ids [T, k], weights [T, k] -> [T, H]: sum over the k picks of w * expert(x)."""
         out = torch.zeros_like(x)
@@ -81,6 +89,21 @@ class InterleavedExperts(nn.Module):
             if tok.numel():
                 out.index_add_(0, tok, self.expert(e, x[tok]) * topk_weights[tok, pick, None].to(x.dtype))
         return self.group.all_reduce(out) if self.reduce_results else out
+
+
+class SegmentedExperts(InterleavedExperts):
+    params = ("gate_up_proj", "down_proj")
+
+    def expert(self, e: int, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
+        """Expert e on tokens x [n, H] over this rank's slice of I -> [n, H], partial (no biases)."""
+        gu = x @ self.weights["gate_up_proj"][e]  # [n, 2 I_r]: the rank's gate slice, then its up slice
+        return silu_halves(gu) @ self.weights["down_proj"][e]
+
+
+def silu_halves(gu: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of [gate | up] halves [..., 2n] -> [..., n] (transformers Llama4TextExperts)."""
+    g, u = gu.chunk(2, dim=-1)
+    return F.silu(g) * u
 
 
 def swiglu(gu: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
