@@ -11,9 +11,8 @@ moe_tp = tp) is what SGLang 0.5.23 builds for it:
   divide), o_proj a RowParallelLinear over attn_tp, no biases. Its q/k norm is an L2 norm without
   weight (nothing on disk). The loader permutes each head's q/k rows for its rotary kernel
   (permute_qk_weight_for_rotary, by the total head counts) before the cut: that is the engine's
-  in-memory order; a per-rank checkpoint in HF names keeps the checkpoint's order, which the same
-  loader then permutes per rank (the permutation is within each head, so it commutes with a cut by
-  whole heads).
+  in-memory order; a per-rank checkpoint in HF names keeps the checkpoint's order (the permutation
+  stays inside each head, so the rank holds the same heads either way).
 - Layers: layer i is a Llama4MoE iff (i + 1) % interleave_moe_layer_step == 0 (every layer when the
   step is 0), else a LlamaMLP of intermediate_size_mlp over the full tp. Transformers decides by
   config.json's moe_layers: a config whose moe_layers differ from the step's is refused.
