@@ -22,7 +22,10 @@ ARCHITECTURES: dict[str, Arch] = {a.name: a for family in FAMILIES for a in fami
 
 
 def refuse_architecture(name: str) -> None:
-    """A one-line refusal of an architecture no family declares."""
+    """A one-line refusal of an architecture no family declares, or one a family refuses (its REFUSED)."""
+    why = next((f.REFUSED[name] for f in FAMILIES if name in getattr(f, "REFUSED", {})), None)
+    if why:
+        raise PlanError(f"{name}: {why}")
     if name not in ARCHITECTURES:
         raise PlanError(
             f"architecture {name} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"

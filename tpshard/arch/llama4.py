@@ -111,7 +111,9 @@ def expected(model: ModelInfo, config: dict) -> Iterable[str]:
     """Embedding, final norm, lm_head (Llama4ForConditionalGeneration loads its own); per layer two
     norms, q/k/v/o, and a dense MLP or the router, the shared expert and the two fused expert tensors."""
     p = LM + "model"
-    yield from (f"{p}.embed_tokens.weight", f"{p}.norm.weight", LM + "lm_head.weight")
+    yield from (f"{p}.embed_tokens.weight", f"{p}.norm.weight")
+    if not config_value(config, "tie_word_embeddings", False):  # tied is refused (refuse_config)
+        yield LM + "lm_head.weight"
     for i in range(model.num_layers):
         layer = f"{p}.layers.{i}"
         yield from (f"{layer}.input_layernorm.weight", f"{layer}.post_attention_layernorm.weight")
@@ -155,12 +157,14 @@ def refuse_tensors(names: Iterable[str]) -> None:
         )
 
 
-def refuse_causal_lm(config: dict, model: ModelInfo) -> None:
-    raise PlanError(
-        "Llama4ForCausalLM: SGLang's Llama4ForCausalLM loads through LlamaForCausalLM.load_weights, which has no mapping"
-        " for the fused experts (models/llama.py); save the text weights as Llama4ForConditionalGeneration"
-        " (language_model.*), as the release and ModelOpt's text-only exports do"
-    )
+# Architectures this family knows and refuses (tpshard.arch.refuse_architecture): why, in one line.
+REFUSED = {
+    "Llama4ForCausalLM": (
+        "SGLang's Llama4ForCausalLM loads through LlamaForCausalLM.load_weights, which has no mapping for the fused"
+        " experts (models/llama.py); save the text weights as Llama4ForConditionalGeneration (language_model.*), as the"
+        " release and ModelOpt's text-only exports do"
+    ),
+}
 
 
 def llama4_router(config: dict, e: int, k: int) -> RouterConfig:
@@ -172,10 +176,5 @@ ARCHS = (
         "Llama4ForConditionalGeneration", RULES, "mllama4.py", attn_group="attn_tp", embed_group="replicated",
         model_type="llama4", expected=expected, exports=EngineNames(vllm=None, sglang=None), verify=None,
         router=llama4_router, sparse=sparse, check=refuse_config, fused_experts=FUSED, refuse_tensors=refuse_tensors,
-    ),
-    Arch(
-        "Llama4ForCausalLM", (), "llama4.py", attn_group="attn_tp", embed_group="replicated", model_type="llama4_text",
-        expected=lambda model, config: (), exports=EngineNames(vllm=None, sglang=None), verify=None, router=None,
-        check=refuse_causal_lm,
     ),
 )  # fmt: skip
