@@ -2,7 +2,8 @@
 
 Text: 8 heads of 16 over 2 kv heads, hidden 64, 4 layers with experts in layers 1 and 3
 (interleave_moe_layer_step 2), 4 experts (top 1) of intermediate 32 (divisible by moe_tp 2, 4, 8),
-a shared expert of 32, dense layers of intermediate_size_mlp 48, vocab 250 (not a multiple of 64).
+a shared expert of 32, dense layers of intermediate_size_mlp 48, vocab 250 (not a multiple of 64);
+layer 3 is a NoPE layer (no_rope_layer_interval 4), the others RoPE with chunked attention.
 Every parameter random (norms would start at 1). transformers 5.24 saves the release's names:
 `language_model.model.layers.N.feed_forward.experts.gate_up_proj` [E, H, 2I] ([gate | up] halves),
 `...experts.down_proj` [E, I, H], `language_model.lm_head.weight`, and the vision tower under
@@ -23,6 +24,9 @@ TEXT = dict(
     vocab_size=250, hidden_size=64, intermediate_size=32, intermediate_size_mlp=48, num_hidden_layers=4,
     num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
     interleave_moe_layer_step=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+    # shorter than verify's 16 tokens, so that chunked attention and the NoPE layer's temperature
+    # tuning both act (the release's 8192 would leave them identities)
+    attention_chunk_size=4, floor_scale=4,
 )  # fmt: skip
 VISION = dict(
     hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, image_size=28, patch_size=14,

@@ -7,7 +7,8 @@ narrowed to the rank's I / moe_tp (so the rank holds its slice of the gate half,
 the up half), `experts.down_proj` [E, I, H] on dim 1, the router whole, the shared expert and the
 dense layers' MLP over the full tp, attention over attn_tp (kv heads replicated past 2 ranks), the
 embedding whole under attention DP (enable_tp=not is_dp_attention_enabled()), lm_head over tp.
-Then the refusals, and layouts broken on purpose that check --source and verify must see.
+Then the refusals, layouts broken on purpose that check --source and verify must see, and verify
+--model against transformers' Llama4ForCausalLM on the same weights.
 """
 
 from __future__ import annotations
@@ -145,12 +146,15 @@ def test_refusals(llama4, tmp_path, args, message):
 
 
 def test_checkpoint_refusals(llama4, tmp_path):
-    """The vision tower, transformers' text-only Llama4ForCausalLM, moe_layers that SGLang's step
-    would not give: one line each, nothing written."""
+    """The vision tower, transformers' text-only Llama4ForCausalLM, and configs SGLang would serve as
+    another model than transformers' (moe_layers its step would not give, RoPE layers other than its
+    hard-coded ones, top-2 routing with the weight on the input): one line each, nothing written."""
     cases = [
         (make_llama4(tmp_path / "vision", text_only=False), "holds the vision tower (multi_modal_projector.linear_1.weight"),
         (_edit_config(llama4, tmp_path / "causal", architectures=["Llama4ForCausalLM"]), "LlamaForCausalLM.load_weights, which has no mapping"),
         (_edit_config(llama4, tmp_path / "layers", moe_layers=[0, 2]), "moe_layers [0, 2] are not the layers interleave_moe_layer_step 2 gives ([1, 3])"),
+        (_edit_config(llama4, tmp_path / "nope", no_rope_layers=[1, 0, 1, 1]), "Llama4Attention rotates every layer but each 4th ([1, 1, 1, 0])"),
+        (_edit_config(llama4, tmp_path / "top2", num_experts_per_tok=2), "which its FusedMoE runs for top-1 only"),
     ]
     for src, message in cases:
         p = tpshard_cli("split", src, "-o", tmp_path / "out", "--tp", "2")
@@ -158,7 +162,7 @@ def test_checkpoint_refusals(llama4, tmp_path):
         assert not (tmp_path / "out").exists()
 
 
-def test_export_and_model_verify_refused(tp4_dp2, llama4, tmp_path):
+def test_export_refused(tp4_dp2, tmp_path):
     p = tpshard_cli("export", tp4_dp2, "--format", "vllm", "-o", tmp_path / "deploy")
     assert p.returncode == 2 and "no vllm name table for Llama4ForConditionalGeneration" in p.stderr and len(p.stderr.strip().splitlines()) == 1
     p = tpshard_cli("export", tp4_dp2, "--format", "sglang", "-o", tmp_path / "deploy")
@@ -210,15 +214,27 @@ def test_check_source_sees_each_breakage(broken, llama4):
         assert name in found, (name, found)
 
 
-def test_verify_layers(broken, tp4_dp2, llama4):
-    """Layer-level verify of the good and the broken tp 4 attn-dp 2 outputs, in one launch: the good
-    one passes every layer (the fused experts' segmented gate/up included), the broken one names
-    each breakage."""
-    good, bad = verify_many([tp4_dp2, broken], [llama4, llama4])
-    assert good.ok, [(r.layer, r.problems) for r in good.layers if r.problems]
+def test_verify(broken, tp4_dp2, llama4):
+    """verify --model of the good and the broken tp 4 attn-dp 2 outputs, in one launch. The good one
+    passes every layer (the fused experts' segmented gate/up included) and matches transformers'
+    logits (chunked attention and the NoPE layer's temperature tuning act within the 16 tokens); the
+    broken one names each breakage and its logits differ."""
+    good, bad = verify_many([tp4_dp2, broken], [llama4, llama4], model=True)
+    assert good.ok, [(r.layer, r.problems) for r in good.layers if r.problems] + [good.model.problems if good.model else None]
     assert any(r.layer_class == "FusedExperts" for r in good.layers)
+    assert good.model is not None and good.model.top1 == 1.0 and good.model.max_rel < 1e-5
     failed = {r.layer: " ".join(r.problems) for r in bad.layers if r.problems}
     assert "differs" in failed[P.format(i=1) + "feed_forward.experts"]
     assert "expert 2 on MoE-TP rank 1/4 differs" in failed[P.format(i=3) + "feed_forward.experts"]
     assert P.format(i=0) + "self_attn.qkv_proj" in failed
     assert P.format(i=3) + "feed_forward.shared_expert.gate_up_proj" in failed
+    assert bad.model is not None and not bad.model.ok
+
+
+@pytest.mark.slow
+def test_verify_model_tp8(llama4, tmp_path):
+    """tp 8: the kv heads replicated 4 ways, one head per rank."""
+    out = tmp_path / "out"
+    tpshard.split(llama4, out, Topology(tp=8))
+    (report,) = verify_many([out], [llama4], model=True)
+    assert report.ok and report.model.top1 == 1.0

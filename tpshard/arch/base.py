@@ -162,9 +162,9 @@ ENGINES: tuple[str, ...] = EngineNames._fields  # ("vllm", "sglang"), the order 
 
 # (ModelInfo, config.json) -> the tensor names a complete checkpoint holds, in a fixed order.
 Expected = Callable[[ModelInfo, dict], Iterable[str]]
-# The tensor-parallel decoder `verify --model` runs: tpshard.verify.decoder's dense one, or
-# tpshard.verify.moe_model's MoE / MLA one.
-VerifyKind = Literal["dense", "moe"]
+# The tensor-parallel decoder `verify --model` runs: tpshard.verify.decoder's dense one,
+# tpshard.verify.moe_model's MoE / MLA one, or tpshard.verify.llama4_model's.
+VerifyKind = Literal["dense", "moe", "llama4"]
 
 
 @dataclass(frozen=True)

@@ -38,12 +38,19 @@ moe_tp = tp) is what SGLang 0.5.23 builds for it:
   when the checkpoint's index names vision weights and multimodal is enabled, with its own
   column/row cuts that tpshard has not measured; text-only checkpoints (ModelOpt's exports) load
   through the same class without it.
+- Refused, where SGLang would build another model than transformers: RoPE layers other than all
+  but each 4th (Llama4Attention hard-codes `(layer_id + 1) % 4 != 0`; transformers reads
+  no_rope_layers), layer_types other than chunked attention on those layers, top-k other than 1
+  (Llama4MoE's apply_router_weight_on_input, which SGLang's FusedMoE asserts top-1 for), tied
+  embeddings, an activation other than silu.
 - Refused: Llama4ForCausalLM checkpoints (transformers' text-only class, names without
   `language_model.`): SGLang's Llama4ForCausalLM loads through LlamaForCausalLM.load_weights, which
   has no mapping for the fused experts (models/llama.py); pipeline stages (no per-stage layout on
-  record); export to either engine (no name table measured); verify --model (chunked attention,
-  no-RoPE layers with temperature tuning and the L2 q/k norm are not in tpshard's decoder). Layer
-  level verify runs every layer, the fused experts included (tpshard.verify.fused_layers).
+  record); export to either engine (no name table measured).
+- `verify --model` runs tpshard.verify.llama4_model's decoder (rotary on adjacent pairs, the L2 q/k
+  norm, NoPE layers' temperature tuning, chunked attention, the sigmoid router weight on the
+  experts' input, the shared expert) against transformers' Llama4ForCausalLM on the same weights;
+  layer-level verify runs every layer, the fused experts included (tpshard.verify.fused_layers).
 """
 
 from __future__ import annotations
@@ -136,6 +143,25 @@ def refuse_config(config: dict, model: ModelInfo) -> None:
             f"{name}: config.json moe_layers {list(listed)[:16]} are not the layers interleave_moe_layer_step {step}"
             f" gives ({ours[:16]}); SGLang's Llama4DecoderLayer decides by the step, transformers by moe_layers"
         )
+    # Llama4Attention: use_rope = (layer_id + 1) % 4 != 0, whatever config.json says; transformers
+    # reads no_rope_layers (by default from no_rope_layer_interval) and chunks the RoPE layers' attention
+    every = config_value(config, "no_rope_layer_interval", 4)
+    theirs = list(config_value(config, "no_rope_layers") or [int((i + 1) % every != 0) for i in range(model.num_layers)])
+    sglang = [int((i + 1) % 4 != 0) for i in range(model.num_layers)]
+    if theirs != sglang:
+        raise PlanError(
+            f"{name}: config.json's RoPE layers (no_rope_layers {theirs[:16]}) are not SGLang's: Llama4Attention rotates"
+            f" every layer but each 4th ({sglang[:16]}) whatever the config says"
+        )
+    types = config_value(config, "layer_types")
+    if types is not None and list(types) != ["chunked_attention" if r else "full_attention" for r in sglang]:
+        raise PlanError(f"{name}: config.json layer_types {list(types)[:8]} are not chunked attention on the RoPE layers, full on the others, as SGLang's Llama4Attention builds them")
+    k = config_value(config, "num_experts_per_tok", 1)
+    if k != 1:
+        raise PlanError(
+            f"{name}: num_experts_per_tok {k}; SGLang's Llama4MoE applies the router weight to the experts' input"
+            " (apply_router_weight_on_input), which its FusedMoE runs for top-1 only (it asserts topk == 1)"
+        )
     if config_value(config, "tie_word_embeddings", False):
         raise PlanError(f"{name}: tied embeddings; SGLang's Llama4ForConditionalGeneration loads language_model.lm_head.weight")
     act = config_value(config, "hidden_act", "silu")
@@ -174,7 +200,7 @@ def llama4_router(config: dict, e: int, k: int) -> RouterConfig:
 ARCHS = (
     Arch(
         "Llama4ForConditionalGeneration", RULES, "mllama4.py", attn_group="attn_tp", embed_group="replicated",
-        model_type="llama4", expected=expected, exports=EngineNames(vllm=None, sglang=None), verify=None,
+        model_type="llama4", expected=expected, exports=EngineNames(vllm=None, sglang=None), verify="llama4",
         router=llama4_router, sparse=sparse, check=refuse_config, fused_experts=FUSED, refuse_tensors=refuse_tensors,
     ),
 )  # fmt: skip

@@ -244,7 +244,11 @@ def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
         for s in plan.rank_shards(rank)
         if s.layer_class == "Replicated"
     }
-    if is_moe(plan):
+    if arch_for(plan.model).verify == "llama4":
+        from tpshard.verify.llama4_model import Llama4Decoder
+
+        decoder = Llama4Decoder(plan, rank, layers, norms, device, hf_config(tensors))
+    elif is_moe(plan):
         decoder = MoEDecoder(plan, rank, layers, norms, device, tensors.folder, hf_config(tensors))
     else:
         # Only rank 0 reads the source: the RoPE parameters travel from there.
