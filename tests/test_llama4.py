@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,16 +24,13 @@ import torch
 import tpshard
 from broken import overwrite_tensor, rewrite_checksums
 from llama4_fixtures import make_llama4
+from test_gpt_oss import tpshard_cli
 from test_moe_split import source_tensors
 from tpshard.topology import Topology
 from tpshard.verify import verify_many
 
 E, H, I, MLP, HEADS, KV, HD = 4, 64, 32, 48, 8, 2, 16
 P = "language_model.model.layers.{i}."
-
-
-def tpshard_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tpshard", *map(str, args)], capture_output=True, text=True)
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from tpshard.arch.tensors import config_value
-from tpshard.verify.decoder import INPUT_NORM, POST_NORM, TPDecoder, rms_norm, rope_config, rope_inv_freq
+from tpshard.verify.decoder import INPUT_NORM, POST_NORM, TPDecoder, rms_norm, rope_config
 from tpshard.verify.layer_specs import run_row
 
 ROPE_TYPES = ("default", "llama3")
