@@ -50,16 +50,16 @@ SPECS = {
     "nvfp4": QuantSpec(format="ct_nvfp4", bits=4, group_size=16, static_input=True),
     "fp8_block": QuantSpec(format="fp8_block", bits=8),
 }
-CASES = [
-    ("qwen3_moe", "w4a16_g32", "tp2"), ("qwen3_moe", "w4a16_g32", "tp4-ep2"), ("qwen3_moe", "w4a16_g32", "tp8-ep2"),
-    ("deepseek_v3", "w4a16_g32", "tp4-ep4-dp2"), ("mixtral", "w4a16_g32", "tp4-ep2"), ("qwen2_moe", "w4a16_g32", "tp4"),
-    ("glm4_moe", "w4a16_g32", "tp4-ep2"), ("qwen3_moe", "nvfp4", "tp8-ep2"), ("deepseek_v3", "nvfp4", "tp4-ep2"),
-    ("qwen3_moe", "w8a8_int8", "tp4-ep2"), ("glm4_moe", "fp8_block", "tp2-ep2"), ("qwen3_moe", "fp8_block", "tp2"),
+CASES = [  # default: one per family, every format, EP and attention DP
+    ("qwen3_moe", "w4a16_g32", "tp4-ep2"), ("deepseek_v3", "w4a16_g32", "tp4-ep4-dp2"), ("mixtral", "w4a16_g32", "tp4-ep2"),
+    ("glm4_moe", "fp8_block", "tp2-ep2"), ("qwen3_moe", "nvfp4", "tp8-ep2"),
 ]  # fmt: skip
 SLOW = [
-    ("qwen3_moe", "nvfp4", "tp2"), ("qwen3_moe", "nvfp4", "tp4-ep2"), ("qwen3_moe", "w8a8_int8", "tp2"),
-    ("qwen3_moe", "w8a8_int8", "tp8-ep2"), ("mixtral", "nvfp4", "tp4"), ("glm4_moe", "nvfp4", "tp4-ep4-dp2"),
-    ("deepseek_v3", "w8a8_int8", "tp8-ep2"), ("qwen2_moe", "nvfp4", "tp2"),
+    ("qwen3_moe", "w4a16_g32", "tp2"), ("qwen3_moe", "w4a16_g32", "tp8-ep2"), ("qwen2_moe", "w4a16_g32", "tp4"),
+    ("glm4_moe", "w4a16_g32", "tp4-ep2"), ("deepseek_v3", "nvfp4", "tp4-ep2"), ("qwen3_moe", "w8a8_int8", "tp4-ep2"),
+    ("qwen3_moe", "fp8_block", "tp2"), ("qwen3_moe", "nvfp4", "tp2"), ("qwen3_moe", "nvfp4", "tp4-ep2"),
+    ("qwen3_moe", "w8a8_int8", "tp2"), ("qwen3_moe", "w8a8_int8", "tp8-ep2"), ("mixtral", "nvfp4", "tp4"),
+    ("glm4_moe", "nvfp4", "tp4-ep4-dp2"), ("deepseek_v3", "w8a8_int8", "tp8-ep2"), ("qwen2_moe", "nvfp4", "tp2"),
 ]  # fmt: skip
 
 
@@ -173,7 +173,7 @@ def test_auto_round_resolves_per_module(tmp_path):
     assert awq.spec_for("model.layers.0.mlp.down_proj", True) == QuantSpec(format="awq", bits=4, group_size=128, sym=False)
 
 
-@pytest.mark.parametrize("packing,fmt", [("auto_round:auto_gptq", "gptq"), ("auto_round:auto_awq", "awq")])
+@pytest.mark.parametrize("packing,fmt", [("auto_round:auto_gptq", "gptq"), pytest.param("auto_round:auto_awq", "awq", marks=pytest.mark.slow)])
 def test_auto_round_dense_and_experts_split(tmp_path, packing, fmt):
     """auto-round checkpoints in GPTQ and AWQ layout (dense Llama and Qwen3-MoE experts) split, check
     and dequantize per rank like the GPTQ / AWQ checkpoints they are laid out as."""
@@ -218,3 +218,44 @@ def test_plan_counts_quantized_experts_present_and_missing(models, tmp_path):
     (broken / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(PlanError, match=r"model.layers.1: 1 of 24 routed expert weights are missing .*first: expert 5 w3"):
         make_plan(open_checkpoint(broken), Topology(tp=2))
+
+
+@pytest.mark.slow
+def test_layer_level_verify_and_broken_experts(models, tmp_path):
+    """verify (layer level, one launch) dequantizes every rank's experts against the dequantized source:
+    INT4 pack-quantized (Qwen3-MoE), NVFP4 (DeepSeek-V3) and W8A8 int8 (Qwen2-MoE, every linear) pass
+    at tp 4 / ep 2; an expert holding another expert's scales, experts dealt round-robin to EP slots
+    and a packed weight of the other MoE-TP rank are caught, by name."""
+    from broken import overwrite_tensor, rewrite_checksums
+    from test_verify_moe import copy, round_robin_split
+
+    from tpshard.verify import verify_many
+
+    topo = Topology(tp=4, ep=2)  # moe_tp 2: EP slot 0 (experts 0-3) = ranks 0, 1
+    int4, _ = models("qwen3_moe", "w4a16_g32")
+    sources = [int4, models("deepseek_v3", "nvfp4")[0], models("qwen2_moe", "w8a8_int8", experts_only=False)[0], int4, int4, int4]
+    outs = [tmp_path / n for n in ("int4", "nvfp4", "int8", "other_scale", "round_robin", "other_rank")]
+    for src, out in zip(sources[:3], outs[:3]):
+        tpshard.split(src, out, topo)
+    expert = "model.layers.1.mlp.experts.{e}.{p}_proj.{s}"
+    copy(outs[0], outs[3])
+    for p in ("gate", "up", "down"):  # rank 0's expert 1 holds expert 0's scales (its codes are its own)
+        name = expert.format(e=0, p=p, s="weight_scale")
+        overwrite_tensor(outs[3], 0, expert.format(e=1, p=p, s="weight_scale"), tpshard.open_rank(outs[3], 0)[name].clone())
+    rewrite_checksums(outs[3])
+    round_robin_split(int4, outs[4], topo)
+    copy(outs[0], outs[5])
+    name = expert.format(e=2, p="down", s="weight_packed")  # K-cut over moe_tp: rank 1 holds the other half
+    overwrite_tensor(outs[5], 0, name, tpshard.open_rank(outs[5], 1)[name].clone())
+    rewrite_checksums(outs[5])
+    reports = verify_many(outs, sources)
+    for out, r, scheme in zip(outs[:3], reports[:3], ("w4a16_g32", "nvfp4", "w8a8_int8")):
+        assert r.ok, (out.name, r.failures())
+        assert {x.quant for x in r.layers if x.layer_class == "FusedMoE"} == {SPECS[scheme].format}, out.name
+    failed = {out.name: {x.layer: "; ".join(x.problems) for x in r.layers if not x.ok} for out, r in zip(outs[3:], reports[3:])}
+    assert list(failed["other_scale"]) == ["model.layers.1.mlp.experts"], failed["other_scale"]
+    assert "expert 1 (EP slot 0/2, MoE-TP rank 0/2) differs" in failed["other_scale"]["model.layers.1.mlp.experts"]
+    assert set(failed["round_robin"]) == {f"model.layers.{i}.mlp.experts" for i in range(3)}, failed["round_robin"]
+    assert "never loaded experts" in failed["round_robin"]["model.layers.0.mlp.experts"]
+    assert list(failed["other_rank"]) == ["model.layers.1.mlp.experts"], failed["other_rank"]
+    assert "expert 2 (EP slot 0/2, MoE-TP rank 0/2) differs" in failed["other_rank"]["model.layers.1.mlp.experts"]
