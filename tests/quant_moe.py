@@ -11,7 +11,7 @@ compressed-tensors compressor writes) is packed by `tpshard.quant.formats.random
 {module: expected float32 weight [N, K]}.
 
 Schemes: `w4a16_g32` (Kimi-K2's release: pack-quantized INT4, group 32, symmetric, experts only),
-`w8a8_int8` (int-quantized, channel scales, dynamic per-token int8
+`w4a16_g32_actorder` (the same with actorder "group": weight_g_idx, packed by tpshard), `w8a8_int8` (int-quantized, channel scales, dynamic per-token int8
 activations), `nvfp4` (nvfp4-pack-quantized with input_global_scale), `fp8_block` (DeepSeek-V3 /
 GLM-4.5-FP8 / Qwen3-FP8: quant_method fp8, weight_block_size [128, 128]); `gptq` and `awq` (4-bit,
 group 32, the layouts auto-round's auto_gptq / auto_awq packing formats write; no config written).
@@ -44,6 +44,7 @@ def _args(**kw) -> dict:
 SCHEMES: dict[str, tuple[str, dict, dict | None]] = {
     # name: (compressed-tensors format, weights args, input_activations args)
     "w4a16_g32": ("pack-quantized", _args(), None),
+    "w4a16_g32_actorder": ("pack-quantized", _args(actorder="group"), None),  # packed by tpshard (TPSHARD_PACKED)
     "w8a8_int8": (
         "int-quantized", _args(num_bits=8, strategy="channel", group_size=None),
         _args(num_bits=8, strategy="token", group_size=None, dynamic=True),
@@ -60,6 +61,8 @@ def _tpshard_packed() -> dict:
 
     return {
         "fp8_block": QuantSpec(format="fp8_block", bits=8),
+        # compressed-tensors' compressor does not write act order's g_idx; tpshard's ct_int packer does
+        "w4a16_g32_actorder": QuantSpec(format="ct_int", bits=4, group_size=32, desc_act=True),
         "gptq": QuantSpec(format="gptq", bits=4, group_size=32, sym=True),  # auto-round's auto_gptq layout
         "awq": QuantSpec(format="awq", bits=4, group_size=32, sym=False),  # auto-round's auto_awq layout
     }

@@ -46,13 +46,14 @@ TOPOLOGIES = {"tp2": Topology(tp=2), "tp4-ep2": Topology(tp=4, ep=2), "tp8-ep2":
               "tp4-ep4-dp2": Topology(tp=4, ep=4, attn_dp=2), "tp4": Topology(tp=4), "tp2-ep2": Topology(tp=2, ep=2)}  # fmt: skip
 SPECS = {
     "w4a16_g32": QuantSpec(format="ct_int", bits=4, group_size=32),
+    "w4a16_g32_actorder": QuantSpec(format="ct_int", bits=4, group_size=32, desc_act=True),
     "w8a8_int8": QuantSpec(format="ct_int8_channel", bits=8),
     "nvfp4": QuantSpec(format="ct_nvfp4", bits=4, group_size=16, static_input=True),
     "fp8_block": QuantSpec(format="fp8_block", bits=8),
 }
 CASES = [  # default: one per family, every format, EP and attention DP
     ("qwen3_moe", "w4a16_g32", "tp4-ep2"), ("deepseek_v3", "w4a16_g32", "tp4-ep4-dp2"), ("mixtral", "w4a16_g32", "tp4-ep2"),
-    ("glm4_moe", "fp8_block", "tp2-ep2"), ("qwen3_moe", "nvfp4", "tp8-ep2"),
+    ("glm4_moe", "fp8_block", "tp2-ep2"), ("qwen3_moe", "nvfp4", "tp8-ep2"), ("qwen3_moe", "w4a16_g32_actorder", "tp4-ep2"),
 ]  # fmt: skip
 SLOW = [
     ("qwen3_moe", "w4a16_g32", "tp2"), ("qwen3_moe", "w4a16_g32", "tp8-ep2"), ("qwen2_moe", "w4a16_g32", "tp4"),
@@ -106,6 +107,9 @@ def test_quantized_experts_split_check_dequant(models, tmp_path, family, scheme,
     assert quant == set(expected), sorted(set(expected) ^ quant)[:4]  # every expert (and nothing else) quantized
     assert_rank_dequant(out, SPECS[scheme], expected)
     assert_experts_on_their_slots(out)
+    if scheme.endswith("actorder"):  # SGLang's load_full_w2: down's scales whole on every moe_tp rank, g_idx sliced
+        down = {s.name.rpartition(".")[2]: s for s in manifest.plan.shards if s.name.startswith("model.layers.0.mlp.experts.0.down_proj.")}
+        assert down["weight_scale"].dim is None and down["weight_g_idx"].dim == 0, down
 
 
 def test_w8a8_int8_dense_and_experts(models, tmp_path):
@@ -259,3 +263,11 @@ def test_layer_level_verify_and_broken_experts(models, tmp_path):
     assert "never loaded experts" in failed["round_robin"]["model.layers.0.mlp.experts"]
     assert list(failed["other_rank"]) == ["model.layers.1.mlp.experts"], failed["other_rank"]
     assert "expert 2 (EP slot 0/2, MoE-TP rank 0/2) differs" in failed["other_rank"]["model.layers.1.mlp.experts"]
+
+
+def test_experts_sglang_does_not_load_are_a_warning(models):
+    """The split of W8A8 int8 experts is exact, but SGLang's int8 MoE scheme is Ascend-only: plan warns."""
+    src, _ = models("qwen3_moe", "w8a8_int8")
+    assert any(w.startswith("int-quantized (W8A8 int8) experts: SGLang's") for w in make_plan(open_checkpoint(src), Topology(tp=2)).warnings)
+    src, _ = models("qwen3_moe", "w4a16_g32")
+    assert not any("SGLang's" in w for w in make_plan(open_checkpoint(src), Topology(tp=2)).warnings)
