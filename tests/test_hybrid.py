@@ -273,3 +273,30 @@ def test_verify_layers_and_a_contiguous_qkv(models, tmp_path, monkeypatch):
     failing = {x.layer for x in contiguous.layers if not x.ok}
     assert failing == {f"model.layers.{i}.linear_attn.in_proj_qkvz" for i in range(3)}, contiguous.failures()
     assert not conv.ok and any(name in p and "[0]" in p for p in conv.tensors.problems), conv.tensors.problems
+
+
+# ---- Qwen3.5-397B-A17B's dims, from headers alone ----------------------------------------------------
+
+
+def test_qwen3_5_397b_dims_tp8_ep8():
+    """tp 8, ep 8 at the release's dims (4 layers: 3 linear, 1 full): K = 16 x 128, V = 64 x 128."""
+    import fake_models as fm
+    from tpshard.plan import make_plan
+
+    plan = make_plan(fm.qwen3_5_moe(layers=4), Topology(tp=8, ep=8))
+    rank3 = {s.name: s for s in plan.rank_shards(3)}
+    kk, vv = 2048, 8192
+    qkv = rank3["model.layers.0.linear_attn.in_proj_qkv.weight"]
+    assert qkv.shape == ((2 * kk + vv) // 8, 4096) and qkv.segments == (1, 1, 4)
+    assert (qkv.start, qkv.length) == (3 * kk // 8, kk // 8)  # in units of K: q[768:1024], k[2816:3072], v[7168:8192]
+    assert rank3["model.layers.0.linear_attn.conv1d.weight"].shape == ((2 * kk + vv) // 8, 1, 4)
+    assert rank3["model.layers.0.linear_attn.A_log"].shape == (8,) and rank3["model.layers.0.linear_attn.A_log"].dtype == "F32"
+    assert rank3["model.layers.0.linear_attn.in_proj_z.weight"].shape == (vv // 8, 4096)
+    assert rank3["model.layers.0.linear_attn.out_proj.weight"].shape == (4096, vv // 8)
+    assert rank3["model.layers.3.self_attn.q_proj.weight"].shape == (2 * 32 * 256 // 8, 4096)
+    k = rank3["model.layers.3.self_attn.k_proj.weight"]  # 2 kv heads over attn_tp 8: ranks 0-3 hold head 0
+    assert k.shape == (256, 4096) and (k.start, k.factor) == (0, 4)
+    experts = sorted({s.expert for s in rank3.values() if s.expert is not None})
+    assert experts == list(range(3 * 64, 4 * 64)) and rank3["model.layers.1.mlp.experts.200.down_proj.weight"].shape == (4096, 1024)
+    assert rank3["model.layers.1.mlp.shared_expert.down_proj.weight"].shape == (4096, 1024 // 8)
+    assert rank3["model.embed_tokens.weight"].shape == (248320 // 8, 4096)
