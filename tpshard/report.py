@@ -21,6 +21,9 @@ REDUCTION = {
     "FusedMoE": "each rank runs the tokens routed to its EP slot's experts on its I_e slice; all-reduce over tp",
     "ReplicatedLinear": "none (computed whole on every rank)",
     "Replicated": "none",
+    "RMSNormTP": "all-reduce the sum of squares over {g}; the weight stays with the rank's heads",
+    "AttentionSinks": "none (one extra logit per local head in the softmax)",
+    "FusedExperts": "each rank runs every expert on its I_e slice of the fused [E, ...] tensors; all-reduce over tp, down bias added once",
     "HeadParameter": "none (each rank applies its heads' values)",
 }
 

@@ -22,6 +22,7 @@ from tpshard.arch import HEAD_COUNTS, SEGMENTS, SHAPES, Arch, Rule
 from tpshard.cuts import Cutting, ceil_div, even_cuts
 from tpshard.errors import PlanError
 from tpshard.manifest import Cut, Kind, ModelInfo, Options
+from tpshard.plan.fused import fused_cut, sinks_cut
 from tpshard.plan.kinds import TensorKind
 from tpshard.quant.formats import QuantSpec
 from tpshard.quant.layers import LogicalLayer
@@ -48,8 +49,10 @@ def group_of(rule: Rule, ctx: Layout) -> GroupName:
     match rule.role:
         case "attn":
             return ctx.arch.attn_group
-        case "embed":  # "replicated": whole under attention DP, over tp without (Qwen3.5's enable_tp = not dp_attention)
-            return "tp" if ctx.arch.embed_group == "replicated" and ctx.topology.attn_dp == 1 else ctx.arch.embed_group
+        case "embed":
+            if ctx.arch.embed_group == "replicated" and ctx.topology.attn_dp == 1:
+                return "tp"  # whole only under attention DP (gpt-oss: enable_tp=not is_dp_attention_enabled())
+            return ctx.arch.embed_group
         case "lm_head":
             return "attn_tp" if ctx.options.dp_lm_head else "tp"
         case "dense_mlp":
@@ -61,15 +64,16 @@ def group_of(rule: Rule, ctx: Layout) -> GroupName:
     return "replicated"
 
 
-def expected_shape(rule: Rule, model: ModelInfo) -> tuple[int, int] | None:
-    """[out, in] of a weight according to config.json."""
+def expected_shape(rule: Rule, model: ModelInfo) -> tuple[int, ...] | None:
+    """[out, in] of a weight according to config.json ([n] of a norm cut by heads)."""
     return SHAPES[rule.shape](model) if rule.shape else None
 
 
 def refuse_heads(name: str, rule: Rule, ctx: Layout) -> None:
     """Attention is cut by whole heads: QKV's k and v by kv heads (split, or replicated when the group
-    is larger), everything else cut by heads (q, o, MLA's projections) by the attention heads."""
-    if rule.layer_class != "QKVParallelLinear" and not rule.heads:
+    is larger), everything else cut by heads (q, o, MLA's projections) by the attention heads.
+    MiniMax-M2's RMSNormTP q_norm / k_norm follow their projection's heads (q, or k)."""
+    if rule.layer_class not in _BY_HEADS and not rule.heads:
         return
     group = group_of(rule, ctx)
     g, model = ctx.topology.group_size(group), ctx.model
@@ -77,7 +81,7 @@ def refuse_heads(name: str, rule: Rule, ctx: Layout) -> None:
         counts = HEAD_COUNTS[rule.head_counts](model)
         if any(n % g for _, n in counts):
             raise PlanError(f"{name}: {' and '.join(f'{n} {what}' for what, n in counts)} must each divide over the {group} group of {g} ranks")
-    elif rule.layer_class == "QKVParallelLinear" and rule.piece != "q":
+    elif rule.layer_class in _BY_HEADS and rule.piece != "q":
         kv = model.num_kv_heads
         if g % kv and kv % g:
             raise PlanError(
@@ -86,6 +90,12 @@ def refuse_heads(name: str, rule: Rule, ctx: Layout) -> None:
             )
     elif model.num_heads % g:
         raise PlanError(f"{name}: {model.num_heads} attention heads do not divide over the {group} group of {g} ranks")
+
+
+# Cut by whole heads along dim 0, kv pieces replicated when the group outnumbers the kv heads:
+# QKVParallelLinear's q / k / v, and MiniMax-M2's q_norm / k_norm (sglang/srt/models/minimax_m2.py,
+# MiniMaxM2RMSNormTP: num_head_replicas = attn_tp_size // num_heads, as QKVParallelLinear's kv).
+_BY_HEADS = ("QKVParallelLinear", "RMSNormTP")
 
 
 def cut_tensor(name: str, info: TensorInfo, rule: Rule, param: str, ctx: Layout) -> Cutting:
@@ -111,6 +121,11 @@ def cut_tensor(name: str, info: TensorInfo, rule: Rule, param: str, ctx: Layout)
         return whole("replicated")
     if cls == "RowParallelLinear" and param == "bias":
         return whole("row_bias")
+    if cls == "FusedExperts":
+        return fused_cut(name, shape, param, ctx.arch, model, topology)
+    if cls == "AttentionSinks":
+        refuse_heads(name, rule, ctx)
+        return sinks_cut(name, shape, param, model, g)
     if cls == "HeadParameter":  # any parameter name (A_log, dt_bias), cut by the heads checked above
         refuse_heads(name, rule, ctx)
         if expected and shape != (expected[0],):
@@ -132,7 +147,9 @@ def cut_tensor(name: str, info: TensorInfo, rule: Rule, param: str, ctx: Layout)
     refuse_heads(name, rule, ctx)
     if rule.segments:  # each segment cut over the group, the rank's slices concatenated (ShardSpec.segments)
         return segmented_cut(name, shape, rule, model, g)
-    if cls == "QKVParallelLinear":
+    if cls in _BY_HEADS:  # RMSNormTP.weight_loader: shard attn_tp_rank // num_head_replicas, as QKV's q / k
+        if cls == "RMSNormTP" and param != "weight":
+            raise PlanError(f"{name}: no rule for parameter '{param}' of {cls} {rule.layer}")
         if rule.piece == "q":  # whole heads of the rows per head on disk (a gated q holds [q_h | gate_h] per head)
             per = model.num_heads // g * (shape[0] // model.num_heads)
             return Cutting("qkv_q", 0, 1, g, even_cuts(shape[0], g, per))
