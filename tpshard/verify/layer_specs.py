@@ -115,10 +115,14 @@ class LayerSpecs:
 
 def no_runtime(s: ShardSpec) -> bool:
     """A sharded tensor verify has no runtime layer for: a gated DeltaNet's per-head A_log / dt_bias
-    (HeadParameter) and a linear class's weight of more than 2 dims (its conv1d; FusedMoE's stacked
-    [E, ...] experts have their layer). tpshard.verify.tensors_check compares each rank's
+    (HeadParameter) and a plain linear class's weight of more than 2 dims (its conv1d; stacked
+    [E, ...] experts have their MoE layers). tpshard.verify.tensors_check compares each rank's
     bytes of it with the source's cut instead."""
-    return s.dim is not None and (s.layer_class == "HeadParameter" or (len(s.source_shape) > 2 and s.layer_class != "FusedMoE"))
+    return s.dim is not None and (s.layer_class == "HeadParameter" or (len(s.source_shape) > 2 and s.layer_class in _LINEAR))
+
+
+# The plain linear classes, whose runtime layers take a 2-D weight.
+_LINEAR = ("ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear")
 
 
 def sharded_layers(plan: Plan) -> list[LayerSpecs]:
