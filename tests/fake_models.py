@@ -158,3 +158,55 @@ def mixtral(*, layers: int = 32, **overrides) -> Checkpoint:
             shapes[f"{p}.block_sparse_moe.experts.{x}.w2.weight"] = ((h, i_), "BF16")
     shapes |= {"model.norm.weight": ((h,), "BF16"), "lm_head.weight": ((c["vocab_size"], h), "BF16")}
     return _checkpoint(dict(c, architectures=["MixtralForCausalLM"], model_type="mixtral"), shapes)
+
+
+# Qwen3.5-397B-A17B's text model, as its config.json gives it: 60 layers (every 4th full attention),
+# H 4096, 32 heads of 256 over 2 kv heads (gated q), gated DeltaNet with 16 key heads and 64 value
+# heads of 128, 512 experts of 1024 + a shared expert of 1024, vocab 248320.
+QWEN3_5 = dict(
+    hidden_size=4096, num_hidden_layers=60, num_attention_heads=32, num_key_value_heads=2, head_dim=256,
+    linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=1024,
+    shared_expert_intermediate_size=1024, vocab_size=248320, full_attention_interval=4,
+)  # fmt: skip
+
+
+def qwen3_5_moe(*, layers: int = 60, **overrides) -> Checkpoint:
+    """Qwen3_5MoeForCausalLM at Qwen3.5-397B-A17B's dims (bf16; A_log fp32 as the release keeps it)."""
+    c = {**QWEN3_5, "num_hidden_layers": layers, **overrides}
+    h, e, hd = c["hidden_size"], c["num_experts"], c["head_dim"]
+    k, v, nv = c["linear_num_key_heads"] * c["linear_key_head_dim"], c["linear_num_value_heads"] * c["linear_value_head_dim"], c["linear_num_value_heads"]
+    heads, kv, i_e, s = c["num_attention_heads"], c["num_key_value_heads"], c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
+    shapes: dict = {"model.embed_tokens.weight": ((c["vocab_size"], h), "BF16")}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        shapes |= {f"{p}.input_layernorm.weight": ((h,), "BF16"), f"{p}.post_attention_layernorm.weight": ((h,), "BF16")}
+        if (i + 1) % c["full_attention_interval"]:
+            a = f"{p}.linear_attn"
+            shapes |= {
+                f"{a}.in_proj_qkv.weight": ((2 * k + v, h), "BF16"), f"{a}.in_proj_z.weight": ((v, h), "BF16"),
+                f"{a}.in_proj_b.weight": ((nv, h), "BF16"), f"{a}.in_proj_a.weight": ((nv, h), "BF16"),
+                f"{a}.conv1d.weight": ((2 * k + v, 1, c["linear_conv_kernel_dim"]), "BF16"),
+                f"{a}.A_log": ((nv,), "F32"), f"{a}.dt_bias": ((nv,), "BF16"),
+                f"{a}.norm.weight": ((c["linear_value_head_dim"],), "F32"), f"{a}.out_proj.weight": ((h, v), "BF16"),
+            }  # fmt: skip
+        else:
+            a = f"{p}.self_attn"
+            shapes |= {
+                f"{a}.q_proj.weight": ((2 * heads * hd, h), "BF16"), f"{a}.k_proj.weight": ((kv * hd, h), "BF16"),
+                f"{a}.v_proj.weight": ((kv * hd, h), "BF16"), f"{a}.o_proj.weight": ((h, heads * hd), "BF16"),
+                f"{a}.q_norm.weight": ((hd,), "BF16"), f"{a}.k_norm.weight": ((hd,), "BF16"),
+            }  # fmt: skip
+        shapes[f"{p}.mlp.gate.weight"] = ((e, h), "BF16")
+        for x in range(e):
+            shapes |= {
+                f"{p}.mlp.experts.{x}.gate_proj.weight": ((i_e, h), "BF16"), f"{p}.mlp.experts.{x}.up_proj.weight": ((i_e, h), "BF16"),
+                f"{p}.mlp.experts.{x}.down_proj.weight": ((h, i_e), "BF16"),
+            }  # fmt: skip
+        shapes |= {
+            f"{p}.mlp.shared_expert.gate_proj.weight": ((s, h), "BF16"), f"{p}.mlp.shared_expert.up_proj.weight": ((s, h), "BF16"),
+            f"{p}.mlp.shared_expert.down_proj.weight": ((h, s), "BF16"), f"{p}.mlp.shared_expert_gate.weight": ((1, h), "BF16"),
+        }  # fmt: skip
+    shapes |= {"model.norm.weight": ((h,), "BF16"), "lm_head.weight": ((c["vocab_size"], h), "BF16")}
+    config = dict(c, architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", dtype="bfloat16")
+    return _checkpoint(config, shapes, files=8)

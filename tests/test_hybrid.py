@@ -169,13 +169,13 @@ def test_key_heads_not_dividing_is_refused(tmp_path, arch_name):
     assert not (tmp_path / "out").exists()
 
 
-def test_export_and_verify_refused(models, tmp_path):
+def test_export_and_verify_model_refused(models, tmp_path):
     out = tmp_path / "out"
     tpshard.split(models[NEXT], out, Topology(tp=2))
     p = tpshard_cli("export", out, "--format", "vllm", "-o", tmp_path / "exp")
     assert p.returncode == 2 and "no vllm name table for Qwen3NextForCausalLM" in p.stderr and not (tmp_path / "exp").exists()
-    p = tpshard_cli("verify", out, "--source", models[NEXT])
-    assert p.returncode == 2 and "verify has no runtime for gated DeltaNet linear attention" in p.stderr, p.stderr
+    p = tpshard_cli("verify", out, "--source", models[NEXT], "--model")
+    assert p.returncode == 2 and "model-level verify supports" in p.stderr and "not Qwen3NextForCausalLM" in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
 
 
@@ -243,3 +243,60 @@ def test_another_ranks_segments_are_caught(models, tmp_path):
     assert tpshard.check(out, None).ok
     found = [p.message for p in tpshard.check(out, models[Q35]).problems]
     assert any(name in p and "holds the slice of group rank 1" in p for p in found), found[:4]
+
+
+# ---- verify: the projections at layer level, conv1d / A_log / dt_bias by their bytes ----------------
+
+
+@pytest.mark.slow
+def test_verify_layers_and_a_contiguous_qkv(models, tmp_path, monkeypatch):
+    """Both families verify at layer level (in_proj_qkvz's segmented qkv piece against the source's
+    columns in the engine's rank order, the gated q, the MoE block); a split that cuts in_proj_qkv
+    contiguously fails in_proj_qkvz there, whatever its own manifest says, and a rank holding
+    another rank's conv1d fails the bytes check."""
+    from broken import overwrite_tensor, rewrite_checksums
+    from tpshard.verify import verify_many
+
+    outs = {"q35": tmp_path / "q35", "next": tmp_path / "next", "contiguous": tmp_path / "contiguous", "conv": tmp_path / "conv"}
+    tpshard.split(models[Q35], outs["q35"], Topology(tp=2))
+    tpshard.split(models[NEXT], outs["next"], Topology(tp=2, ep=2))
+    rules = tuple(r._replace(segments="") for r in arch.ARCHITECTURES[Q35].rules)
+    split_with(Q35, models[Q35], outs["contiguous"], Topology(tp=2), monkeypatch, rules)
+    tpshard.split(models[Q35], outs["conv"], Topology(tp=2))
+    name = "model.layers.1.linear_attn.conv1d.weight"
+    overwrite_tensor(outs["conv"], 0, name, tpshard.open_rank(outs["conv"], 1)[name].clone())
+    rewrite_checksums(outs["conv"])
+    q35, nxt, contiguous, conv = verify_many(list(outs.values()), [models[Q35], models[NEXT], models[Q35], models[Q35]])
+    assert q35.ok and nxt.ok, q35.failures() + nxt.failures()
+    assert "model.layers.0.linear_attn.in_proj_qkvz" in {x.layer for x in q35.layers}
+    assert not any("conv1d" in x.layer or x.layer_class == "HeadParameter" for x in q35.layers)
+    failing = {x.layer for x in contiguous.layers if not x.ok}
+    assert failing == {f"model.layers.{i}.linear_attn.in_proj_qkvz" for i in range(3)}, contiguous.failures()
+    assert not conv.ok and any(name in p and "[0]" in p for p in conv.tensors.problems), conv.tensors.problems
+
+
+# ---- Qwen3.5-397B-A17B's dims, from headers alone ----------------------------------------------------
+
+
+def test_qwen3_5_397b_dims_tp8_ep8():
+    """tp 8, ep 8 at the release's dims (4 layers: 3 linear, 1 full): K = 16 x 128, V = 64 x 128."""
+    import fake_models as fm
+    from tpshard.plan import make_plan
+
+    plan = make_plan(fm.qwen3_5_moe(layers=4), Topology(tp=8, ep=8))
+    rank3 = {s.name: s for s in plan.rank_shards(3)}
+    kk, vv = 2048, 8192
+    qkv = rank3["model.layers.0.linear_attn.in_proj_qkv.weight"]
+    assert qkv.shape == ((2 * kk + vv) // 8, 4096) and qkv.segments == (1, 1, 4)
+    assert (qkv.start, qkv.length) == (3 * kk // 8, kk // 8)  # in units of K: q[768:1024], k[2816:3072], v[7168:8192]
+    assert rank3["model.layers.0.linear_attn.conv1d.weight"].shape == ((2 * kk + vv) // 8, 1, 4)
+    assert rank3["model.layers.0.linear_attn.A_log"].shape == (8,) and rank3["model.layers.0.linear_attn.A_log"].dtype == "F32"
+    assert rank3["model.layers.0.linear_attn.in_proj_z.weight"].shape == (vv // 8, 4096)
+    assert rank3["model.layers.0.linear_attn.out_proj.weight"].shape == (4096, vv // 8)
+    assert rank3["model.layers.3.self_attn.q_proj.weight"].shape == (2 * 32 * 256 // 8, 4096)
+    k = rank3["model.layers.3.self_attn.k_proj.weight"]  # 2 kv heads over attn_tp 8: ranks 0-3 hold head 0
+    assert k.shape == (256, 4096) and (k.start, k.factor) == (0, 4)
+    experts = sorted({s.expert for s in rank3.values() if s.expert is not None})
+    assert experts == list(range(3 * 64, 4 * 64)) and rank3["model.layers.1.mlp.experts.200.down_proj.weight"].shape == (4096, 1024)
+    assert rank3["model.layers.1.mlp.shared_expert.down_proj.weight"].shape == (4096, 1024 // 8)
+    assert rank3["model.embed_tokens.weight"].shape == (248320 // 8, 4096)

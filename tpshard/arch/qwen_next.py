@@ -27,6 +27,8 @@ What rank r holds (attn_tp = tp / attn_dp, moe_tp = tp / ep) is what SGLang 0.5.
   attention), over tp otherwise; Qwen3-Next over attn_tp. lm_head over tp.
 - Router (transformers' Qwen3_5MoeTopKRouter, Qwen3NextTopKRouter): softmax, top-k; Qwen3.5 always
   renormalises, Qwen3-Next as norm_topk_prob says.
+- verify: the projections at layer level (tpshard.verify.layers_check.rank_major orders the
+  segmented piece's reference as SEGMENTS says), conv1d / A_log / dt_bias by their bytes.
 - Refused: pipeline stages (no per-stage layout on record for these classes), export to either
   engine (no name table measured), verify --model (no gated DeltaNet runtime), dense MLP layers
   (mlp_only_layers, decoder_sparse_step). Not declared, so refused by name: MTP tensors (mtp.*),

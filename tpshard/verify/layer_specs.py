@@ -113,11 +113,23 @@ class LayerSpecs:
         return any(s.name.endswith(".bias") and (kind is None or s.kind == kind) for s in self.specs)
 
 
+def no_runtime(s: ShardSpec) -> bool:
+    """A sharded tensor verify has no runtime layer for: a gated DeltaNet's per-head A_log / dt_bias
+    (HeadParameter) and a plain linear class's weight of more than 2 dims (its conv1d; stacked
+    [E, ...] experts have their MoE layers). tpshard.verify.tensors_check compares each rank's
+    bytes of it with the source's cut instead."""
+    return s.dim is not None and (s.layer_class == "HeadParameter" or (len(s.source_shape) > 2 and s.layer_class in _LINEAR))
+
+
+# The plain linear classes, whose runtime layers take a 2-D weight.
+_LINEAR = ("ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear")
+
+
 def sharded_layers(plan: Plan) -> list[LayerSpecs]:
-    """Every non-replicated engine layer of the plan, in plan order; a tied lm_head appended."""
+    """Every non-replicated engine layer of the plan with a runtime layer, in plan order; a tied lm_head appended."""
     by_layer: dict[str, list[ShardSpec]] = defaultdict(list)
     for s in plan.shards:
-        if s.layer_class != "Replicated":
+        if s.layer_class != "Replicated" and not no_runtime(s):
             by_layer[s.layer].append(s)
     hidden = plan.model.hidden_size
     layers = [LayerSpecs(name, specs[0].layer_class, specs, hidden) for name, specs in by_layer.items()]

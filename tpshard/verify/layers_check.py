@@ -24,6 +24,7 @@ like (another group rank's slice, a bias counted N times, the vocab rows of one 
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -31,7 +32,8 @@ import torch.nn.functional as F
 
 import tpshard.verify.fused_layers as fused_layers
 import tpshard.verify.moe_layers as moe_layers
-from tpshard.manifest import Plan
+from tpshard.arch import SEGMENTS, Matcher, arch_for
+from tpshard.manifest import ModelInfo, Plan
 from tpshard.quant.formats import dequantize
 from tpshard.runtime.reference_quant import INPUT_SCALES, quant_spec_of, quantize_input
 from tpshard.verify.layer_inputs import layer_input
@@ -137,6 +139,24 @@ def reference(
     return F.linear(x.double(), w, src[b.source] if b is not None else None)
 
 
+@lru_cache(maxsize=4)
+def _matcher(model: ModelInfo) -> Matcher:
+    return Matcher(arch_for(model).table(model))
+
+
+def rank_major(lay: LayerSpecs, plan: Plan, piece: str, ref: torch.Tensor) -> torch.Tensor:
+    """A reference output in the order the engine's group ranks hold it: itself, or where the
+    architecture's rule cuts the piece by segments (Rule.segments, from config.json, not from the
+    manifest) each group rank's slice of each segment, rank after rank."""
+    spec = lay.main(piece)
+    found = _matcher(plan.model).match(spec.source.rpartition(".")[0]) if spec is not None else None
+    if found is None or not found[0].segments:
+        return ref
+    g, sizes = spec.group_size, SEGMENTS[found[0].segments](plan.model)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return torch.cat([ref[..., a + gr * n // g : a + (gr + 1) * n // g] for gr in range(g) for a, n in zip(starts, sizes)], dim=-1)
+
+
 def compare_layer(
     lay: LayerSpecs, plan: Plan, sent: dict[int, dict], src: SourceTensors, *, seed: int, tokens: int,
     dtype: torch.dtype, tolerance: float, probe: bool = False,
@@ -164,7 +184,7 @@ def compare_layer(
         inputs = [torch.zeros_like(x) for x in inputs]
         tolerance = result.tolerance = 0.0
     weights = {p: source_weight(lay, plan, src, p) for p in lay.pieces()}
-    refs = {p: [reference(lay, plan, weights[p], src, p, x) for x in inputs] for p in lay.pieces()}
+    refs = {p: [rank_major(lay, plan, p, reference(lay, plan, weights[p], src, p, x)) for x in inputs] for p in lay.pieces()}
     if probe:
         refs = {p: [r.to(dtype).double() for r in rs] for p, rs in refs.items()}
     scale = max(r.abs().max().item() for rs in refs.values() for r in rs) or 1.0

@@ -76,7 +76,7 @@ class TensorsResult(msgspec.Struct, kw_only=True):
     """Every byte of every rank (tpshard.verify.tensors_check): checksums, whole copies, padding."""
 
     files: int = 0  # weight files checked against the manifest's checksums, over all ranks
-    whole: int = 0  # whole copies (norms, row biases, whole scales) compared with the source, over all ranks
+    whole: int = 0  # whole copies (norms, row biases, whole scales) and cuts with no runtime layer (conv1d) compared with the source, over all ranks
     padded: int = 0  # padded tensors whose padding was checked to be zero, over all ranks
     problems: list[str] = []
 

@@ -10,7 +10,9 @@ below any tolerance). So each rank also, on its own files only:
 2. sends the digest of each whole copy it holds (ShardSpec.dim is None: norms, q/k norms, row
    biases, whole scales, input scales) to rank 0, which compares it with the same tensor of the
    source (bytes, after casting to the shard's dtype if it differs); a `value` spec (rewritten
-   content, CT weight_shape) is compared with its recorded value on the rank;
+   content, CT weight_shape) is compared with its recorded value on the rank; so too each cut of a
+   tensor no runtime layer runs (layer_specs.no_runtime: a gated DeltaNet's conv1d, A_log,
+   dt_bias), against the source's cut as the plan records it (pieces.shard_bytes);
 3. checks that the `pad` entries at the end of every padded tensor (ShardSpec.pad along dim) are
    zero bytes.
 
@@ -22,10 +24,13 @@ from __future__ import annotations
 import zlib
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tpshard.manifest import Manifest
+from tpshard.pieces import shard_bytes
 from tpshard.rank import _TORCH_DTYPES
+from tpshard.verify.layer_specs import no_runtime
 from tpshard.verify.report import TensorsResult
 
 
@@ -50,6 +55,8 @@ def rank_facts(out: str | Path, manifest: Manifest, rank: int, tensors) -> dict:
     whole: dict[str, tuple[int, str, float]] = {}  # name -> (crc32, dtype, max |x|)
     padded = 0
     for s in plan.rank_shards(rank):
+        if no_runtime(s) and s.name not in whole:
+            whole[s.name] = (digest(tensors[s.name]), s.dtype, _max_abs(tensors[s.name]))
         if s.name in whole or (s.dim is not None and not s.pad):
             continue
         try:
@@ -78,6 +85,7 @@ def judge_facts(manifest: Manifest, sent: list[dict], src) -> TensorsResult:
     """Rank 0: every rank's whole copies against the source; the ranks' own problems collected."""
     plan = manifest.plan
     source_of = {s.name: s.source for s in plan.shards}
+    cut_of = {(s.name, r): s for s in plan.shards if no_runtime(s) for r in s.ranks}  # (name, rank) -> its cut
     result = TensorsResult()
     problems: dict[str, None] = {}
     wrong: dict[str, list[int]] = {}
@@ -90,12 +98,17 @@ def judge_facts(manifest: Manifest, sent: list[dict], src) -> TensorsResult:
             problems.setdefault(p)
         for name, (crc, dtype, max_abs) in facts["whole"].items():
             result.whole += 1
-            if name not in reference:
+            cut = cut_of.get((name, rank))
+            key = name if cut is None else (name, cut.group_rank)
+            if key not in reference:
                 t = src.raw(source_of[name])
                 want = getattr(torch, _TORCH_DTYPES[dtype])
                 t = t.to(want) if t.dtype != want else t
-                reference[name] = (digest(t), _max_abs(t))
-            ref_crc, ref_max = reference[name]
+                if cut is not None:  # this rank's cut of the source, as the plan records it
+                    piece = shard_bytes(np.frombuffer(_bytes(t), np.uint8), tuple(t.shape), cut.dim, cut, cut.segments)
+                    t = torch.frombuffer(bytearray(piece), dtype=t.dtype)
+                reference[key] = (digest(t), _max_abs(t))
+            ref_crc, ref_max = reference[key]
             if crc != ref_crc:
                 wrong.setdefault(name, []).append(rank)
                 if ref_max == ref_max and max_abs == max_abs and ref_max:  # not NaN: a float tensor
