@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import zlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +23,7 @@ import numpy as np
 
 from tpshard.check.files import Hashed, distinct_copies
 from tpshard.check.report import CheckReport, shard_text
-from tpshard.digest import hash_digest, hash_range, new_hash
+from tpshard.digest import Crc32, hash_digest, hash_range, new_hash
 from tpshard.errors import TpshardError
 from tpshard.manifest import Cut, Manifest, Plan, ShardSpec, SourceCuts, TensorPlan
 from tpshard.pieces import VALUE_DTYPES, OpenFiles, cut_pieces, read_into, scratch, shard_bytes, value_bytes
@@ -38,11 +39,11 @@ Place = tuple[TensorPlan, Cut, "Path | None", int, str]
 
 def reassemble_output(
     out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckReport, workers: int, reader=None, hashed: Hashed | None = None,
-    on_bytes: Callable[[int], None] | None = None,
+    on_bytes: Callable[[int], None] | None = None, source_crcs: dict[str, bytes] | None = None,
 ) -> None:  # fmt: skip
     """Every source tensor, rebuilt from the shards, equals the source bit for bit, in every copy
     of every file that holds a piece of it (a copy that replaced a hard link is proven on its own).
-    `hashed`: where to put the digest of each tensor read, per copy."""
+    `hashed`: where to put the digest of each tensor read, per copy; `source_crcs`: see reassemble."""
     plan = manifest.plan
     written = set(manifest.written_ranks)
     copies = distinct_copies(out, manifest)
@@ -65,12 +66,12 @@ def reassemble_output(
                     found.append((t, c, path, offset, f" (the copy of ranks {ranks})" if len(paths) > 1 else ""))
         return found
 
-    reassemble(ckpt, plan, names, places, report, workers, reader, hashed, on_bytes)
+    reassemble(ckpt, plan, names, places, report, workers, reader, hashed, on_bytes, source_crcs)
 
 
 def reassemble(
     ckpt: Checkpoint, plan: Plan, names: list[str], places: Callable[[int], list[Place]], report: CheckReport, workers: int, reader=None,
-    hashed: Hashed | None = None, on_bytes: Callable[[int], None] | None = None,
+    hashed: Hashed | None = None, on_bytes: Callable[[int], None] | None = None, source_crcs: dict[str, bytes] | None = None,
 ) -> None:  # fmt: skip
     """Compare every place a shard is written (a shard may be listed at several: copies) with the
     bytes its cut takes from its source tensor, reading each source tensor once: the source tensors
@@ -84,9 +85,11 @@ def reassemble(
     Small tensors go in runs, as the writer copies them (tpshard.writer.copy_jobs): one read of the
     source run, one read per file of the shards it holds, compared in one go; a run that differs
     anywhere, and every large tensor, is compared tensor by tensor, which names what differs.
-    `on_bytes(n)`: called with the source bytes of each job once compared, for progress."""
+    `on_bytes(n)`: called with the source bytes of each job once compared, for progress.
+    `source_crcs`: where to put the crc32 of each checkpoint tensor read whole (not with a
+    `reader`), so that check --source proves the source's identity from this one read of it."""
     infos = [ckpt.tensors[name] for name in names]
-    compared = _Reassembly(ckpt, plan, names, infos, places, reader, hashed)
+    compared = _Reassembly(ckpt, plan, names, infos, places, reader, hashed, None if reader is not None else source_crcs)
     try:
         with contextlib.ExitStack() as stack:
             if reader is None:
@@ -112,10 +115,10 @@ class _Reassembly:
 
     def __init__(
         self, ckpt: Checkpoint, plan: Plan, names: list[str], infos: list[TensorInfo], places: Callable[[int], list[Place]], reader,
-        hashed: Hashed | None,
+        hashed: Hashed | None, source_crcs: dict[str, bytes] | None = None,
     ) -> None:  # fmt: skip
         self.ckpt, self.plan, self.names, self.infos, self.places = ckpt, plan, names, infos, places
-        self.reader, self.hashed = reader, hashed
+        self.reader, self.hashed, self.source_crcs = reader, hashed, source_crcs
         self.runs = reader if reader is not None else CheckpointReader(ckpt)  # reads the runs of small tensors
         self.files = OpenFiles()
         self.fd_of = self.files.fd
@@ -139,6 +142,8 @@ class _Reassembly:
         pieces: dict[Path, list[tuple[int, np.ndarray, str]]] = defaultdict(list)
         with self.runs.job([(name, info, True) for name, info, _ in sources], True) as got:
             for (name, info, located), (_, _, data) in zip(sources, got):
+                if self.source_crcs is not None:  # each thread sets its own tensors' entries
+                    self.source_crcs[name] = zlib.crc32(data).to_bytes(4, "big")
                 for t, c, path, offset, _ in located:
                     pieces[path].append((offset, shard_bytes(data, info.shape, t.dim, c), name))
             same = {name for name, _, _ in sources}
@@ -176,7 +181,7 @@ class _Reassembly:
             if not places:
                 return found
             with self._tensor(source, info) as (src, src_info, data):
-                return found + self._compare(places, src, src_info, data)
+                return found + self._compare(places, src, src_info, data, source)
         except (OSError, TpshardError) as e:  # a missing or truncated file, already reported by name
             return [("files", f"{source}: cannot be reassembled: {e}")]
 
@@ -187,7 +192,7 @@ class _Reassembly:
             return self.reader.tensor(source, info)
         return contextlib.nullcontext((self.fd_of(self.ckpt.path / info.file), info, None))
 
-    def _compare(self, places: list, src_fd, info, tensor) -> list[tuple[str, str]]:
+    def _compare(self, places: list, src_fd, info, tensor, source: str) -> list[tuple[str, str]]:
         specs = [s for s, _, _, _ in places]
         offsets = [offset for _, _, offset, _ in places]
         fds = [self.fd_of(path) for _, path, _, _ in places]
@@ -195,7 +200,8 @@ class _Reassembly:
         buf = np.empty(0, np.uint8)
         hashes = [new_hash(self.plan.options.checksum) for _ in places] if self.hashed is not None else []  # of what each place holds
         hashed_bytes = [0] * len(hashes)
-        for i, at, data in cut_pieces(src_fd, info, specs, None, tensor):
+        source_hash = Crc32() if self.source_crcs is not None else None  # cut_pieces reads the whole tensor
+        for i, at, data in cut_pieces(src_fd, info, specs, source_hash, tensor):
             if len(buf) < len(data):
                 buf = np.empty(len(data), np.uint8)
             actual = read_into(fds[i], buf, offsets[i] + at, len(data))
@@ -206,6 +212,8 @@ class _Reassembly:
                 bad[i] = at + int(np.argmax(actual != data)) if len(actual) == len(data) else at
         for (_, path, offset, _), h, nbytes in zip(places, hashes, hashed_bytes):
             self.hashed.put(path, offset, nbytes, hash_digest(h))
+        if source_hash is not None:
+            self.source_crcs[source] = source_hash.digest()
         return [
             ("reassembly", _diagnose(src_fd, info, specs, i, fds[i], offsets[i], byte, tensor) + places[i][3]) for i, byte in bad.items()
         ]
