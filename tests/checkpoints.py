@@ -43,6 +43,16 @@ ARCH_DEFAULTS = {
         MOE, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, head_dim=16, first_k_dense_replace=1,
         n_group=2, topk_group=1, use_qk_norm=True, attention_bias=True, routed_scaling_factor=2.5, norm_topk_prob=True,
     ),
+    # Hybrid decoders: layers 0-2 gated DeltaNet (8 key heads of 4, 16 value heads of 4: K 32, V 64),
+    # layer 3 gated full attention (8 heads of 8 over 2 kv heads); 8 experts + a shared expert.
+    "qwen3_5_moe": dict(
+        MOE, num_hidden_layers=4, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48, head_dim=8,
+        linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=4, linear_value_head_dim=4,
+    ),
+    "qwen3_next": dict(
+        MOE, num_hidden_layers=4, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48, head_dim=8,
+        linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=4, linear_value_head_dim=4,
+    ),
 }  # fmt: skip
 
 
@@ -50,7 +60,7 @@ def make_checkpoint(
     path: Path, arch: str = "llama", *, max_shard_size: str | None = None, seed: int = 0, mtp: bool = False, **overrides
 ) -> Path:  # fmt: skip
     """Save a randomly initialised `arch` model (llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe,
-    mixtral, deepseek_v3, deepseek_v2, glm4_moe) to `path`. `mtp` (deepseek_v3, glm4_moe) adds the MTP layer as
+    mixtral, deepseek_v3, deepseek_v2, glm4_moe, qwen3_5_moe, qwen3_next) to `path`. `mtp` (deepseek_v3, glm4_moe) adds the MTP layer as
     layer num_hidden_layers in a file of its own, as the real checkpoints ship it."""
     import transformers
 
@@ -65,8 +75,13 @@ def make_checkpoint(
         "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
         "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
         "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
+        "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
+        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
     }[arch]
-    config = config_cls(**{**BASE, **ARCH_DEFAULTS.get(arch, {}), **overrides})
+    fields = {**BASE, **ARCH_DEFAULTS.get(arch, {}), **overrides}
+    if arch == "qwen3_5_moe":  # every layer MoE: Qwen3.5-MoE's config.json has no intermediate_size
+        fields.pop("intermediate_size")
+    config = config_cls(**fields)
     torch.manual_seed(seed)
     dtype = torch.bfloat16 if overrides.get("dtype", "bf16") == "bf16" else torch.float32
     if arch == "glm4_moe":  # from_config keeps the router and its correction bias fp32, as GLM ships them; .to() would cast them

@@ -21,6 +21,7 @@ GROUPS = {
     "DeepseekV2ForCausalLM": ("attn_tp", "attn_tp"),
     "DeepseekV3ForCausalLM": ("attn_tp", "attn_tp"),
     "Glm4MoeForCausalLM": ("attn_tp", "attn_tp"),
+    "MiniMaxM2ForCausalLM": ("attn_tp", "attn_tp"),
 }
 # Families whose layers below first_k_dense_replace hold a dense MLP that follows --moe-dense-tp.
 DENSE_FIRST = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
@@ -65,7 +66,11 @@ def expected_rank_tensor(
         if m.group(2) in ("gate_proj", "up_proj", "w1", "w3"):
             return split_rows(full, rank % moe_tp, moe_tp)
         return split_cols(full, rank % moe_tp, moe_tp)
-    if WHOLE.fullmatch(name):
+    if config.get("model_type") == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight")):
+        # MiniMaxM2RMSNormTP.weight_loader: shard attn_tp_rank // num_head_replicas of whole heads,
+        # as the projection it normalises (minimax_m2.py)
+        name = name.replace("q_norm", "q_proj").replace("k_norm", "k_proj")
+    elif WHOLE.fullmatch(name):
         return full
     if name.endswith(("embed_tokens.weight",)):
         per = math.ceil(full.shape[0] / 64) * 64 // esize

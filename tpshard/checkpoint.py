@@ -16,7 +16,7 @@ import msgspec
 from tpshard.arch import refuse_architecture
 from tpshard.collector import paused, release_freed_memory
 from tpshard.errors import CheckpointError
-from tpshard.inputs import check_inside, check_plain_name, read_config
+from tpshard.inputs import EXPERT_COUNTS, check_inside, check_plain_name, read_config
 from tpshard.manifest import ModelInfo
 from tpshard.safetensors_format import HeaderError, TensorInfo, read_header
 
@@ -124,7 +124,7 @@ def model_info(ckpt: Checkpoint) -> ModelInfo:
     archs = config.get("architectures") or []
     if not archs:
         raise CheckpointError(f"{ckpt.path}/config.json has no 'architectures'")
-    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") + (() if _has_experts(config) else ("intermediate_size",))
     absent = [k for k in required if _get(config, k) is None]
     if absent:
         raise CheckpointError(f"{ckpt.path}/config.json lacks {', '.join(absent)}")
@@ -139,7 +139,7 @@ def model_info(ckpt: Checkpoint) -> ModelInfo:
         num_heads=heads,
         num_kv_heads=_get(config, "num_key_value_heads") or heads,
         head_dim=_get(config, "head_dim") or hidden // heads,
-        intermediate_size=_get(config, "intermediate_size"),
+        intermediate_size=_get(config, "intermediate_size", 0),  # 0: a MoE model without a dense MLP (Qwen3.5-MoE)
         vocab_size=_get(config, "vocab_size"),
         # What is on disk decides: a checkpoint without lm_head.weight is tied whatever config says.
         tie_word_embeddings="lm_head.weight" not in ckpt.tensors,
@@ -150,10 +150,14 @@ def model_info(ckpt: Checkpoint) -> ModelInfo:
     )
 
 
+def _has_experts(config: dict) -> bool:
+    return any(_get(config, k) for k in EXPERT_COUNTS)
+
+
 def _moe_mla_info(config: dict) -> dict:
     """MoE and MLA numbers under the names each family's config uses; absent keys keep ModelInfo's defaults."""
     g = lambda key, default=None: _get(config, key, default)  # noqa: E731
-    experts = g("n_routed_experts") or g("num_experts") or g("num_local_experts") or 0
+    experts = next((g(k) for k in EXPERT_COUNTS if g(k)), 0)
     info: dict = {}
     if experts:
         expert_size = g("moe_intermediate_size") or g("intermediate_size")
@@ -184,4 +188,6 @@ def _moe_mla_info(config: dict) -> dict:
         )
     if experts or g("kv_lora_rank"):  # DeepSeek's and GLM's MTP layers, stored as layers num_hidden_layers, ...
         info.update(num_nextn_predict_layers=int(g("num_nextn_predict_layers") or 0))
+    if g("linear_num_value_heads"):  # gated DeltaNet linear attention (Qwen3.5, Qwen3-Next)
+        info.update({k: int(g(k) or 0) for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")})
     return info

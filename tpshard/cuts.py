@@ -1,7 +1,8 @@
 """A tensor's cut over its group's ranks, as the rules decide it, and even pieces of one dim.
 
 What this file is: `Cutting` (the kind of cut, the dim, the replica factor, how many pieces, and
-each group rank's piece as a `tpshard.manifest.Cut`), `even_cuts` and `ceil_div`: the arithmetic
+each group rank's piece as a `tpshard.manifest.Cut`), `even_cuts` and `ceil_div`, and `runs`, the
+source runs of a segmented cut (ShardSpec.segments, in rank order): the arithmetic
 that the dense rules (tpshard.plan.dense) and the quantized cut (tpshard.quant.layers, which
 re-cuts a layer to whole blocks under --pad-blocks) both write their cuts with.
 
@@ -24,6 +25,7 @@ class Cutting(NamedTuple):
     factor: int  # consecutive group ranks holding one piece (GQA kv replicas); the group size when whole
     group_size: int  # how many pieces
     cuts: list[Cut]  # a piece per group rank of `group_size`, file 0 until laid out
+    segments: tuple[int, ...] = ()  # a segmented cut (ShardSpec.segments); `cuts` index the unit
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -36,3 +38,17 @@ def even_cuts(n: int, parts: int, per: int) -> list[Cut]:
         Cut(r, r * per, max(0, min(per, n - r * per)), per - max(0, min(per, n - r * per)), 0)
         for r in range(parts)
     ]
+
+
+def runs(segments: tuple[int, ...], rows: int, cut) -> list[tuple[int, int, int]]:
+    """The (source start, length, pad) runs along the cut dim of size `rows` that one cut (a Cut or
+    ShardSpec: start, length, pad) holds, in the order its shard holds them: one run, or with
+    `segments` (ShardSpec.segments) segment i's [off_i + m_i * start, + m_i * length) for each
+    segment of m_i units (unit = rows / sum(segments)), off_i the units before it."""
+    if not segments:
+        return [(cut.start, cut.length, cut.pad)]
+    unit, off, out = rows // sum(segments), 0, []
+    for m in segments:
+        out.append((off + m * cut.start, m * cut.length, m * cut.pad))
+        off += m * unit
+    return out

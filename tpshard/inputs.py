@@ -40,7 +40,7 @@ CONFIG_FIELDS: list[Field] = [
     Field("num_attention_heads", "int", 1, 1 << 16, required=True),
     Field("num_key_value_heads", "int", 1, 1 << 16),
     Field("head_dim", "int", 1, 1 << 16),
-    Field("intermediate_size", "int", 1, 1 << 24, required=True),
+    Field("intermediate_size", "int", 1, 1 << 24),  # required unless the config names routed experts (check_config)
     Field("vocab_size", "int", 1, 1 << 26, required=True),
     Field("tie_word_embeddings", "bool"),
     Field("attention_bias", "bool"),
@@ -63,11 +63,21 @@ CONFIG_FIELDS: list[Field] = [
         "moe_intermediate_size", "shared_expert_intermediate_size", "moe_layer_freq", "q_lora_rank",
         "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
     )),
+    # Gated DeltaNet linear attention (Qwen3.5, Qwen3-Next): head counts and sizes, the layers' kinds.
+    *(Field(k, "int", 1, 1 << 16) for k in (
+        "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+        "full_attention_interval",
+    )),
+    Field("layer_types", "list[str]"),
     Field("routed_scaling_factor", "number", 0, 1e6),
     Field("norm_topk_prob", "bool"),
     Field("scoring_func", "str"),
     Field("topk_method", "str"),
 ]  # fmt: skip
+
+
+# The config.json keys that name a count of routed experts (one per family's spelling).
+EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts")
 
 
 def _lookup(scope: dict, key: str):
@@ -115,10 +125,12 @@ def check_config(config: object, where: str, fields: list[Field] | None = None, 
                     raise CheckpointError(f"{where}: {prefix}{f.key} = {value!r} is out of range {bounds}")
     if known is not None and config.get("architectures"):  # a model tpshard does not know: say so, not which keys it lacks
         known(config["architectures"][0])
-    absent = [f.key for f in fields or CONFIG_FIELDS if f.required and config.get(f.key) is None and (text or {}).get(f.key) is None]
+    get = lambda k: config.get(k) if config.get(k) is not None else (text or {}).get(k)  # noqa: E731
+    # A MoE model may have no dense MLP at all (Qwen3.5-MoE): intermediate_size is then not needed.
+    needed = [f.key for f in fields or CONFIG_FIELDS if f.required] + ([] if any(get(k) for k in EXPERT_COUNTS) else ["intermediate_size"])
+    absent = [k for k in needed if get(k) is None]
     if absent:
         raise CheckpointError(f"{where} lacks {', '.join(absent)}")
-    get = lambda k: config.get(k) if config.get(k) is not None else (text or {}).get(k)  # noqa: E731
     heads, kv = get("num_attention_heads"), get("num_key_value_heads")
     if kv is not None and (kv > heads or heads % kv):
         raise CheckpointError(f"{where}: num_key_value_heads {kv} does not divide num_attention_heads {heads}")

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from tpshard.cuts import runs
 from tpshard.manifest import ShardSpec
 from tpshard.safetensors_format import TensorInfo, read_exact
 
@@ -77,9 +78,12 @@ def cut_pieces(
             if source_hash is not None:
                 source_hash.update(chunk)
             for i, s in enumerate(specs):
-                lo, hi = max(a, s.start), min(b, s.start + s.length)
-                if lo < hi:
-                    yield i, (lo - s.start) * inner, chunk[(lo - a) * inner : (hi - a) * inner]
+                at = 0  # where this run starts in the shard (a segmented cut has several, unpadded)
+                for start, length, pad in runs(s.segments, rows, s):
+                    lo, hi = max(a, start), min(b, start + length)
+                    if lo < hi:
+                        yield i, (at + lo - start) * inner, chunk[(lo - a) * inner : (hi - a) * inner]
+                    at += length + pad
         for i, s in enumerate(specs):
             yield from ((i, at, z) for at, z in _zeros(s.length * inner, s.pad * inner))
         return
@@ -93,12 +97,12 @@ def cut_pieces(
             source_hash.update(chunk)
         view = chunk.reshape(b - a, rows, inner)  # [outer rows, cut dim, bytes per index]
         for i, s in enumerate(specs):
-            n = (b - a) * (s.length + s.pad) * inner
             # Given `data`, the caller may keep the pieces until the whole run is written: new memory.
-            piece = (scratch("piece", n) if data is None else np.empty(n, np.uint8)).reshape(b - a, s.length + s.pad, inner)
-            piece[:, : s.length] = view[:, s.start : s.start + s.length]
-            piece[:, s.length :] = 0
-            yield i, a * (s.length + s.pad) * inner, piece.reshape(-1)
+            width = (s.length + s.pad) * (sum(s.segments) or 1)
+            n = (b - a) * width * inner
+            piece = (scratch("piece", n) if data is None else np.empty(n, np.uint8)).reshape(b - a, width, inner)
+            _gather(piece, view, runs(s.segments, rows, s))
+            yield i, a * width * inner, piece.reshape(-1)
 
 
 VALUE_DTYPES = {"I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1", "U16": "<u2", "U32": "<u4", "U64": "<u8"}
@@ -109,20 +113,30 @@ def value_bytes(dtype: str, value: tuple[int, ...]) -> np.ndarray:
     return np.asarray(value, dtype=VALUE_DTYPES[dtype]).reshape(-1).view(np.uint8)
 
 
-def shard_bytes(data: np.ndarray, shape: tuple[int, ...], dim: int | None, cut) -> np.ndarray:
+def shard_bytes(data: np.ndarray, shape: tuple[int, ...], dim: int | None, cut, segments: tuple[int, ...] = ()) -> np.ndarray:
     """One shard's bytes, padding included, from its source tensor's bytes in memory: what
     cut_pieces yields for it, in one array (a view of `data` when the cut is a contiguous run).
-    `cut` has start, length and pad (a Cut or a ShardSpec)."""
+    `cut` has start, length and pad (a Cut or a ShardSpec); `segments`: its tensor's (ShardSpec.segments)."""
     if dim is None or not len(data):
         return data
     outer, rows, inner = cut_geometry(shape, len(data), dim)
-    if outer == 1:
+    pieces = runs(segments, rows, cut)
+    if outer == 1 and len(pieces) == 1:
         piece = data[cut.start * inner : (cut.start + cut.length) * inner]
         return np.concatenate((piece, np.zeros(cut.pad * inner, np.uint8))) if cut.pad else piece
-    piece = np.empty((outer, cut.length + cut.pad, inner), np.uint8)
-    piece[:, : cut.length] = data.reshape(outer, rows, inner)[:, cut.start : cut.start + cut.length]
-    piece[:, cut.length :] = 0
+    piece = np.empty((outer, sum(n + p for _, n, p in pieces), inner), np.uint8)
+    _gather(piece, data.reshape(outer, rows, inner), pieces)
     return piece.reshape(-1)
+
+
+def _gather(piece: np.ndarray, view: np.ndarray, pieces: list[tuple[int, int, int]]) -> None:
+    """Fill `piece` [outer, shard dim, bytes] from `view` [outer, source dim, bytes] run after run
+    (tpshard.cuts.runs), each run's padding zeroed."""
+    at = 0
+    for start, length, pad in pieces:
+        piece[:, at : at + length] = view[:, start : start + length]
+        piece[:, at + length : at + length + pad] = 0
+        at += length + pad
 
 
 def read_into(fd: int, buf: np.ndarray, offset: int, n: int) -> np.ndarray:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
+from tpshard.cuts import runs
 from tpshard.manifest import Plan, ShardSpec, TensorPlan, shard_shape
 from tpshard.render import human_bytes, plural, ranges  # noqa: F401 (human_bytes: callers take it from here too)
 from tpshard.safetensors_format import nbytes_of
@@ -20,12 +21,18 @@ REDUCTION = {
     "FusedMoE": "each rank runs the tokens routed to its EP slot's experts on its I_e slice; all-reduce over tp",
     "ReplicatedLinear": "none (computed whole on every rank)",
     "Replicated": "none",
+    "RMSNormTP": "all-reduce the sum of squares over {g}; the weight stays with the rank's heads",
+    "AttentionSinks": "none (one extra logit per local head in the softmax)",
+    "FusedExperts": "each rank runs every expert on its I_e slice of the fused [E, ...] tensors; all-reduce over tp, down bias added once",
+    "HeadParameter": "none (each rank applies its heads' values)",
 }
 
 
 def slice_text(s: ShardSpec) -> str:
     if s.dim is None:
         return "whole"
+    if s.segments:  # its slice of each segment: [a, b) + [c, d) + ...
+        return f"dim {s.dim} " + " + ".join(f"[{a}, {a + n})" for a, n, _ in runs(s.segments, s.source_shape[s.dim], s))
     text = f"dim {s.dim} [{s.start}, {s.start + s.length})"
     if s.pad:
         text += f" + {s.pad} zero"

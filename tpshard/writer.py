@@ -432,7 +432,7 @@ def _copy_small(
     `digest`: a reshard records the old output's source checksums). Straight-line code: DeepSeek-V3
     at tp 8 has about 460k shards, nearly all of them small."""
     for t, c, fd, offset, i, position in slots:
-        piece = shard_bytes(data, info.shape, t.dim, c) if c.value is None else value_bytes(t.dtype, c.value)
+        piece = shard_bytes(data, info.shape, t.dim, c, t.segments) if c.value is None else value_bytes(t.dtype, c.value)
         digests[i][position] = digest_of(algorithm, piece)
         if len(piece):
             pending.add(fd, offset, piece)
@@ -483,7 +483,7 @@ def _tiles(info: TensorInfo, slots: list[_Slot], algorithm: str) -> list[_Slot] 
     tiles = sorted(slots, key=lambda slot: slot[1].start)
     end = 0
     for t, c, *_ in tiles:
-        if t.dim not in (0, None) or c.pad or c.start != end or c.value is not None:
+        if t.dim not in (0, None) or c.pad or c.start != end or c.value is not None or t.segments:
             return None
         end += c.length
     return tiles if tiles and end == (info.shape or (1,))[0] else None

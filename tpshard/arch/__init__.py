@@ -7,15 +7,15 @@ Each family's module declares its `Arch`s: everything tpshard knows about an eng
 
 from __future__ import annotations
 
-from tpshard.arch import deepseek, glm, llama, mixtral, qwen
-from tpshard.arch.base import DROPPED, ENGINES, SHAPES, Arch, Matcher, Rule
+from tpshard.arch import deepseek, glm, gpt_oss, llama, minimax, mixtral, qwen, qwen_next
+from tpshard.arch.base import DROPPED, ENGINES, HEAD_COUNTS, SEGMENTS, SHAPES, Arch, Matcher, Rule
 from tpshard.arch.router import RouterConfig
 from tpshard.errors import PlanError
 from tpshard.manifest import ModelInfo
 
 # The families in the order messages list their architectures (verify --model's supported list:
 # the dense decoder's, then the MoE / MLA decoder's).
-FAMILIES = (llama, deepseek, qwen, mixtral, glm)
+FAMILIES = (llama, deepseek, qwen, mixtral, glm, minimax, gpt_oss, qwen_next)
 
 ARCHITECTURES: dict[str, Arch] = {a.name: a for family in FAMILIES for a in family.ARCHS}
 
@@ -38,7 +38,8 @@ def router_config(config: dict) -> RouterConfig:
     """The RouterConfig of a Hugging Face config.json, by its model_type (the family's `router`).
 
     Follows transformers 5's router classes: DeepseekV3TopkRouter, DeepseekV2TopkRouter,
-    Qwen3MoeTopKRouter, Qwen2MoeTopKRouter, MixtralTopKRouter, Glm4MoeTopkRouter.
+    Qwen3MoeTopKRouter, Qwen2MoeTopKRouter, MixtralTopKRouter, Glm4MoeTopkRouter, MiniMaxM2TopKRouter,
+    GptOssTopKRouter.
     """
     kind = config.get("model_type", "")
     k = config["num_experts_per_tok"]
@@ -52,4 +53,4 @@ def router_config(config: dict) -> RouterConfig:
     return rule(config, e, k)
 
 
-__all__ = ["ARCHITECTURES", "DROPPED", "ENGINES", "SHAPES", "Arch", "Matcher", "RouterConfig", "Rule", "arch_for", "refuse_architecture", "router_config"]
+__all__ = ["ARCHITECTURES", "DROPPED", "ENGINES", "HEAD_COUNTS", "SEGMENTS", "SHAPES", "Arch", "Matcher", "RouterConfig", "Rule", "arch_for", "refuse_architecture", "router_config"]

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from tpshard.arch.fused import FusedExperts
 from tpshard.arch.router import RouterRule
 from tpshard.manifest import ModelInfo
 from tpshard.topology import GroupName
@@ -35,6 +36,12 @@ LayerClass = Literal[
     "FusedMoE",
     "ReplicatedLinear",
     "Replicated",
+    "RMSNormTP",  # MiniMax-M2's q/k norms over the full width: cut by heads like q / k, RMS all-reduced
+    "AttentionSinks",  # gpt-oss `self_attn.sinks` [heads]: cut with the q heads over the attention group
+    "FusedExperts",  # routed experts stored fused [E, ...] (tpshard.arch.fused)
+    # A per-head parameter vector of a layer (a gated DeltaNet's A_log, dt_bias; SGLang
+    # sharded_weight_loader(0)): dim 0 cut over the group whatever the parameter's name.
+    "HeadParameter",
 ]
 
 
@@ -47,10 +54,15 @@ class Rule(NamedTuple):
     shape: str = ""  # key of SHAPES: the weight's [out, in] by config.json ("" = not checked)
     heads: bool = False  # cut by whole attention heads: the head count must divide the group
     moe: bool | None = None  # True: only in layers with experts; False: only in dense layers
+    # Cut along dim 0 by segments (SEGMENTS key): the rank holds its contiguous slice of each
+    # segment, concatenated (ShardSpec.segments), not one contiguous block. "" = not segmented.
+    segments: str = ""
+    # Head counts that must all divide the group (HEAD_COUNTS key), with `heads`; "" = the attention heads.
+    head_counts: str = ""
 
 
 # [out, in] of a weight according to config.json.
-SHAPES: dict[str, Callable[[ModelInfo], tuple[int, int]]] = {
+SHAPES: dict[str, Callable[[ModelInfo], tuple[int, ...]]] = {
     "vocab": lambda m: (m.vocab_size, m.hidden_size),
     "q": lambda m: (m.num_heads * m.head_dim, m.hidden_size),
     "kv": lambda m: (m.num_kv_heads * m.head_dim, m.hidden_size),
@@ -70,6 +82,36 @@ SHAPES: dict[str, Callable[[ModelInfo], tuple[int, int]]] = {
     "mla_kv_b": lambda m: (m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
     "mla_o": lambda m: (m.hidden_size, m.num_heads * m.v_head_dim),
     "eh_proj": lambda m: (m.hidden_size, 2 * m.hidden_size),
+    "q_norm": lambda m: (m.num_heads * m.head_dim,),  # [heads * head_dim]: MiniMax-M2's norm over every head
+    "k_norm": lambda m: (m.num_kv_heads * m.head_dim,),
+    # Gated attention (Qwen3.5 / Qwen3-Next full-attention layers): q_proj holds per head [q_h | gate_h].
+    "gated_q": lambda m: (2 * m.num_heads * m.head_dim, m.hidden_size),
+    # Gated DeltaNet linear attention: K = key heads x key dim, V = value heads x value dim.
+    "linear_qkv": lambda m: (2 * _lin_k(m) + _lin_v(m), m.hidden_size),
+    "linear_z": lambda m: (_lin_v(m), m.hidden_size),
+    "linear_head": lambda m: (m.linear_num_value_heads, m.hidden_size),
+    "linear_out": lambda m: (m.hidden_size, _lin_v(m)),
+    "linear_qkvz": lambda m: (2 * _lin_k(m) + 2 * _lin_v(m), m.hidden_size),
+    "linear_ba": lambda m: (2 * m.linear_num_value_heads, m.hidden_size),
+}
+
+
+def _lin_k(m: ModelInfo) -> int:
+    return m.linear_num_key_heads * m.linear_key_head_dim
+
+
+def _lin_v(m: ModelInfo) -> int:
+    return m.linear_num_value_heads * m.linear_value_head_dim
+
+
+# The segments of dim 0 a segmented rule cuts each of (Rule.segments), in rows.
+SEGMENTS: dict[str, Callable[[ModelInfo], tuple[int, ...]]] = {
+    "linear_qkv": lambda m: (_lin_k(m), _lin_k(m), _lin_v(m)),  # q | k | v of a gated DeltaNet
+}
+
+# The head counts a rule's cut must keep whole (Rule.head_counts): (what, count) each.
+HEAD_COUNTS: dict[str, Callable[[ModelInfo], tuple[tuple[str, int], ...]]] = {
+    "linear": lambda m: (("linear-attention key heads", m.linear_num_key_heads), ("linear-attention value heads", m.linear_num_value_heads)),
 }
 
 
@@ -157,6 +199,8 @@ class Arch:
     # vLLM 0.33.0 at pp > 1: a tied model's last stage builds its own embedding and ties lm_head to it
     # (LlamaModel / Qwen2Model: `tie_word_embeddings and is_last_rank`); False: the class never ties.
     pp_vllm_tied: bool = False
+    # Routed experts stored fused [E, ...] (rule class FusedExperts): how each parameter is cut.
+    fused_experts: FusedExperts | None = None
 
     def table(self, model: ModelInfo) -> tuple[Rule, ...]:
         return self.rules + (self.variant(model) if self.variant else ())

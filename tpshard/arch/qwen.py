@@ -30,11 +30,13 @@ QWEN2 = VOCAB + NORMS + QKV_ATTENTION + DENSE_MLP
 QWEN3 = QWEN2 + QK_NORM
 EXPERTS = router("mlp") + routed_experts("mlp", "gate_proj", "up_proj", "down_proj")
 QWEN3_MOE = VOCAB + NORMS + QKV_ATTENTION + QK_NORM + EXPERTS
-QWEN2_MOE = (
-    VOCAB + NORMS + QKV_ATTENTION + EXPERTS
-    + gated_mlp("mlp.shared_expert", "shared_expert", "shared_up", "shared_down", moe=True)
+# Qwen2MoeSparseMoeBlock's shared expert (over the full tp) and its [1, H] gate (whole), as
+# Qwen3.5-MoE and Qwen3-Next reuse it (tpshard/arch/qwen_next.py).
+SHARED_EXPERT = (
+    gated_mlp("mlp.shared_expert", "shared_expert", "shared_up", "shared_down", moe=True)
     + (Rule(L + r"\.mlp\.shared_expert_gate", "ReplicatedLinear", "replicated", r"\1.mlp.shared_expert_gate", shape="shared_gate", moe=True),)
 )  # fmt: skip
+QWEN2_MOE = VOCAB + NORMS + QKV_ATTENTION + EXPERTS + SHARED_EXPERT
 
 
 def every_layer_sparse(model: ModelInfo, layer: int) -> bool:

@@ -91,9 +91,10 @@ def _tensor_findings(plan: Plan, t, stages: tuple[int, ...] | None, memo: dict) 
         expected = list(s.source_shape)
         if s.dim is None:
             ok = s.pad == 0 and s.start == 0
-        else:
-            expected[s.dim] = s.length + s.pad
-            ok = 0 <= s.start and s.start + s.length <= s.source_shape[s.dim]
+        else:  # a segmented cut: start / length in the unit of its segments (ShardSpec.segments)
+            unit = s.source_shape[s.dim] // (sum(s.segments) or 1)
+            expected[s.dim] = (s.length + s.pad) * (sum(s.segments) or 1)
+            ok = 0 <= s.start and s.start + s.length <= unit and unit * (sum(s.segments) or 1) == s.source_shape[s.dim]
         if not ok or tuple(expected) != tuple(s.shape):
             found.append(("sizes", f"{shard_text(s)}: shape {list(s.shape)} is not source {list(s.source_shape)} cut at dim {s.dim} [{s.start}, +{s.length}) plus {s.pad} padding"))
 
@@ -105,7 +106,7 @@ def _tensor_findings(plan: Plan, t, stages: tuple[int, ...] | None, memo: dict) 
             if s.length and s.start != covered:
                 found.append(("sizes", f"{shard_text(s)}: starts at {s.start}, but group ranks before it end at {covered}"))
             covered = max(covered, s.start + s.length)
-        if covered != first.source_shape[first.dim] or len({s.shape for s in specs}) != 1:
+        if covered != first.source_shape[first.dim] // (sum(first.segments) or 1) or len({s.shape for s in specs}) != 1:
             found.append(("sizes", f"{t.name}: per-rank pieces cover {covered} of {first.source_shape[first.dim]} along dim {first.dim} with shapes {sorted({s.shape for s in specs})}"))
     # 4. replicas: every rank holds exactly one piece of every tensor (of a routed expert: every
     # rank of its EP slot, and no other; at pp > 1, of the stages holding the tensor).

@@ -40,6 +40,7 @@ from tpshard.check.files import check_output, distinct_copies
 from tpshard.check.report import CheckReport, some_of
 from tpshard.checkpoint import Checkpoint
 from tpshard.collector import paused
+from tpshard.cuts import runs
 from tpshard.digest import new_hash, range_digests
 from tpshard.errors import OutputError, TpshardError
 from tpshard.inputs import read_config
@@ -360,7 +361,7 @@ class OutputReader:
                 raise OutputError(f"{self.out}: {name}: its cuts do not tile dim {dim} (a gap or overlap at {covered})")
             covered = s.start + s.length
             self._read(c, data, outer, inner * rows)
-        if covered != rows:
+        if covered != rows // (sum(cuts[0].tensor.segments) or 1):  # a segmented cut's units (ShardSpec.segments)
             raise OutputError(f"{self.out}: {name}: its cuts cover {covered} of {rows} along dim {dim}")
 
     def _read(self, c: _Cut, data: np.ndarray, outer: int, row_bytes: int) -> None:
@@ -371,14 +372,19 @@ class OutputReader:
         h = new_hash(self.algorithm)
         if t.dim is None:
             h.update(read_into(fd, data, c.offset, size))
-        elif outer == 1:  # contiguous: straight into place, then the padding
-            inner = row_bytes // t.shape[t.dim]
-            region = data[s.start * inner : (s.start + s.length) * inner]
-            h.update(read_into(fd, region, c.offset, len(region)))
-            if s.pad:
-                tail = read_into(fd, scratch("pad", s.pad * inner), c.offset + len(region), s.pad * inner)
-                h.update(tail)
-                self._zero(tail, c)
+        elif outer == 1:  # contiguous runs (one, or one per segment): straight into place, then the padding
+            inner, at = row_bytes // t.shape[t.dim], c.offset
+            for start, length, pad in runs(t.segments, t.shape[t.dim], s):
+                region = data[start * inner : (start + length) * inner]
+                h.update(read_into(fd, region, at, len(region)))
+                at += len(region)
+                if pad:
+                    tail = read_into(fd, scratch("pad", pad * inner), at, pad * inner)
+                    h.update(tail)
+                    self._zero(tail, c)
+                    at += len(tail)
+        elif t.segments:  # tpshard cuts segments along dim 0 only
+            raise OutputError(f"{self.out}: {t.name}: a segmented cut along dim {t.dim} cannot be rebuilt")
         else:  # cut along an inner dim: whole rows of the outer dims at a time, a few MiB each
             per = s.length + s.pad
             inner = row_bytes // t.shape[t.dim]

@@ -145,7 +145,7 @@ class _Reassembly:
                 if self.source_crcs is not None:  # each thread sets its own tensors' entries
                     self.source_crcs[name] = zlib.crc32(data).to_bytes(4, "big")
                 for t, c, path, offset, _ in located:
-                    pieces[path].append((offset, shard_bytes(data, info.shape, t.dim, c), name))
+                    pieces[path].append((offset, shard_bytes(data, info.shape, t.dim, c, t.segments), name))
             same = {name for name, _, _ in sources}
             for path, items in pieces.items():
                 items.sort(key=lambda item: item[0])
@@ -249,5 +249,5 @@ def _diagnose(src_fd: int, info, specs: list[ShardSpec], i: int, fd: int, offset
             return f"{shard_text(spec)}: holds the slice of group rank {specs[j].group_rank} (meant for ranks {list(specs[j].ranks)}), not its own"
     element = byte // DTYPE_SIZE[spec.dtype]
     index = list(np.unravel_index(element, spec.shape)) if spec.shape else []
-    region = "padding (must be zero)" if spec.dim is not None and index and index[spec.dim] >= spec.length else "data"
+    region = "padding (must be zero)" if spec.dim is not None and not spec.segments and index and index[spec.dim] >= spec.length else "data"
     return f"{shard_text(spec)}: differs from the source first at element {[int(x) for x in index]} ({region})"

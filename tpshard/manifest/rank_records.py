@@ -34,6 +34,7 @@ class _TensorRecord(msgspec.Struct, kw_only=True, gc=False):
     dim: Annotated[int, msgspec.Meta(ge=0)] | None = None
     ep_slot: Annotated[int, msgspec.Meta(ge=0)] | None = None
     expert: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    segments: tuple[Positive, ...] = ()  # a segmented cut: shard_shape needs it
     cuts: msgspec.Raw  # decoded once per kind (_tensors_problem): tensors of a kind share it
 
 

@@ -38,8 +38,9 @@ Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_WORLD)]
 Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_WORLD)]
 
 # How a tensor is cut. The four linear kinds follow the engines' layer classes; `row_bias` is a
-# row-parallel layer's bias, whole on every rank and added once per reduction group.
-Kind = Literal["column", "merged", "qkv_q", "qkv_k", "qkv_v", "row", "row_bias", "vocab", "replicated"]
+# row-parallel layer's bias, whole on every rank and added once per reduction group; `segmented` a
+# column cut of each of several segments of dim 0 (`segments`), the rank's pieces concatenated.
+Kind = Literal["column", "merged", "qkv_q", "qkv_k", "qkv_v", "row", "row_bias", "vocab", "replicated", "segmented"]
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -80,6 +81,11 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     num_nextn_predict_layers: int = 0  # DeepSeek MTP layers, stored as layers num_layers, num_layers + 1, ...
+    # Gated DeltaNet linear attention (Qwen3.5, Qwen3-Next; 0 = none)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
 
 
 class Options(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -138,6 +144,11 @@ class ShardSpec(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     logical_length: int = 0
     logical_pad: int = 0
     value: tuple[int, ...] | None = None  # exact content, written instead of source bytes (CT weight_shape)
+    # A segmented cut (tpshard.cuts.runs): `dim` holds len(segments) segments of segments[i] * u
+    # indices each (u = source_shape[dim] / sum(segments)); start / length / pad are in [0, u), and
+    # the rank holds segment i's [segments[i] * start, + segments[i] * length) (+ its padding), the
+    # segments' pieces concatenated in order. () = one contiguous run.
+    segments: tuple[int, ...] = ()
 
 
 class Cut(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -179,6 +190,7 @@ class TensorPlan(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
     logical_size: Count = 0
     ep_slot: Annotated[int, msgspec.Meta(ge=0)] | None = None
     expert: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    segments: tuple[Positive, ...] = ()  # ShardSpec.segments
     cuts: tuple[Cut, ...]
 
 
@@ -217,7 +229,7 @@ def differing(digests: bytes, recorded: str, algorithm: str) -> list[int]:
 
 # The fields of a ShardSpec stored once per tensor (TensorPlan) and once per cut (Cut).
 TENSOR_FIELDS = ("layer", "layer_class", "piece", "kind", "dtype", "group", "factor", "group_size", "dim",
-           "quant", "step", "ratio", "atom", "logical_dim", "logical_size", "ep_slot", "expert")  # fmt: skip
+           "quant", "step", "ratio", "atom", "logical_dim", "logical_size", "ep_slot", "expert", "segments")  # fmt: skip
 _PER_CUT = ("group_rank", "start", "length", "pad")
 _LOGICAL = ("logical_start", "logical_length", "logical_pad", "value")
 
@@ -226,7 +238,7 @@ def shard_shape(t: TensorPlan, c: Cut) -> tuple[int, ...]:
     """A shard's shape: the source shape with the cut dim replaced by length + pad."""
     if t.dim is None:
         return t.shape
-    return _resized(t.shape, t.dim, c.length + c.pad)
+    return _resized(t.shape, t.dim, (c.length + c.pad) * (sum(t.segments) or 1))
 
 
 @lru_cache(maxsize=4096)

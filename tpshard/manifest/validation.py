@@ -30,8 +30,10 @@ def _located(e: msgspec.DecodeError | RecursionError, path: str) -> str:
     return text.replace("`$", f"`{path}") if "`$" in text else f"{text} - at `{path}`"
 
 
-def _check_cuts(shape: tuple[int, ...], dim: int | None, group_size: int, cuts: tuple[Cut, ...], size: int, nfiles: int) -> str | None:
-    """What is wrong with a tensor's shape, dim or cuts (the text after its name), or None."""
+def _check_cuts(
+    shape: tuple[int, ...], dim: int | None, group_size: int, cuts: tuple[Cut, ...], size: int, nfiles: int, segments: tuple[int, ...] = ()
+) -> str | None:  # fmt: skip
+    """What is wrong with a tensor's shape, dim, segments or cuts (the text after its name), or None."""
     for d in shape:  # zero dims count as one: no dim may hide a huge product
         size *= max(d, 1)
         if size > MAX_BYTES:
@@ -40,6 +42,10 @@ def _check_cuts(shape: tuple[int, ...], dim: int | None, group_size: int, cuts: 
         return f".dim: {dim} but the shape {list(shape)} has {len(shape)} dims"
     full = shape[dim] if dim is not None else 0
     row = size // max(full, 1)  # bytes per index along the cut dim
+    if segments:  # cuts index the unit of the segments (ShardSpec.segments), unpadded
+        if dim is None or len(segments) > 64 or full % sum(segments) or any(c.pad for c in cuts):
+            return f".segments: {list(segments)[:8]} do not cut dim {dim} of {list(shape)} into whole units, unpadded"
+        full, row = full // sum(segments), row * sum(segments)
     for j, c in enumerate(cuts):
         if c.file >= nfiles:
             return f".cuts[{j}]: file index {c.file} but there are {nfiles} files"
@@ -126,7 +132,7 @@ class _TensorChecks:
         if t.expert is not None and t.expert >= self.experts:
             return f"tensors[{i}] ({t.name}).expert: {t.expert} but the model has {self.experts} routed experts", None
         cuts = t.cuts  # text (a record being decoded) or Cuts (a TensorPlan: manifest_with_tensors)
-        key = (t.dtype, t.shape, t.dim, t.group_size, cuts if isinstance(cuts, tuple) else bytes(cuts))
+        key = (t.dtype, t.shape, t.dim, t.group_size, t.segments, cuts if isinstance(cuts, tuple) else bytes(cuts))
         kind = self.kinds.get(key)
         if kind is not None:
             kind.count += 1
@@ -136,7 +142,7 @@ class _TensorChecks:
                 cuts = _cuts_decoder.decode(key[-1])
             except (msgspec.DecodeError, RecursionError) as e:
                 return _located(e, f"$.tensors[{i}].cuts"), None
-        problem = _check_cuts(t.shape, t.dim, t.group_size, cuts, size, self.nfiles)
+        problem = _check_cuts(t.shape, t.dim, t.group_size, cuts, size, self.nfiles, t.segments)
         if problem:
             return f"tensors[{i}] ({t.name}){problem}", None
         kind = self.kinds[key] = _CutKind(cuts)

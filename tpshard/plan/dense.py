@@ -12,15 +12,17 @@ What it is not: no walk over a checkpoint (tpshard.plan.make), no refusal of a t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
 import msgspec
 
-from tpshard.arch import SHAPES, Arch, Rule
+from tpshard.arch import HEAD_COUNTS, SEGMENTS, SHAPES, Arch, Rule
 from tpshard.cuts import Cutting, ceil_div, even_cuts
 from tpshard.errors import PlanError
 from tpshard.manifest import Cut, Kind, ModelInfo, Options
+from tpshard.plan.fused import fused_cut, sinks_cut
 from tpshard.plan.kinds import TensorKind
 from tpshard.quant.formats import QuantSpec
 from tpshard.quant.layers import LogicalLayer
@@ -48,6 +50,8 @@ def group_of(rule: Rule, ctx: Layout) -> GroupName:
         case "attn":
             return ctx.arch.attn_group
         case "embed":
+            if ctx.arch.embed_group == "replicated" and ctx.topology.attn_dp == 1:
+                return "tp"  # whole only under attention DP (gpt-oss: enable_tp=not is_dp_attention_enabled())
             return ctx.arch.embed_group
         case "lm_head":
             return "attn_tp" if ctx.options.dp_lm_head else "tp"
@@ -60,19 +64,24 @@ def group_of(rule: Rule, ctx: Layout) -> GroupName:
     return "replicated"
 
 
-def expected_shape(rule: Rule, model: ModelInfo) -> tuple[int, int] | None:
-    """[out, in] of a weight according to config.json."""
+def expected_shape(rule: Rule, model: ModelInfo) -> tuple[int, ...] | None:
+    """[out, in] of a weight according to config.json ([n] of a norm cut by heads)."""
     return SHAPES[rule.shape](model) if rule.shape else None
 
 
 def refuse_heads(name: str, rule: Rule, ctx: Layout) -> None:
     """Attention is cut by whole heads: QKV's k and v by kv heads (split, or replicated when the group
-    is larger), everything else cut by heads (q, o, MLA's projections) by the attention heads."""
-    if rule.layer_class != "QKVParallelLinear" and not rule.heads:
+    is larger), everything else cut by heads (q, o, MLA's projections) by the attention heads.
+    MiniMax-M2's RMSNormTP q_norm / k_norm follow their projection's heads (q, or k)."""
+    if rule.layer_class not in _BY_HEADS and not rule.heads:
         return
     group = group_of(rule, ctx)
     g, model = ctx.topology.group_size(group), ctx.model
-    if rule.layer_class == "QKVParallelLinear" and rule.piece != "q":
+    if rule.head_counts:
+        counts = HEAD_COUNTS[rule.head_counts](model)
+        if any(n % g for _, n in counts):
+            raise PlanError(f"{name}: {' and '.join(f'{n} {what}' for what, n in counts)} must each divide over the {group} group of {g} ranks")
+    elif rule.layer_class in _BY_HEADS and rule.piece != "q":
         kv = model.num_kv_heads
         if g % kv and kv % g:
             raise PlanError(
@@ -81,6 +90,12 @@ def refuse_heads(name: str, rule: Rule, ctx: Layout) -> None:
             )
     elif model.num_heads % g:
         raise PlanError(f"{name}: {model.num_heads} attention heads do not divide over the {group} group of {g} ranks")
+
+
+# Cut by whole heads along dim 0, kv pieces replicated when the group outnumbers the kv heads:
+# QKVParallelLinear's q / k / v, and MiniMax-M2's q_norm / k_norm (sglang/srt/models/minimax_m2.py,
+# MiniMaxM2RMSNormTP: num_head_replicas = attn_tp_size // num_heads, as QKVParallelLinear's kv).
+_BY_HEADS = ("QKVParallelLinear", "RMSNormTP")
 
 
 def cut_tensor(name: str, info: TensorInfo, rule: Rule, param: str, ctx: Layout) -> Cutting:
@@ -106,6 +121,16 @@ def cut_tensor(name: str, info: TensorInfo, rule: Rule, param: str, ctx: Layout)
         return whole("replicated")
     if cls == "RowParallelLinear" and param == "bias":
         return whole("row_bias")
+    if cls == "FusedExperts":
+        return fused_cut(name, shape, param, ctx.arch, model, topology)
+    if cls == "AttentionSinks":
+        refuse_heads(name, rule, ctx)
+        return sinks_cut(name, shape, param, model, g)
+    if cls == "HeadParameter":  # any parameter name (A_log, dt_bias), cut by the heads checked above
+        refuse_heads(name, rule, ctx)
+        if expected and shape != (expected[0],):
+            raise PlanError(f"{name}: shape {list(shape)} on disk, but config.json implies [{expected[0]}]")
+        return Cutting("column", 0, 1, g, even_cuts(shape[0], g, shape[0] // g))
     if param not in ("weight", "bias"):
         raise PlanError(f"{name}: no rule for parameter '{param}' of {cls} {rule.layer}")
 
@@ -120,9 +145,13 @@ def cut_tensor(name: str, info: TensorInfo, rule: Rule, param: str, ctx: Layout)
         return Cutting("vocab", 0, 1, g, even_cuts(v, g, v_pad // g))
 
     refuse_heads(name, rule, ctx)
-    if cls == "QKVParallelLinear":
-        if rule.piece == "q":
-            per = model.num_heads // g * model.head_dim
+    if rule.segments:  # each segment cut over the group, the rank's slices concatenated (ShardSpec.segments)
+        return segmented_cut(name, shape, rule, model, g)
+    if cls in _BY_HEADS:  # RMSNormTP.weight_loader: shard attn_tp_rank // num_head_replicas, as QKV's q / k
+        if cls == "RMSNormTP" and param != "weight":
+            raise PlanError(f"{name}: no rule for parameter '{param}' of {cls} {rule.layer}")
+        if rule.piece == "q":  # whole heads of the rows per head on disk (a gated q holds [q_h | gate_h] per head)
+            per = model.num_heads // g * (shape[0] // model.num_heads)
             return Cutting("qkv_q", 0, 1, g, even_cuts(shape[0], g, per))
         kv = model.num_kv_heads
         head_rows = shape[0] // kv  # v_head_dim may differ from head_dim
@@ -154,6 +183,18 @@ def cut_tensor(name: str, info: TensorInfo, rule: Rule, param: str, ctx: Layout)
     raise PlanError(f"{name}: layer class {cls} has no load rule")
 
 
+def segmented_cut(name: str, shape: tuple[int, ...], rule: Rule, model: ModelInfo, g: int) -> Cutting:
+    """A cut of each of the rule's segments of dim 0 over the group, the rank's slices concatenated
+    (ShardSpec.segments): in units of the segments' greatest common size, segment i of m_i units."""
+    sizes = SEGMENTS[rule.segments](model)
+    if not shape or shape[0] != sum(sizes):
+        raise PlanError(f"{name}: shape {list(shape)} on disk, but config.json implies {sum(sizes)} rows ({' + '.join(map(str, sizes))}) along dim 0")
+    unit = math.gcd(*sizes)
+    if unit % g:
+        raise PlanError(f"{name}: its segments of {' + '.join(map(str, sizes))} rows do not each divide over the group of {g} ranks")
+    return Cutting("segmented", 0, 1, g, even_cuts(unit, g, unit // g), tuple(n // unit for n in sizes))
+
+
 def dense_kind(
     name: str, info: TensorInfo, rule: Rule, param: str, ep_slot: int | None, stages: tuple[int, ...] | None,
     ctx: Layout, kinds: dict[tuple, TensorKind],
@@ -167,13 +208,13 @@ def dense_kind(
         for cut in cutting.cuts:
             shape = list(info.shape)
             if cutting.dim is not None:
-                shape[cutting.dim] = cut.length + cut.pad
+                shape[cutting.dim] = (cut.length + cut.pad) * (sum(cutting.segments) or 1)
             records.append(
                 dict(
                     layer_class=rule.layer_class, piece=rule.piece, kind=cutting.kind, dtype=info.dtype,
                     source_shape=info.shape, shape=tuple(shape), dim=cutting.dim, start=cut.start, length=cut.length,
                     pad=cut.pad, group=group, factor=cutting.factor, group_rank=cut.group_rank,
-                    group_size=cutting.group_size, ep_slot=ep_slot,
+                    group_size=cutting.group_size, ep_slot=ep_slot, segments=cutting.segments,
                     ranks=ctx.topology.ranks_of(group, cut.group_rank, cutting.factor, ep_slot, stages),
                 )  # fmt: skip
             )

@@ -52,8 +52,8 @@ class Experts:
 
     def finish(self) -> None:
         m, a = self.ctx.model, self.ctx.arch
-        if a.sparse is None or not m.num_experts:
-            return
+        if a.sparse is None or not m.num_experts or a.fused_experts is not None:
+            return  # fused [E, ...] tensors: Arch.expected names them (tpshard.completeness)
         layers = {i for i in range(m.num_layers) if a.sparse(m, i)} | set(self.seen)
         for index in sorted(layers):
             have = self.seen.get(index, set())

@@ -42,15 +42,18 @@ EXPERT_PIECES: tuple[ExpertPiece, ...] = ("gate", "up", "down")
 
 
 def route(
-    cfg: RouterConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    cfg: RouterConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    logit_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing of tokens x [T, H] with router weight [E, H] -> (ids [T, k] int64, weights [T, k]).
+    `bias`: the correction bias (the choice only); `logit_bias`: the router linear's own bias
+    (gpt-oss's mlp.router.bias), part of the logits.
 
     Computed in float32 (float64 when x is), as transformers does; the weights come back in that
     dtype. Every rank holds the whole router and computes the same result.
     """
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    logits = F.linear(x.to(dt), weight.to(dt))  # [T, E]
+    logits = F.linear(x.to(dt), weight.to(dt), None if logit_bias is None else logit_bias.to(dt))  # [T, E]
     scores = logits.sigmoid() if cfg.scoring == "sigmoid" else logits.softmax(dim=-1)
     choice = scores
     if cfg.correction_bias:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+import tpshard.verify.fused_layers as fused_layers
 import tpshard.verify.moe_layers as moe_layers
 from tpshard.manifest import Plan, ShardSpec
 from tpshard.quant.shards import expected_physical_shape
@@ -38,6 +39,7 @@ from tpshard.runtime import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from tpshard.runtime.norms import RMSNormTP
 from tpshard.runtime.reference_quant import ReferenceQuantMethod, quant_spec_of
 from tpshard.topology import Topology
 from tpshard.verify.layer_specs import TIED_LM_HEAD, Built, LayerSpecs
@@ -52,6 +54,8 @@ def build_layer(
     lay: LayerSpecs, plan: Plan, rank: int, tensors, *, dtype: torch.dtype, device: torch.device
 ) -> Built:
     """Construct `lay` for world rank `rank` from its specs and load this rank's tensors into it."""
+    if lay.layer_class in fused_layers.FUSED_CLASSES:  # gpt-oss's fused experts and attention sinks
+        return fused_layers.build(lay, plan, rank, tensors, dtype=dtype, device=device)
     if lay.layer_class in moe_layers.MOE_CLASSES:  # routed experts, replicated linears (MoE / MLA plans)
         return moe_layers.build(lay, plan, rank, tensors, dtype=dtype, device=device)
     topo: Topology = plan.topology
@@ -89,6 +93,9 @@ def build_layer(
     elif cls in ("VocabParallelEmbedding", "ParallelLMHead"):
         layer_cls = VocabParallelEmbedding if cls == "VocabParallelEmbedding" else ParallelLMHead
         module = layer_cls(out_size, in_size, padding_size=plan.options.vocab_multiple, **kw)
+    elif cls == "RMSNormTP":  # MiniMax-M2's q_norm / k_norm: the RMS all-reduced over the group
+        hd = model.head_dim
+        module = RMSNormTP(out_size // hd, hd, group=group, piece=pieces[0], eps=model.rms_norm_eps, dtype=dtype, name=lay.layer)
     else:
         raise ValueError(f"{lay.layer}: verify has no layer for class {cls}")
     module.to(device)

@@ -41,6 +41,7 @@ LAYER = "model.layers.{i}"
 QKV, O_PROJ, GATE_UP, DOWN = "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"
 INPUT_NORM, POST_NORM = "input_layernorm.weight", "post_attention_layernorm.weight"
 Q_NORM, K_NORM = "self_attn.q_norm.weight", "self_attn.k_norm.weight"
+Q_NORM_TP, K_NORM_TP = "self_attn.q_norm", "self_attn.k_norm"  # engine layers (RMSNormTP) where cut by heads
 
 
 def rope_config(config: dict) -> dict:
@@ -210,6 +211,8 @@ class TPDecoder:
         qkv, o = self.layers[f"{p}.{QKV}"], self.layers[f"{p}.{O_PROJ}"]
         b, s, _ = x.shape
         q, k, v = qkv.module.split(qkv.module(x))  # [B, S, nh*hd], [B, S, nkv*hd] x2: this rank's heads
+        if f"{p}.{Q_NORM_TP}" in self.layers:  # MiniMax-M2: RMS over all heads, reduced over attn_tp
+            q, k = self.layers[f"{p}.{Q_NORM_TP}"].module(q), self.layers[f"{p}.{K_NORM_TP}"].module(k)
         q = q.unflatten(-1, (-1, self.head_dim))  # [B, S, nh, hd]
         k = k.unflatten(-1, (-1, self.head_dim))  # [B, S, nkv, hd]
         v = v.unflatten(-1, (-1, v.shape[-1] // k.shape[-2]))  # [B, S, nkv, v_hd]

@@ -20,8 +20,10 @@ def generator(seed: int, what: str, batch: int) -> torch.Generator:
 
 def layer_input(lay: LayerSpecs, batch: int, *, seed: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
     """Token ids [n] for an embedding, else activations [tokens, in] rounded to the compute dtype."""
-    w = lay.main(lay.pieces()[0])
     g = generator(seed, lay.layer, batch)
+    if lay.layer_class in ("FusedExperts", "AttentionSinks"):  # weightless: they make their own inputs
+        return torch.randn(tokens, lay.hidden, generator=g).to(dtype)
+    w = lay.main(lay.pieces()[0])
     if lay.layer_class == "VocabParallelEmbedding":
         vocab = w.source_shape[0]
         n = max(tokens, 2 * w.group_size)

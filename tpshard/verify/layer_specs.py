@@ -27,7 +27,7 @@ TIED_LM_HEAD = "lm_head"
 def reduction_group(layer_class: str) -> str | None:
     """The group a layer's outputs are reduced over when it is not its weights' group: the routed
     experts are cut over moe_tp inside EP slots, and their partial sums are all-reduced over tp."""
-    return "tp" if layer_class == "FusedMoE" else None
+    return "tp" if layer_class in ("FusedMoE", "FusedExperts") else None
 
 
 @dataclass

@@ -6,7 +6,7 @@ a layer over `attn_tp` under attention DP sees one batch per DP replica, and its
 inside the replica only. Rank 0 regenerates the same inputs and computes the reference in float64
 from the *source* tensors, then compares:
 
-- column-style outputs (q/k/v, gate/up, column): the group ranks' pieces concatenated in group-rank
+- column-style outputs (q/k/v, gate/up, column, MiniMax-M2's q/k norms cut by heads): the group ranks' pieces concatenated in group-rank
   order (the combined result the next layer consumes), padding included and expected zero; replica
   ranks (GQA kv heads, DP replicas of nothing) must agree with each other;
 - reduced outputs (row-parallel, embedding, lm_head): every rank's output, which already went
@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import tpshard.verify.fused_layers as fused_layers
 import tpshard.verify.moe_layers as moe_layers
 from tpshard.manifest import Plan
 from tpshard.quant.formats import dequantize
@@ -57,9 +58,13 @@ def batches(plan: Plan, group: str) -> int:
 def rank_outputs(built: Built, x: torch.Tensor, plan: Plan | None = None, *, seed: int = 0, tokens: int = 16) -> dict[str, tuple[int, torch.Tensor]]:
     """This rank's outputs of one layer: piece -> (group rank of the piece, tensor on the CPU)."""
     module, cls = built.module, built.spec.layer_class
+    if cls in fused_layers.FUSED_CLASSES:
+        return fused_layers.rank_outputs(built, x, built.spec, plan, seed=seed, tokens=tokens)
     if cls in moe_layers.MOE_CLASSES:
         return moe_layers.rank_outputs(built, x, built.spec, plan, seed=seed, tokens=tokens)
     with torch.no_grad():
+        if cls == "RMSNormTP":  # the input is the whole projection; the rank normalises its heads' slice
+            return {built.spec.pieces()[0]: (module.shard, module(module.local(x)).double().cpu())}
         if cls in COLUMN:
             out = module(x)
             pieces = built.spec.pieces()
@@ -119,6 +124,9 @@ def reference(
     fake-quantizes its input with the *source* scale, as the ranks do with theirs."""
     if lay.layer_class == "VocabParallelEmbedding":
         return F.embedding(x, w)
+    if lay.layer_class == "RMSNormTP":  # transformers' MiniMaxM2RMSNorm over the whole width
+        x = x.double()
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + plan.model.rms_norm_eps)
     if lay.quant:
         spec = quant_spec_of(plan, lay.module(piece))
         names = {s.source.rpartition(".")[2]: s.source for s in lay.specs if s.quant and s.piece == piece}
@@ -138,8 +146,10 @@ def compare_layer(
 
     probe: the outputs are of a zero input, so they must equal the source bias rounded to the
     compute dtype, exactly (tolerance 0): a bias a few ULPs off is invisible next to x @ W.T."""
+    if lay.layer_class in fused_layers.FUSED_CLASSES:
+        return fused_layers.compare(lay, plan, sent, src, seed=seed, tokens=tokens, dtype=dtype, tolerance=tolerance)
     if lay.layer_class in moe_layers.MOE_CLASSES:
-        return moe_layers.compare(lay, plan, sent, src, seed=seed, tokens=tokens, dtype=dtype, tolerance=tolerance)
+        return moe_layers.compare(lay, plan, sent, src, seed=seed, tokens=tokens, dtype=dtype, tolerance=tolerance, probe=probe)
     nbatch = batches(plan, lay.group)
     result = LayerResult(
         layer=lay.layer, layer_class=lay.layer_class, group=lay.group, pieces=lay.pieces(), batches=nbatch,
@@ -161,7 +171,7 @@ def compare_layer(
     max_abs = 0.0
     findings: dict[str, list[int]] = defaultdict(list)  # diagnosis -> world ranks
 
-    if lay.layer_class in COLUMN:
+    if lay.layer_class in COLUMN + ("RMSNormTP",):
         for p in lay.pieces():
             spec = lay.main(p)
             for b in range(nbatch):

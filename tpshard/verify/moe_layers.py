@@ -63,8 +63,9 @@ def hf_config(tensors) -> dict:
 
 
 def is_router(lay) -> bool:
-    """A ReplicatedLinear that is a MoE router: the HF module `...mlp.gate` / `...block_sparse_moe.gate`."""
-    return lay.layer_class == "ReplicatedLinear" and lay.layer.rsplit(".", 1)[-1] == "gate"
+    """A ReplicatedLinear that is a MoE router: the HF module `...mlp.gate` / `...block_sparse_moe.gate`
+    (gpt-oss: `...mlp.router`)."""
+    return lay.layer_class == "ReplicatedLinear" and lay.layer.rsplit(".", 1)[-1] in ("gate", "router")
 
 
 # ---------------------------------------------------------------- building
@@ -264,15 +265,18 @@ def rank_outputs(built, x: torch.Tensor, lay, plan: Plan, *, seed: int, tokens: 
         parts = module.split(out) if hasattr(module, "split") else (out,)
         sent = {p: (0, part.double().cpu()) for p, part in zip(lay.pieces(), parts)}
         if getattr(module, "router", None) is not None:
-            sent["routing"] = (0, _dense_routing(module.router, x, module.weight, module.correction_bias).double().cpu())
+            routing = _dense_routing(module.router, x, module.weight, module.correction_bias, getattr(module, "bias", None))
+            sent["routing"] = (0, routing.double().cpu())
     return sent
 
 
-def _dense_routing(cfg: RouterConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _dense_routing(
+    cfg: RouterConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logit_bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Routing as a [T, E] matrix: each token's top-k weights at their experts, zero elsewhere."""
     if cfg.correction_bias and bias is None:
         bias = torch.zeros(cfg.num_experts, dtype=weight.dtype, device=weight.device)  # reported at build
-    ids, w = route(cfg, x, weight, bias)
+    ids, w = route(cfg, x, weight, bias, logit_bias)
     return torch.zeros(x.shape[0], cfg.num_experts, dtype=w.dtype, device=w.device).scatter(1, ids, w)
 
 
@@ -293,9 +297,12 @@ def _expert_out(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
-def compare(lay, plan: Plan, sent: dict[int, dict], src, *, seed: int, tokens: int, dtype: torch.dtype, tolerance: float) -> LayerResult:
+def compare(
+    lay, plan: Plan, sent: dict[int, dict], src, *, seed: int, tokens: int, dtype: torch.dtype, tolerance: float, probe: bool = False
+) -> LayerResult:
     """Rank 0: every rank's outputs (sent[world rank], the ranks of the stages holding the layer) of a
-    FusedMoE or ReplicatedLinear against the float64 source reference."""
+    FusedMoE or ReplicatedLinear against the float64 source reference. probe: the ranks ran a zero
+    input (a ReplicatedLinear with a bias, gpt-oss's router: the bias alone)."""
     nbatch = 1 if lay.layer_class == "FusedMoE" else len(sent)
     result = LayerResult(
         layer=lay.layer, layer_class=lay.layer_class, group="tp" if lay.layer_class == "FusedMoE" else "replicated",
@@ -309,7 +316,7 @@ def compare(lay, plan: Plan, sent: dict[int, dict], src, *, seed: int, tokens: i
     if lay.layer_class == "FusedMoE":
         max_abs, scale = _compare_experts(lay, plan, sent, src, seed=seed, tokens=tokens, dtype=dtype, tol=tolerance, findings=findings, problems=problems)
     else:
-        max_abs, scale = _compare_replicated(lay, plan, sent, src, seed=seed, tokens=tokens, dtype=dtype, tol=tolerance, findings=findings, problems=problems)
+        max_abs, scale = _compare_replicated(lay, plan, sent, src, seed=seed, tokens=tokens, dtype=dtype, tol=tolerance, findings=findings, problems=problems, probe=probe)
     for what, ranks in findings.items():
         problems.setdefault(f"{what} on world ranks {sorted(set(ranks))}")
     result.max_abs = max_abs
@@ -318,7 +325,7 @@ def compare(lay, plan: Plan, sent: dict[int, dict], src, *, seed: int, tokens: i
     return result
 
 
-def _compare_replicated(lay, plan, sent, src, *, seed, tokens, dtype, tol, findings, problems) -> tuple[float, float]:
+def _compare_replicated(lay, plan, sent, src, *, seed, tokens, dtype, tol, findings, problems, probe=False) -> tuple[float, float]:
     weights = {p: _source_weight(lay, plan, src, [s for s in lay.specs if s.piece == p]) for p in lay.pieces()}
     biases = {p: (src[b.source] if (b := lay.first(p, "bias")) is not None else None) for p in lay.pieces()}
     router = None
@@ -329,9 +336,10 @@ def _compare_replicated(lay, plan, sent, src, *, seed, tokens, dtype, tol, findi
     refs = {}
     for rank, msg in sent.items():
         x = layer_input(lay, msg["batch"], seed=seed, tokens=tokens, dtype=dtype).double()
+        x = torch.zeros_like(x) if probe else x
         refs[rank] = {p: F.linear(x, weights[p], biases[p]) for p in lay.pieces()}
         if router is not None:
-            refs[rank]["routing"] = _dense_routing(router, x, weights[""], cbias)
+            refs[rank]["routing"] = _dense_routing(router, x, weights[""], cbias, biases[""])
     scale = max((r.abs().max().item() for per in refs.values() for r in per.values()), default=1.0) or 1.0
     max_abs = 0.0
     for rank, msg in sent.items():

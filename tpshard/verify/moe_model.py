@@ -30,6 +30,7 @@ from tpshard.manifest import Plan
 from tpshard.runtime import LogicalGroup
 from tpshard.runtime.mla import MLAAttention, MLAConfig
 from tpshard.runtime.moe import MoEBlock
+import tpshard.verify.sinks_model as sinks_model
 from tpshard.verify.decoder import INPUT_NORM, POST_NORM, TPDecoder, rms_norm
 from tpshard.verify.layer_specs import Built
 
@@ -43,7 +44,8 @@ def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> s
     """Why --model cannot run this MoE / MLA output, or None (quantized and context-parallel outputs
     are refused by tpshard.verify.model.unsupported_reason, for every family)."""
     window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
-    if window and tokens is not None and window < tokens:
+    sinks = any(t.layer_class == "AttentionSinks" for t in plan.tensors)  # gpt-oss: windows by layer_types, modelled
+    if window and tokens is not None and window < tokens and not sinks:
         return f"model-level verify has no sliding-window attention; the model's window {window} is shorter than --tokens {tokens}"
     try:
         router_config(config)
@@ -89,7 +91,12 @@ class MoEDecoder(TPDecoder):
         """One MoE / MLA decoder layer on the residual stream h [B, S, H] (the stage hand-off, the
         embedding and the head are TPDecoder's)."""
         x = rms_norm(h, self.norms[f"{p}.{INPUT_NORM}"], self.eps)
-        h = h + (self._mla(p, x, cos, sin) if self.mla is not None else self._attention(p, x, cos, sin))
+        if self.mla is not None:
+            h = h + self._mla(p, x, cos, sin)
+        elif sinks_model.has_sinks(self.layers, p):
+            h = h + sinks_model.attention(self, p, x, cos, sin)
+        else:
+            h = h + self._attention(p, x, cos, sin)
         x = rms_norm(h, self.norms[f"{p}.{POST_NORM}"], self.eps)
         return h + self._mlp(p, x, b)
 
@@ -108,6 +115,8 @@ class MoEDecoder(TPDecoder):
     def _mlp(self, p: str, x: torch.Tensor, b: int) -> torch.Tensor:
         attn_group = self._attn_group(p)
         prefix = next((f"{p}.{m}" for m in ("mlp", "block_sparse_moe") if f"{p}.{m}.experts" in self.layers), None)
+        if prefix is not None and self.layers[f"{prefix}.experts"].spec.layer_class == "FusedExperts":
+            return sinks_model.moe(self, prefix, x, attn_group, b)
         if prefix is not None:
             block = self._moe_block(prefix)
             big = block.experts.group  # tp: every rank runs every replica's tokens

@@ -100,6 +100,12 @@ def source_problems(job: Job, plan, recorded) -> list[str]:
     if absent or differ:
         what = f"has no {', '.join(absent[:3])}" if absent else f"{differ[0]} has another shape"
         return [f"{job.source}: {what}: not the checkpoint {job.out} was split from"]
+    linear = sorted({s.layer for s in plan.shards if s.kind == "segmented" or s.layer_class == "HeadParameter"})
+    if linear:  # no gated DeltaNet runtime layer (tpshard/arch/qwen_next.py): refused, not skipped
+        return [
+            f"{plan.model.architecture}: verify has no runtime for gated DeltaNet linear attention ({linear[0]} and"
+            f" {len(linear) - 1} more layers); check --source proves these outputs byte for byte"
+        ]
     if job.model:
         from tpshard.verify.model import unsupported_reason
 

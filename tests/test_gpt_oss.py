@@ -1,0 +1,215 @@
+"""gpt-oss (GptOssForCausalLM, tpshard/arch/gpt_oss.py) on a tiny bf16 checkpoint saved by
+transformers' own GptOssForCausalLM (tests/gpt_oss_fixtures.py).
+
+What each rank holds is SGLang's models/gpt_oss.py, written out here from its loader, not from
+tpshard's plan: the experts' fused gate_up_proj [E, H, 2I] cut as ONE contiguous slice of its
+interleaved last dim (weight_loader_fused narrows the transposed w13 by 2I / moe_tp at
+moe_tp_rank), down_proj on dim 1, the down bias whole, the sinks with the q heads
+(`[attn_tp_rank * h, +h)`), the router whole, the embedding whole under attention DP
+(enable_tp=not is_dp_attention_enabled()). Then the refusals, layouts broken on purpose (check
+--source and verify must see each), and verify --model against transformers.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tpshard
+from broken import overwrite_tensor, rewrite_checksums
+from gpt_oss_fixtures import make_gpt_oss
+from test_moe_split import source_tensors
+from tpshard.topology import Topology
+from tpshard.verify import verify_many
+
+E, H, I, HEADS, KV, HD = 8, 64, 96, 8, 2, 16
+EXPERTS = "model.layers.{i}.mlp.experts."
+
+
+def tpshard_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tpshard", *map(str, args)], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory) -> Path:
+    return make_gpt_oss(tmp_path_factory.mktemp("gpt_oss") / "model")
+
+
+@pytest.fixture(scope="module")
+def tp4_dp2(gpt_oss, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gpt_oss_tp4_dp2") / "out"
+    tpshard.split(gpt_oss, out, Topology(tp=4, attn_dp=2))
+    return out
+
+
+def sglang_rank(full: dict, topo: Topology, rank: int) -> dict[str, torch.Tensor]:
+    """What SGLang's GptOssForCausalLM loads on `rank` of layer 0 (ep 1: moe_tp = tp), in HF names."""
+    attn_tp = topo.tp // topo.attn_dp
+    a, t = rank % attn_tp, topo.tp
+    h, kv_per = HEADS // attn_tp, max(1, KV // attn_tp)
+    kv = a // (attn_tp // KV) if attn_tp >= KV else a  # the kv head block of this attention rank
+    p, x = "model.layers.0.self_attn.", EXPERTS.format(i=0)
+    w = 2 * I // t  # the rank's contiguous slice of the interleaved gate/up dim
+    return {
+        p + "sinks": full[p + "sinks"][a * h : (a + 1) * h],
+        p + "q_proj.bias": full[p + "q_proj.bias"][a * h * HD : (a + 1) * h * HD],
+        p + "k_proj.weight": full[p + "k_proj.weight"][kv * kv_per * HD : (kv + 1) * kv_per * HD],
+        p + "o_proj.weight": full[p + "o_proj.weight"][:, a * h * HD : (a + 1) * h * HD],
+        p + "o_proj.bias": full[p + "o_proj.bias"],
+        x + "gate_up_proj": full[x + "gate_up_proj"][:, :, rank % t * w : (rank % t + 1) * w],
+        x + "gate_up_proj_bias": full[x + "gate_up_proj_bias"][:, rank % t * w : (rank % t + 1) * w],
+        x + "down_proj": full[x + "down_proj"][:, rank % t * (I // t) : (rank % t + 1) * (I // t)],
+        x + "down_proj_bias": full[x + "down_proj_bias"],
+        "model.layers.0.mlp.router.weight": full["model.layers.0.mlp.router.weight"],
+        "model.layers.0.mlp.router.bias": full["model.layers.0.mlp.router.bias"],
+    }
+
+
+@pytest.mark.parametrize("topo", [Topology(tp=2), Topology(tp=4, attn_dp=2), Topology(tp=8), Topology(tp=8, attn_dp=4)], ids=str)
+def test_per_rank_as_sglang_loads(gpt_oss, tmp_path, topo):
+    out = tmp_path / "out"
+    tpshard.split(gpt_oss, out, topo)
+    assert tpshard.check(out, gpt_oss).ok
+    full = source_tensors(gpt_oss)
+    assert full[EXPERTS.format(i=0) + "gate_up_proj"].shape == (E, H, 2 * I)  # as transformers saves it
+    for r in range(topo.tp):
+        held = tpshard.open_rank(out, r)
+        for name, want in sglang_rank(full, topo, r).items():
+            assert torch.equal(held[name], want), (r, name)
+        embed = held["model.embed_tokens.weight"]
+        if topo.attn_dp > 1:  # whole, padded to 64: VocabParallelEmbedding(enable_tp=False)
+            assert embed.shape == (256, H) and torch.equal(embed[:250], full["model.embed_tokens.weight"])
+        else:
+            assert embed.shape == (256 // topo.tp, H)
+    # The [gate | up] reading of the fused dim is another layout from tp 2 on: the test above tells them apart.
+    g = full[EXPERTS.format(i=0) + "gate_up_proj"]
+    halves = torch.cat((g[..., : I // topo.tp], g[..., I : I + I // topo.tp]), -1)
+    assert not torch.equal(halves, sglang_rank(full, topo, 0)[EXPERTS.format(i=0) + "gate_up_proj"])
+
+
+def test_pipeline_stages_and_reshard(gpt_oss, tp4_dp2, tmp_path):
+    """pp 2: lm_head on every stage (GptOssForCausalLM builds it unconditionally); a reshard of the
+    tp 4 attn-dp 2 output to tp 2 pp 2 is byte-identical to a split."""
+    split = tmp_path / "split"
+    tpshard.split(gpt_oss, split, Topology(tp=2, pp_layers=(1, 1)))
+    assert tpshard.check(split, gpt_oss).ok
+    for r in range(4):
+        assert "lm_head.weight" in tpshard.open_rank(split, r)
+    p = tpshard_cli("reshard", tp4_dp2, "-o", tmp_path / "re", "--tp", "2", "--pp", "2")
+    assert p.returncode == 0, p.stderr
+    assert tpshard_cli("check", tmp_path / "re", "--source", gpt_oss).returncode == 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--tp", "4", "--ep", "2"), "--ep 2: model.layers.0.mlp.experts."),
+        (("--tp", "16"), "attention heads do not divide"),
+    ],
+    ids=["ep-bf16", "heads"],
+)
+def test_refusals(gpt_oss, tmp_path, args, message):
+    p = tpshard_cli("split", gpt_oss, "-o", tmp_path / "out", *args)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and message in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    if args[-1] == "2":
+        assert "copies all experts of a bf16 gpt-oss checkpoint into every EP rank" in p.stderr
+
+
+def test_vllm_export_refused(tp4_dp2, tmp_path):
+    p = tpshard_cli("export", tp4_dp2, "--format", "vllm", "-o", tmp_path / "deploy")
+    assert p.returncode == 2 and "no vllm name table for GptOssForCausalLM" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+# ---- broken on purpose ------------------------------------------------------------------------------
+
+
+def break_copy(good: Path, dst: Path, gpt_oss: Path) -> Path:
+    """tp 4 attn-dp 2 output broken four ways, each in its own layer and shard (checksums rewritten,
+    so only the comparison with the source or the numbers can see them)."""
+    subprocess.run(["cp", "-a", str(good), str(dst)], check=True)
+    full = source_tensors(gpt_oss)
+    x0, x1 = EXPERTS.format(i=0), EXPERTS.format(i=1)
+    g, b = full[x0 + "gate_up_proj"], full[x0 + "gate_up_proj_bias"]
+    for r in range(4):  # layer 0: every rank's gate/up read as [gate | up] halves
+        c = I // 4
+        overwrite_tensor(dst, r, x0 + "gate_up_proj", torch.cat((g[..., r * c : (r + 1) * c], g[..., I + r * c : I + (r + 1) * c]), -1))
+        overwrite_tensor(dst, r, x0 + "gate_up_proj_bias", torch.cat((b[:, r * c : (r + 1) * c], b[:, I + r * c : I + (r + 1) * c]), -1))
+    # layer 1: rank 1's experts round-robin (even ids, then odd) on the experts axis
+    held = tpshard.open_rank(dst, 1)
+    order = list(range(0, E, 2)) + list(range(1, E, 2))
+    for p in ("gate_up_proj", "down_proj"):
+        overwrite_tensor(dst, 1, x1 + p, held[x1 + p][order].clone())
+    # layer 0: attention rank 0 (world ranks 0, 2) holds attention rank 1's sinks
+    overwrite_tensor(dst, 0, "model.layers.0.self_attn.sinks", tpshard.open_rank(dst, 1)["model.layers.0.self_attn.sinks"].clone())
+    # layer 1: the kv heads swapped between the two attention ranks
+    k0, k1 = (tpshard.open_rank(dst, r)["model.layers.1.self_attn.k_proj.weight"].clone() for r in (0, 1))
+    overwrite_tensor(dst, 0, "model.layers.1.self_attn.k_proj.weight", k1)
+    overwrite_tensor(dst, 1, "model.layers.1.self_attn.k_proj.weight", k0)
+    rewrite_checksums(dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def broken(gpt_oss, tp4_dp2, tmp_path_factory) -> Path:
+    return break_copy(tp4_dp2, tmp_path_factory.mktemp("gpt_oss_broken") / "out", gpt_oss)
+
+
+def test_check_source_sees_each_breakage(broken, gpt_oss):
+    found = " ".join(p.message for p in tpshard.check(broken, gpt_oss).problems)
+    for name in (
+        "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.gate_up_proj_bias",
+        "model.layers.1.mlp.experts.down_proj", "model.layers.0.self_attn.sinks", "model.layers.1.self_attn.k_proj.weight",
+    ):  # fmt: skip
+        assert name in found, (name, found)
+
+
+def test_sinks_whole_is_not_the_rules(gpt_oss, tmp_path, monkeypatch):
+    """A split whose plan keeps the sinks whole on every rank is self-consistent, and check --source
+    refuses it: its manifest is not what SGLang's layout gives."""
+    import tpshard.plan.dense as dense
+    from tpshard.cuts import Cutting
+    from tpshard.manifest import Cut
+
+    monkeypatch.setattr(dense, "sinks_cut", lambda name, shape, param, model, g: Cutting("replicated", None, 1, 1, [Cut(0, 0, shape[0], 0, 0)]))
+    out = tmp_path / "out"
+    tpshard.split(gpt_oss, out, Topology(tp=2))
+    monkeypatch.undo()
+    report = tpshard.check(out, gpt_oss)
+    assert not report.ok and any("sinks" in p.message for p in report.problems), [p.message for p in report.problems]
+
+
+@pytest.fixture(scope="module")
+def verified(broken, tp4_dp2, gpt_oss):
+    """verify --model of the broken and the good tp 4 attn-dp 2 outputs, in one launch."""
+    return verify_many([broken, tp4_dp2], [gpt_oss, gpt_oss], model=True)
+
+
+def test_verify_names_each_breakage(verified):
+    report = verified[0]
+    failed = {r.layer: " ".join(r.problems) for r in report.layers if r.problems}
+    assert "differs" in failed["model.layers.0.mlp.experts"]
+    assert "expert 2 on MoE-TP rank 1/4 differs" in failed["model.layers.1.mlp.experts"]
+    assert "sinks of group rank 0 differ (it holds group rank 1's heads)" in failed["model.layers.0.self_attn.sinks"]
+    assert "model.layers.1.self_attn.qkv_proj" in failed
+    assert report.model is not None and not report.model.ok
+
+
+def test_verify_model_against_transformers(verified):
+    """tp 4 attn-dp 2: sinks, the sliding layer 0 (window 4 < 16 tokens), yarn, the router's bias,
+    the clamped SwiGLU and both expert biases, the whole embedding of each DP replica."""
+    report = verified[1]
+    assert report.ok, [(r.layer, r.problems) for r in report.layers if r.problems] + [report.model.problems if report.model else None]
+    assert report.model is not None and report.model.top1 == 1.0 and report.model.max_rel < 1e-5
+
+
+@pytest.mark.slow
+def test_verify_model_tp8(gpt_oss, tmp_path):
+    out = tmp_path / "out"
+    tpshard.split(gpt_oss, out, Topology(tp=8))
+    (report,) = verify_many([out], [gpt_oss], model=True)
+    assert report.ok and report.model.top1 == 1.0

@@ -1,0 +1,50 @@
+"""Routed experts stored fused in the checkpoint: one tensor [E, ...] per projection of a layer's
+experts (gpt-oss `mlp.experts.gate_up_proj` [E, H, 2I], Llama-4 `feed_forward.experts.gate_up_proj`),
+instead of one tensor per expert and projection.
+
+A family declares how each parameter of its fused-experts module is cut (`Arch.fused_experts`,
+param -> `FusedParam`); tpshard.plan.fused turns that into cuts and verify reads the same table
+to know which rows are gate and which are up. The vocabulary:
+
+- the **experts axis** is dim 0: under expert parallelism an EP slot holds the contiguous block
+  `[slot * E/ep, (slot + 1) * E/ep)` (only where the engine's loader slices it: `ep_loads`);
+- the **intermediate axis** (`dim`) is cut over moe_tp; `per_i` indices of it per intermediate
+  element (2 for a gate/up tensor, 1 for down);
+- `layout` says how gate and up share a gate/up axis: `interleaved` (gpt-oss: gate_j, up_j
+  alternate, so a rank keeps ONE contiguous slice of the axis, its (gate_j, up_j) pairs for
+  j in its intermediate range), `segmented` (Llama-4: [gate | up] halves, a rank keeps its slice of
+  each half, concatenated), `single` (down: one projection), `whole` (down's bias: not cut, kept
+  whole on every rank of the EP slot, as every row-parallel bias);
+- `role`: which projection a parameter is (w13 / w2), for verify.
+
+Not here: the cut arithmetic (tpshard.plan.fused), the runtime layer (tpshard.runtime.fused_moe).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+Layout = Literal["interleaved", "segmented", "single", "whole"]
+
+
+class FusedParam(NamedTuple):
+    role: Literal["w13", "w13_bias", "w2", "w2_bias"]
+    layout: Layout
+    dim: int | None  # the intermediate axis cut over moe_tp; None for `whole`
+    per_i: int = 1  # indices of `dim` per intermediate element (2: gate and up)
+    shape: str = ""  # the source shape by config.json: a key of FUSED_SHAPES
+
+
+# [E, ...] of each parameter by config.json, as (E, H, I) -> shape.
+FUSED_SHAPES = {
+    "e_h_2i": lambda e, h, i: (e, h, 2 * i),
+    "e_2i": lambda e, h, i: (e, 2 * i),
+    "e_i_h": lambda e, h, i: (e, i, h),
+    "e_h": lambda e, h, i: (e, h),
+}
+
+
+class FusedExperts(NamedTuple):
+    params: dict[str, FusedParam]
+    ep_loads: bool = False  # the engine's loader slices the experts axis by EP slot (False: --ep > 1 refused)
+    ep_refusal: str = ""  # why not, for the refusal

@@ -1,0 +1,112 @@
+"""gpt-oss (SGLang models/gpt_oss.py; transformers models/gpt_oss/modeling_gpt_oss.py).
+
+What a rank holds is what SGLang 0.5.23's GptOssForCausalLM builds for it:
+- GptOssAttention: q/k/v one QKVParallelLinear over attn_tp (q heads even; kv heads even, or each
+  replicated attn_tp / kv ways when attn_tp > kv), with their biases; o_proj a RowParallelLinear
+  over attn_tp whose bias is kept whole (added once after the reduction); `sinks` [heads], a bare
+  Parameter of num_heads / attn_tp that the loader fills with `[attn_tp_rank * h, +h)`: cut with
+  the q heads (layer class AttentionSinks), never with the kv heads, never whole.
+- The embedding is a VocabParallelEmbedding with enable_tp=not is_dp_attention_enabled(): over tp
+  without attention DP, whole (padded) under it (embed_group "replicated"); lm_head, a
+  ParallelLMHead built on every pipeline stage, over tp (attn_tp with --enable-dp-lm-head).
+- Every layer is a GptOssSparseMoeBlock (a dense MLP raises NotImplementedError): the router
+  `mlp.router` a ReplicatedLinear with a bias, whole; the experts one FusedMoE loaded by
+  `weight_loader_fused` from the checkpoint's fused tensors (tpshard.arch.fused):
+  `gate_up_proj` [E, H, 2I] with gate and up interleaved on the last dim (gate = [..., ::2]),
+  transposed by the loader and narrowed to the rank's contiguous 2I / moe_tp slice of the
+  interleaved dim: the (gate_j, up_j) pairs of j in the rank's I / moe_tp (a [gate | up] reading is
+  wrong from moe_tp 2 on); `gate_up_proj_bias` [E, 2I] the same on dim 1; `down_proj` [E, I, H]
+  dim 1; `down_proj_bias` [E, H] kept whole, as tpshard keeps every row-parallel bias (the
+  runtime adds it once; SGLang zeroes it on moe_tp ranks != 0 after loading, a choice of its
+  kernel, not of the checkpoint). FusedMoE asserts I % moe_tp == 0.
+- Expert parallelism: refused for these bf16 fused experts. The fused loader copies the whole
+  [E, ...] tensor into each rank's [E / ep, ...] parameter (no expert map; fused_moe_triton
+  layer.py); only the MXFP4 loader (_load_mxfp4_experts_weights) slices experts by EP rank, and
+  MXFP4 checkpoints (quant_method mxfp4) are not split by tpshard yet (refused with the other
+  unsupported quant_methods).
+- No tp > experts check in this class (unlike GLM); no MTP layer (the NextN path only logs).
+- Router (transformers GptOssTopKRouter): logits = x W^T + b, top-k of the logits, softmax over
+  the k: the same as a softmax over all experts renormalised over the k picked.
+- Experts (GptOssExperts): gu = x @ gate_up_proj[e] + bias; g = gu[..., ::2].clamp(max=limit),
+  u = gu[..., 1::2].clamp(-limit, limit); (u + 1) * g * sigmoid(alpha * g) @ down_proj[e] + bias.
+- Pipeline stages: GptOssModel builds the embedding on the first stage, the norm on the last,
+  layers by make_layers; lm_head on every stage (pp_head "every").
+- `verify --model` runs tpshard.verify.moe_model's decoder with the gpt-oss layers
+  (tpshard.verify.sinks_model: attention sinks, sliding windows by config.json layer_types, yarn
+  RoPE from transformers' own tables, the fused experts' clamped SwiGLU). Export: refused for both
+  engines (vLLM's models/gpt_oss.py renames and transposes the experts; its table is not measured
+  here; SGLang's sharded_state refuses every family with routed experts).
+"""
+
+from tpshard.arch.base import NORMS, QKV_ATTENTION, VOCAB, Arch, EngineNames, L, Rule
+from tpshard.arch.fused import FusedExperts, FusedParam
+from tpshard.arch.router import RouterConfig
+from tpshard.arch.tensors import attention_tensors, config_value, decoder_tensors
+from tpshard.errors import PlanError
+from tpshard.manifest import ModelInfo
+
+RULES = VOCAB + NORMS + QKV_ATTENTION + (
+    Rule(L + r"\.self_attn", "AttentionSinks", "attn", r"\1.self_attn.sinks", heads=True),
+    Rule(L + r"\.mlp\.router", "ReplicatedLinear", "replicated", r"\1.mlp.router", shape="router", moe=True),
+    Rule(L + r"\.mlp\.experts", "FusedExperts", "expert", r"\1.mlp.experts", moe=True),
+)  # fmt: skip
+
+EXPERT_PARAMS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+FUSED = FusedExperts(
+    params={
+        "gate_up_proj": FusedParam("w13", "interleaved", 2, per_i=2, shape="e_h_2i"),
+        "gate_up_proj_bias": FusedParam("w13_bias", "interleaved", 1, per_i=2, shape="e_2i"),
+        "down_proj": FusedParam("w2", "single", 1, shape="e_i_h"),
+        "down_proj_bias": FusedParam("w2_bias", "whole", None, shape="e_h"),
+    },
+    ep_loads=False,
+    ep_refusal=(
+        "SGLang's fused expert loader (weight_loader_fused, models/gpt_oss.py) copies all experts of a bf16"
+        " gpt-oss checkpoint into every EP rank, so it cannot load --ep > 1; split with --ep 1"
+    ),
+)
+
+
+def sparse(model: ModelInfo, layer: int) -> bool:
+    """GptOssDecoderLayer: every layer is sparse."""
+    return True
+
+
+def expected(model: ModelInfo, config: dict):
+    """Per layer q/k/v/o with their biases (attention_bias), the sinks, the router with its bias,
+    and the four fused expert tensors."""
+
+    def attention(p: str):
+        yield from attention_tensors(p, config)
+        yield f"{p}.self_attn.sinks"
+
+    def mlp(p: str, i: int):
+        yield from (f"{p}.mlp.router.weight", f"{p}.mlp.router.bias")
+        yield from (f"{p}.mlp.experts.{n}" for n in EXPERT_PARAMS)
+
+    return decoder_tensors(model, config, attention, mlp)
+
+
+def refuse_config(config: dict, model: ModelInfo) -> None:
+    """What SGLang's GptOss classes need of config.json beyond the rules."""
+    types = config_value(config, "layer_types")
+    if types is not None and (len(types) != model.num_layers or set(types) - {"sliding_attention", "full_attention"}):
+        raise PlanError(
+            f"{model.architecture}: layer_types {types} is not one of sliding_attention / full_attention per layer;"
+            " GptOssAttention asserts it"
+        )
+
+
+def router(config: dict, e: int, k: int) -> RouterConfig:
+    """GptOssTopKRouter: softmax over the top-k logits (the router's bias included in them)."""
+    return RouterConfig(num_experts=e, top_k=k, scoring="softmax", renormalize=True)
+
+
+ARCHS = (
+    Arch(
+        "GptOssForCausalLM", RULES, "gpt_oss.py", attn_group="attn_tp", embed_group="replicated", model_type="gpt_oss",
+        expected=expected, exports=EngineNames(vllm=None, sglang=None), verify="moe", router=router,
+        sparse=sparse, check=refuse_config, pp_head="every", fused_experts=FUSED,
+    ),
+)  # fmt: skip

@@ -1,0 +1,152 @@
+"""Hybrid decoders: Qwen3.5-MoE and Qwen3-Next (SGLang models/qwen3_5_text.py, which registers
+Qwen3_5MoeForCausalLM around the body of qwen3_5.py; qwen3_next.py; the shared MoE block of
+qwen2_moe.py; transformers models/qwen3_5_moe/, models/qwen3_next/).
+
+Layers are gated DeltaNet linear attention (`linear_attn`) or gated full attention (`self_attn`),
+as config.json's layer_types says; every layer has routed experts, a shared expert and its gate.
+What rank r holds (attn_tp = tp / attn_dp, moe_tp = tp / ep) is what SGLang 0.5.23's classes build:
+
+- Linear attention, over attn_tp (the attention group; qwen3_5.py builds it with the attention-TP
+  rank and size): Qwen3.5 stores the projections split. `in_proj_qkv` [2K + V, H] (K = key heads x
+  key dim, V = value heads x value dim) loads as shards 0, 1, 2 of the fused in_proj_qkvz, so each
+  rank holds its slice of *each* of the q, k and v segments, concatenated (a segmented cut,
+  ShardSpec.segments), not one contiguous block; `in_proj_z` (shard 3), `in_proj_b`, `in_proj_a`
+  are cut by rows. Qwen3-Next stores them fused and packed per key-head group ([q_g | k_g | v_g |
+  z_g], [b_g | a_g]): its packed loader cuts `in_proj_qkvz` / `in_proj_ba` contiguously, whole
+  groups per rank. Both: `conv1d` [2K + V, 1, k] segmented like in_proj_qkv (mamba's sharded
+  conv loader), `A_log` / `dt_bias` [value heads] cut by value heads (SGLang keeps A_log in fp32
+  in memory; the checkpoint's dtype is written), the gated `norm` [value dim] whole, `out_proj`
+  by columns. Key heads and value heads must each divide attn_tp.
+- Full attention: q_proj holds per head [q_h | gate_h] (attn_output_gate), one QKVParallelLinear
+  over attn_tp cutting 2 x heads x head_dim rows by whole heads; k/v by kv heads (replicated when
+  attn_tp > kv heads), o_proj by columns, q_norm / k_norm whole.
+- MoE: Qwen2MoeSparseMoeBlock: the router whole, FusedMoE experts in contiguous blocks of E / ep
+  per EP slot cut over moe_tp, the shared expert over the full tp (even under attention DP or EP),
+  shared_expert_gate whole. It refuses tp greater than the routed experts.
+- Embedding: Qwen3.5 builds it whole (padded rows) under attention DP (enable_tp = not DP
+  attention), over tp otherwise; Qwen3-Next over attn_tp. lm_head over tp.
+- Router (transformers' Qwen3_5MoeTopKRouter, Qwen3NextTopKRouter): softmax, top-k; Qwen3.5 always
+  renormalises, Qwen3-Next as norm_topk_prob says.
+- Refused: pipeline stages (no per-stage layout on record for these classes), export to either
+  engine (no name table measured), verify --model (no gated DeltaNet runtime), dense MLP layers
+  (mlp_only_layers, decoder_sparse_step). Not declared, so refused by name: MTP tensors (mtp.*),
+  experts stored fused ([E, 2I, H] `experts.gate_up_proj`, which qwen3_5.py's loader also reads),
+  and the multimodal Qwen3_5MoeForConditionalGeneration (model.language_model.*, the vision tower).
+"""
+
+from tpshard.arch.base import NORMS, QK_NORM, VOCAB, Arch, EngineNames, L, Rule
+from tpshard.arch.qwen import EXPERTS, SHARED_EXPERT, refuse_dense_layers
+from tpshard.arch.router import RouterConfig
+from tpshard.arch.tensors import config_value, decoder_tensors, expert_tensors, mlp_tensors
+from tpshard.errors import PlanError
+from tpshard.manifest import ModelInfo
+
+A = L + r"\.self_attn"
+LA = L + r"\.linear_attn"
+_QKVZ, _BA = r"\1.linear_attn.in_proj_qkvz", r"\1.linear_attn.in_proj_ba"
+
+
+def _linear(at: str, cls, layer: str, piece: str = "", shape: str = "", segments: str = "") -> Rule:
+    """A linear-attention rule: over the attention group, cut by whole key / value heads."""
+    return Rule(at, cls, "attn", layer, piece, shape, heads=True, head_counts="linear", segments=segments)
+
+
+GATED_ATTENTION = (
+    Rule(A + r"\.q_proj", "QKVParallelLinear", "attn", r"\1.self_attn.qkv_proj", "q", "gated_q"),
+    Rule(A + r"\.k_proj", "QKVParallelLinear", "attn", r"\1.self_attn.qkv_proj", "k", "kv"),
+    Rule(A + r"\.v_proj", "QKVParallelLinear", "attn", r"\1.self_attn.qkv_proj", "v", "kv"),
+    Rule(A + r"\.o_proj", "RowParallelLinear", "attn", r"\1.self_attn.o_proj", shape="o"),
+)
+LINEAR_COMMON = (
+    _linear(LA + r"\.conv1d", "ColumnParallelLinear", r"\1.linear_attn.conv1d", segments="linear_qkv"),
+    _linear(LA, "HeadParameter", r"\1.linear_attn", shape="linear_head"),  # A_log, dt_bias
+    Rule(LA + r"\.norm", "Replicated", "replicated", r"\1.linear_attn.norm"),
+    _linear(LA + r"\.out_proj", "RowParallelLinear", r"\1.linear_attn.out_proj", shape="linear_out"),
+)
+QWEN3_5_LINEAR = LINEAR_COMMON + (
+    _linear(LA + r"\.in_proj_qkv", "MergedColumnParallelLinear", _QKVZ, "qkv", "linear_qkv", segments="linear_qkv"),
+    _linear(LA + r"\.in_proj_z", "MergedColumnParallelLinear", _QKVZ, "z", "linear_z"),
+    _linear(LA + r"\.in_proj_b", "MergedColumnParallelLinear", _BA, "b", "linear_head"),
+    _linear(LA + r"\.in_proj_a", "MergedColumnParallelLinear", _BA, "a", "linear_head"),
+)
+QWEN3_NEXT_LINEAR = LINEAR_COMMON + (
+    _linear(LA + r"\.in_proj_qkvz", "ColumnParallelLinear", _QKVZ, shape="linear_qkvz"),  # whole key-head groups
+    _linear(LA + r"\.in_proj_ba", "ColumnParallelLinear", _BA, shape="linear_ba"),
+)
+COMMON = VOCAB + NORMS + GATED_ATTENTION + QK_NORM + EXPERTS + SHARED_EXPERT
+
+
+def expected(fused: bool):
+    """Per layer its linear or full attention (config.json layer_types), the router, every routed
+    expert, the shared expert and its gate."""
+    linear = ("in_proj_qkvz", "in_proj_ba") if fused else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+    def tensors(model: ModelInfo, config: dict):
+        kinds = layer_kinds(config, model)
+
+        def attention(p: str):
+            if kinds[int(p.rsplit(".", 1)[1])] == "linear_attention":
+                yield from (f"{p}.linear_attn.{n}.weight" for n in (*linear, "conv1d", "norm", "out_proj"))
+                yield from (f"{p}.linear_attn.A_log", f"{p}.linear_attn.dt_bias")
+                return
+            yield from (f"{p}.self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"))
+
+        def mlp(p: str, i: int):
+            yield from expert_tensors(f"{p}.mlp", model, ("gate_proj", "up_proj", "down_proj"))
+            yield from (*mlp_tensors(f"{p}.mlp.shared_expert"), f"{p}.mlp.shared_expert_gate.weight")
+
+        return decoder_tensors(model, config, attention, mlp)
+
+    return tensors
+
+
+def layer_kinds(config: dict, model: ModelInfo) -> list[str]:
+    """config.json's layer_types, one per decoder layer; without it, as transformers' configs derive
+    it: every full_attention_interval-th layer (default 4) full attention, the others linear."""
+    every = config_value(config, "full_attention_interval", 4)
+    derived = [("full_attention" if isinstance(every, int) and every > 0 and (i + 1) % every == 0 else "linear_attention") for i in range(model.num_layers)]
+    kinds = config_value(config, "layer_types", derived)
+    if not isinstance(kinds, list) or len(kinds) != model.num_layers or set(kinds) - {"linear_attention", "full_attention"}:
+        raise PlanError(
+            f"{model.architecture}: config.json's layer_types must name linear_attention or full_attention for each of"
+            f" the {model.num_layers} layers (found {str(kinds)[:80]})"
+        )
+    return kinds
+
+
+def refuse_config(config: dict, model: ModelInfo) -> None:
+    layer_kinds(config, model)
+    refuse_dense_layers(config, model)
+    if not model.linear_num_key_heads or not model.linear_key_head_dim or not model.linear_value_head_dim:
+        raise PlanError(f"{model.architecture}: config.json lacks the linear-attention sizes (linear_num_key_heads, linear_key_head_dim, linear_value_head_dim)")
+    if model.linear_num_value_heads % model.linear_num_key_heads:
+        raise PlanError(
+            f"{model.architecture}: {model.linear_num_value_heads} linear-attention value heads are not a multiple of"
+            f" the {model.linear_num_key_heads} key heads"
+        )
+
+
+def renormalised_router(config: dict, e: int, k: int) -> RouterConfig:
+    return RouterConfig(num_experts=e, top_k=k, renormalize=True)  # Qwen3_5MoeTopKRouter divides by the top-k sum
+
+
+def next_router(config: dict, e: int, k: int) -> RouterConfig:
+    return RouterConfig(num_experts=e, top_k=k, renormalize=bool(config.get("norm_topk_prob", True)))
+
+
+def every_layer_sparse(model: ModelInfo, layer: int) -> bool:
+    return True
+
+
+ARCHS = (
+    Arch(
+        "Qwen3_5MoeForCausalLM", COMMON + QWEN3_5_LINEAR, "qwen3_5_text.py", attn_group="attn_tp", embed_group="replicated",
+        model_type="qwen3_5_moe_text", expected=expected(fused=False), exports=EngineNames(vllm=None, sglang=None),
+        verify=None, router=renormalised_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config,
+    ),
+    Arch(
+        "Qwen3NextForCausalLM", COMMON + QWEN3_NEXT_LINEAR, "qwen3_next.py", attn_group="attn_tp", embed_group="attn_tp",
+        model_type="qwen3_next", expected=expected(fused=True), exports=EngineNames(vllm=None, sglang=None),
+        verify=None, router=next_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config,
+    ),
+)  # fmt: skip

@@ -1,0 +1,102 @@
+"""gpt-oss's routed experts over tensor parallelism, loaded from fused [E, ...] shards
+(tpshard.arch.fused), and its attention with sinks.
+
+`InterleavedExperts` mirrors SGLang's FusedMoE as models/gpt_oss.py builds it (ep 1): every rank
+holds every expert over its moe_tp slice of the intermediate size, as the checkpoint stores them
+(transformers GptOssExperts: gate_up_proj [E, H, 2 I_r] with gate and up interleaved, its bias
+[E, 2 I_r], down_proj [E, I_r, H]) and the down bias [E, H] whole. The clamped SwiGLU is
+elementwise over the intermediate axis, so each rank's slice gives its partial sum exactly; the
+down bias is added by MoE-TP rank 0 only (SGLang zeroes it on the other ranks), and one
+all-reduce over the group sums the slices.
+
+`sinks_attention` is transformers' eager_attention_forward of gpt-oss on a rank's heads: the
+sink of each head an extra logit column of the softmax, dropped after it; a sliding window keeps
+the `window` most recent positions (the query's own included).
+
+Not here: which shards a rank holds (the plan), the router (tpshard.runtime.moe.route).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpshard.runtime.groups import LogicalGroup
+from tpshard.runtime.layers import divide
+
+# checkpoint parameter -> the runtime's (SGLang's w13 / w2 and their biases)
+PARAMS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+
+class InterleavedExperts(nn.Module):
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, *, group: LogicalGroup,
+        alpha: float, limit: float, dtype: torch.dtype, name: str = "",
+    ):  # fmt: skip
+        super().__init__()
+        self.name, self.group = name or "InterleavedExperts", group
+        self.num_experts, self.hidden_size, self.alpha, self.limit = num_experts, hidden_size, alpha, limit
+        self.moe_tp_size, self.moe_tp_rank = group.size, group.rank
+        self.intermediate_per_rank = i_p = divide(intermediate_size, group.size, f"{self.name}: expert intermediate size over MoE-TP")
+        e, h = num_experts, hidden_size
+        self.shapes = {"gate_up_proj": (e, h, 2 * i_p), "gate_up_proj_bias": (e, 2 * i_p), "down_proj": (e, i_p, h), "down_proj_bias": (e, h)}
+        # Zeros, not empty: a parameter never loaded must not look like plausible weights.
+        self.weights = {p: torch.zeros(s, dtype=dtype) for p, s in self.shapes.items()}
+        self.reduce_results = True
+        self._loaded: set[str] = set()
+
+    def to(self, device):  # the tensors are plain attributes
+        self.weights = {p: w.to(device) for p, w in self.weights.items()}
+        return self
+
+    def load(self, param: str, tensor: torch.Tensor) -> None:
+        """Copy this rank's presharded tensor of `param`; never slices."""
+        if param not in self.shapes:
+            raise KeyError(f"{self.name}: no parameter {param!r}; the fused experts have {list(PARAMS)}")
+        if tuple(tensor.shape) != self.shapes[param]:
+            raise ValueError(
+                f"{self.name}: {param} has shape {tuple(tensor.shape)}, MoE-TP rank {self.moe_tp_rank}/{self.moe_tp_size}"
+                f" expects {self.shapes[param]}"
+            )
+        self.weights[param].copy_(tensor)
+        self._loaded.add(param)
+
+    def missing_shards(self) -> list[str]:
+        return [p for p in PARAMS if p not in self._loaded]
+
+    def expert(self, e: int, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
+        """Expert e on tokens x [n, H] over this rank's slice of I -> [n, H], partial; the down
+        bias with `bias` on MoE-TP rank 0."""
+        w = self.weights
+        gu = x @ w["gate_up_proj"][e] + w["gate_up_proj_bias"][e]  # [n, 2 I_r], gate/up interleaved
+        y = swiglu(gu, self.alpha, self.limit) @ w["down_proj"][e]
+        return y + w["down_proj_bias"][e] if bias and self.moe_tp_rank == 0 else y
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], ids [T, k], weights [T, k] -> [T, H]: sum over the k picks of w * expert(x)."""
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            tok, pick = torch.where(topk_ids == e)
+            if tok.numel():
+                out.index_add_(0, tok, self.expert(e, x[tok]) * topk_weights[tok, pick, None].to(x.dtype))
+        return self.group.all_reduce(out) if self.reduce_results else out
+
+
+def swiglu(gu: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU of interleaved gate/up [..., 2n] -> [..., n] (GptOssExperts._apply_gate)."""
+    g, u = gu[..., ::2].clamp(max=limit), gu[..., 1::2].clamp(min=-limit, max=limit)
+    return (u + 1) * (g * torch.sigmoid(g * alpha))
+
+
+def sinks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, window: int | None) -> torch.Tensor:
+    """q [B, nh, S, hd], k / v [B, nh, S, hd] (kv heads repeated), sinks [nh] -> [B, nh, S, hd]."""
+    s = q.shape[-2]
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [B, nh, S, S]
+    i, j = torch.arange(s, device=q.device)[:, None], torch.arange(s, device=q.device)[None, :]
+    allowed = (j <= i) if window is None else (j <= i) & (i - j < window)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    logits = torch.cat((scores, sink), -1)
+    probs = F.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
+    return probs @ v

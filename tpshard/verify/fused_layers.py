@@ -1,0 +1,194 @@
+"""Layer-level verify of gpt-oss's own layer kinds: routed experts stored fused (FusedExperts) and
+attention sinks (AttentionSinks).
+
+- **FusedExperts** (`L.mlp.experts`): each rank loads its shards of the four fused tensors into a
+  tpshard.runtime.fused_moe.InterleavedExperts (every expert, its moe_tp slice of I), each shape
+  compared with what the layer expects. Run on `max(--tokens, E)` seeded tokens:
+  1. *routed*: every token picks k distinct experts with positive weights, every expert picked,
+     all-reduced over tp: each rank's output must equal sum_k w_k expert_k(x) computed in float64
+     from the source tensors (gate/up de-interleaved as transformers' GptOssExperts does, the
+     clamped SwiGLU, both biases);
+  2. *one expert per token*, unreduced, without the down bias: each rank's partial output of each
+     expert must equal that expert over the rank's slice of I, which says which rank holds what
+     (another MoE-TP rank's slice, the [gate | up] halves read instead of the interleaved pairs).
+- **AttentionSinks** (`L.self_attn.sinks`): each rank's sinks, concatenated in group-rank order,
+  must be the source's, and each group rank's must be its own heads' (not another rank's, not
+  every head).
+
+Not here: the plan's cuts, the sinks in attention (tpshard.verify.sinks_model runs them in the decoder).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from tpshard.manifest import Plan
+from tpshard.runtime import LogicalGroup
+from tpshard.runtime.fused_moe import PARAMS, InterleavedExperts, swiglu
+from tpshard.verify.layer_inputs import generator
+from tpshard.verify.layer_specs import Built
+from tpshard.verify.moe_layers import hf_config
+from tpshard.verify.report import LayerResult
+
+FUSED_CLASSES = ("FusedExperts", "AttentionSinks")
+MAX_MESSAGES = 6
+
+
+def swiglu_numbers(config: dict) -> tuple[float, float]:
+    """(alpha, limit) of gpt-oss's clamped SwiGLU (transformers GptOssConfig swiglu_alpha / swiglu_limit)."""
+    return float(config.get("swiglu_alpha", 1.702)), float(config.get("swiglu_limit", 7.0))
+
+
+def _param(s) -> str:
+    return s.name.rpartition(".")[2]
+
+
+def build(lay, plan: Plan, rank: int, tensors, *, dtype: torch.dtype, device: torch.device) -> Built:
+    topo, m = plan.topology, plan.model
+    if lay.layer_class == "AttentionSinks":
+        group = LogicalGroup.of(topo, lay.group, rank)
+        built = Built(lay, torch.nn.Module(), group)
+        mine = [s for s in lay.specs if rank in s.ranks]
+        want = (m.num_heads // group.size,)
+        for s in mine:
+            if (s.group, s.group_rank, tuple(s.shape)) != (lay.group, group.rank, want):
+                built.problems.append(
+                    f"{s.name} on rank {rank}: manifest says group {s.group} rank {s.group_rank}/{s.group_size} shape"
+                    f" {list(s.shape)}; this rank's attention holds {want[0]} heads as {lay.group} rank {group.rank}/{group.size}"
+                )
+        built.module.sinks = tensors[mine[0].name].to(device=device, dtype=dtype) if mine else None
+        if not mine:
+            built.problems.append(f"{lay.layer} on rank {rank}: never loaded")
+        return built
+    group = LogicalGroup.of(topo, "tp", rank)
+    alpha, limit = swiglu_numbers(hf_config(tensors))
+    module = InterleavedExperts(m.num_experts, m.hidden_size, m.moe_intermediate_size, group=group, alpha=alpha, limit=limit, dtype=dtype, name=lay.layer).to(device)
+    built = Built(lay, module, group)
+    for s in lay.specs:
+        if rank not in s.ranks:
+            continue
+        try:
+            module.load(_param(s), tensors[s.name].to(device=device, dtype=dtype))
+        except (ValueError, KeyError) as e:
+            built.problems.append(f"{s.name} on rank {rank}: {e.args[0]}")
+    if module.missing_shards():
+        built.problems.append(f"{lay.layer} on rank {rank}: never loaded {module.missing_shards()}")
+    return built
+
+
+def experts_inputs(lay, plan: Plan, *, seed: int, tokens: int, dtype: torch.dtype):
+    """(x [T, H], ids [T, k], weights [T, k]) of the routed run: T >= E so that every expert is picked."""
+    e, h = plan.model.num_experts, plan.model.hidden_size
+    k = max(1, min(plan.model.num_experts_per_tok or 2, e))
+    t = max(tokens, e)
+    g = generator(seed, lay.layer, 0)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    ids = (torch.arange(t)[:, None] * k + torch.arange(k)[None, :]) % e  # distinct for k <= E
+    return x, ids, (torch.rand(t, k, generator=g) + 0.5).to(dtype)
+
+
+def rank_outputs(built: Built, x: torch.Tensor, lay, plan: Plan, *, seed: int, tokens: int) -> dict:
+    module = built.module
+    with torch.no_grad():
+        if lay.layer_class == "AttentionSinks":
+            return {} if module.sinks is None else {"": (built.group.rank, module.sinks.double().cpu())}
+        x, ids, w = (t.to(x.device) for t in experts_inputs(lay, plan, seed=seed, tokens=tokens, dtype=x.dtype))
+        out = module(x, ids, w)
+        partial = torch.stack([module.expert(e, x, bias=False) for e in range(module.num_experts)])  # [E, T, H]
+    return {"": (built.group.rank, out.double().cpu()), "partial": (built.group.rank, partial.double().cpu())}
+
+
+def _source_experts(lay, src) -> dict[str, torch.Tensor]:
+    names = {_param(s): s.source for s in lay.specs}
+    return {p: src[names[p]] for p in PARAMS if p in names}
+
+
+def _expert(w: dict, e: int, x: torch.Tensor, cols: slice, alpha: float, limit: float, bias: bool) -> torch.Tensor:
+    """Expert e over the intermediate range `cols` (of I) from the source, in float64."""
+    gu = x @ w["gate_up_proj"][e][:, 2 * cols.start : 2 * cols.stop] + w["gate_up_proj_bias"][e][2 * cols.start : 2 * cols.stop]
+    y = swiglu(gu, alpha, limit) @ w["down_proj"][e][cols]
+    return y + w["down_proj_bias"][e] if bias else y
+
+
+def compare(lay, plan: Plan, sent: dict[int, dict], src, *, seed: int, tokens: int, dtype: torch.dtype, tolerance: float) -> LayerResult:
+    """Rank 0: every rank's outputs of a FusedExperts or AttentionSinks layer against the source."""
+    result = LayerResult(layer=lay.layer, layer_class=lay.layer_class, group=lay.group, pieces=[""], batches=1, tolerance=tolerance)
+    problems: dict[str, None] = {}
+    for msg in sent.values():
+        for p in msg["problems"]:
+            problems.setdefault(p)
+    findings: dict[str, list[int]] = defaultdict(list)
+    if lay.layer_class == "AttentionSinks":
+        max_abs, scale = _compare_sinks(lay, sent, src, tolerance, findings, problems)
+    else:
+        max_abs, scale = _compare_experts(lay, plan, sent, src, seed=seed, tokens=tokens, dtype=dtype, tol=tolerance, findings=findings, problems=problems)
+    for what, ranks in findings.items():
+        problems.setdefault(f"{what} on world ranks {sorted(set(ranks))}")
+    result.max_abs, result.max_rel = max_abs, max_abs / scale
+    result.problems = list(problems)[:MAX_MESSAGES] + ([f"... {len(problems) - MAX_MESSAGES} more"] if len(problems) > MAX_MESSAGES else [])
+    return result
+
+
+def _compare_sinks(lay, sent, src, tol, findings, problems) -> tuple[float, float]:
+    full = src[lay.specs[0].source]  # [heads]
+    scale = full.abs().max().item() or 1.0
+    max_abs = 0.0
+    for rank, msg in sent.items():
+        if "" not in msg["outputs"]:
+            continue
+        gr, got = msg["outputs"][""]
+        n = got.shape[0]
+        want = full[gr * n : (gr + 1) * n]
+        if want.shape != got.shape:
+            findings[f"sinks of {got.shape[0]} heads for group rank {gr}, the source has {full.shape[0]}"].append(rank)
+            continue
+        err = (got - want).abs().max().item()
+        max_abs = max(max_abs, err)
+        if err / scale > tol:
+            other = [k for k in range(full.shape[0] // n) if k != gr and torch.equal(got, full[k * n : (k + 1) * n])]
+            what = f"it holds group rank {other[0]}'s heads" if other else f"rel error {err / scale:.3g}"
+            findings[f"sinks of group rank {gr} differ ({what})"].append(rank)
+    return max_abs, scale
+
+
+def _compare_experts(lay, plan, sent, src, *, seed, tokens, dtype, tol, findings, problems) -> tuple[float, float]:
+    alpha, limit = swiglu_numbers(src.ckpt.config)
+    w = _source_experts(lay, src)
+    if set(w) != set(PARAMS):
+        problems.setdefault(f"the manifest has no {sorted(set(PARAMS) - set(w))} for {lay.layer}")
+        return 0.0, 1.0
+    e_total, i = plan.model.num_experts, plan.model.moe_intermediate_size
+    x, ids, weights = experts_inputs(lay, plan, seed=seed, tokens=tokens, dtype=dtype)
+    x = x.double()
+    full = slice(0, i)
+    ref = torch.zeros_like(x)
+    for j in range(ids.shape[1]):
+        for e in range(e_total):
+            rows = ids[:, j] == e
+            ref[rows] += weights[rows, j, None].double() * _expert(w, e, x[rows], full, alpha, limit, True)
+    scale = ref.abs().max().item() or 1.0
+    max_abs = 0.0
+    for rank, msg in sent.items():
+        if "" not in msg["outputs"]:
+            continue
+        err = (msg["outputs"][""][1] - ref).abs().max().item()
+        max_abs = max(max_abs, err)
+        if err / scale > tol:
+            findings["routed output differs from the source's"].append(rank)
+    moe_tp = plan.topology.moe_tp
+    i_p = i // moe_tp
+    for rank, msg in sent.items():
+        if "partial" not in msg["outputs"]:
+            continue
+        m, partial = msg["outputs"]["partial"]
+        for e in range(e_total):
+            want = _expert(w, e, x, slice(m * i_p, (m + 1) * i_p), alpha, limit, False)
+            err = (partial[e] - want).abs().max().item() / scale
+            if err <= tol:
+                continue
+            others = [k for k in range(moe_tp) if k != m and (partial[e] - _expert(w, e, x, slice(k * i_p, (k + 1) * i_p), alpha, limit, False)).abs().max().item() / scale <= tol]
+            what = f"it holds MoE-TP rank {others[0]}'s slice" if others else f"rel error {err:.3g}"
+            findings[f"expert {e} on MoE-TP rank {m}/{moe_tp} differs ({what})"].append(rank)
+    return max_abs, scale
