@@ -14,12 +14,12 @@ import sys
 import textwrap
 from pathlib import Path
 
-import msgspec
 import pytest
 
 import tpshard.processes as processes
 from tests.checkpoints import make_checkpoint
 from tpshard import Topology, split
+from tpshard.manifest import rank_dir
 from tpshard.processes import run_forked
 
 TESTS = Path(__file__).parent
@@ -51,16 +51,8 @@ def many_files(tmp_path_factory) -> Path:
 
 
 def files_of(out: Path) -> dict[str, bytes]:
-    found = {}
-    for p in sorted(out.rglob("*")):
-        if p.is_file():
-            data = p.read_bytes()
-            if p.name == "tpshard.json":  # the time it was written aside
-                doc = msgspec.json.decode(data)
-                doc.pop("created", None)
-                data = msgspec.json.encode(doc)
-            found[str(p.relative_to(out))] = data
-    return found
+    """Every file of an output, the manifest included, by path."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
 
 
 @pytest.mark.parametrize("checksum", ["crc32", "sha256"])
@@ -139,3 +131,33 @@ def test_ctrl_c_while_workers_run_leaves_none_of_them():
     env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30, env=env)
     assert done.stdout.split() == ["interrupted", "0"], done.stderr
+
+
+def test_check_source_on_two_processes_finds_what_one_thread_finds(many_files, tmp_path, monkeypatch):
+    """check --source's reassembly on forked workers: the same findings, in the same order, as on
+    one thread, for an output with a byte flipped in two of its files and a file of another rank."""
+    from tpshard import check
+
+    out = tmp_path / "out"
+    split(many_files, out, Topology(tp=4))
+    files = sorted((out / rank_dir(1)).glob("*.safetensors"))
+    for f in files[:2]:
+        data = bytearray(f.read_bytes())
+        data[-3] ^= 0x10
+        os.unlink(f)  # a hard link shared with other ranks: break this copy only
+        f.write_bytes(bytes(data))
+    other = next(f for f in sorted((out / rank_dir(2)).glob("*.safetensors")) if not (out / rank_dir(1) / f.name).samefile(f))
+    mine = out / rank_dir(1) / other.name
+    os.unlink(mine)
+    mine.write_bytes(other.read_bytes())
+    forks = []
+    real_fork = os.fork
+    monkeypatch.setattr(processes.os, "fork", lambda: forks.append(1) or real_fork())
+    two = check(out, source=many_files, workers=2)
+    assert len(forks) == 2
+    one = check(out, source=many_files, workers=1)
+    assert len(forks) == 2
+    assert not two.ok and two.found >= 3
+    assert [(p.check, p.message) for p in two.problems] == [(p.check, p.message) for p in one.problems]
+    assert two.tensors_reassembled == one.tensors_reassembled
+    assert not children()

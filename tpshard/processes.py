@@ -5,7 +5,8 @@ share one interpreter lock (a second thread gained 14 % on 9k tensors; a second 
 doubles it). The plan is made and the output files laid out first; then each worker is a fork of
 this process, so it shares the plan, the open files and the read-only tables without sending
 them anywhere. What a job produces it writes into shared memory (`shared_slots`, `shared_bytes`)
-that the parent reads once every worker has ended.
+that the parent reads once every worker has ended; what it returns (check's findings) comes back
+pickled, by task index.
 
 Workers take tasks by index from one pipe (a 4-byte read of a pipe written in whole 4-byte
 records is atomic), so a worker that drew small tasks takes more of them. A worker that fails
@@ -19,11 +20,14 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from tpshard.lifetime import die_with_parent
 
@@ -68,36 +72,48 @@ class SharedDigests:
         return bytes(self.data)
 
 
-def run_forked(tasks: Sequence, job: Callable[[object, Callable[[int], None]], None], workers: int, on_progress: Callable[[int], None] | None) -> None:
-    """Run job(task, progress) for every task on `workers` forked processes; return when all are
-    done. `progress(n)` in a job adds n to a shared count that the parent passes to on_progress as
-    it grows. A worker's exception is raised here; KeyboardInterrupt stops every worker."""
+def run_forked(tasks: Sequence, job: Callable[[object, Callable[[int], None]], object], workers: int, on_progress: Callable[[int], None] | None) -> dict[int, object]:
+    """Run job(task, progress) for every task on `workers` forked processes; return, once all are
+    done, what the jobs returned by task index (None left out: most jobs write shared memory and
+    return nothing). `progress(n)` in a job adds n to a shared count that the parent passes to
+    on_progress as it grows. A worker's exception is raised here; KeyboardInterrupt stops every
+    worker."""
     counts = shared_bytes(8 * workers).cast("Q")
     errors = shared_bytes(ERROR_BYTES * workers)
+    # Each worker's results, pickled into a file of this private folder as it ends: no pipe to
+    # keep drained while the parent waits.
+    results = Path(tempfile.mkdtemp(prefix="tpshard-jobs-"))
     feed_r, feed_w = os.pipe()
     parent = os.getpid()
     pids: list[int] = []
     try:
+        try:
+            for k in range(workers):
+                pid = os.fork()
+                if pid == 0:  # the worker: never returns
+                    os.close(feed_w)
+                    _work(k, tasks, job, feed_r, counts, errors, parent, results / str(k))
+                pids.append(pid)
+        except BaseException:
+            _stop(pids)
+            os.close(feed_w)
+            raise
+        finally:
+            os.close(feed_r)  # the workers hold it; with them gone, the feeder's write fails instead of blocking
+        feeder = threading.Thread(target=_feed, args=(feed_w, len(tasks)), daemon=True)
+        feeder.start()
+        running = set(pids)
+        try:
+            _wait(pids, running, counts, errors, on_progress)
+        finally:
+            _stop(running)
+            feeder.join()
+        found: dict[int, object] = {}
         for k in range(workers):
-            pid = os.fork()
-            if pid == 0:  # the worker: never returns
-                os.close(feed_w)
-                _work(k, tasks, job, feed_r, counts, errors, parent)
-            pids.append(pid)
-    except BaseException:
-        _stop(pids)
-        os.close(feed_r)
-        os.close(feed_w)
-        raise
-    os.close(feed_r)  # the workers hold it; with them gone, the feeder's write fails instead of blocking
-    feeder = threading.Thread(target=_feed, args=(feed_w, len(tasks)), daemon=True)
-    feeder.start()
-    running = set(pids)
-    try:
-        _wait(pids, running, counts, errors, on_progress)
+            found.update(pickle.loads((results / str(k)).read_bytes()))
+        return found
     finally:
-        _stop(running)
-        feeder.join()
+        shutil.rmtree(results, ignore_errors=True)
 
 
 def _feed(fd: int, n: int) -> None:
@@ -112,10 +128,11 @@ def _feed(fd: int, n: int) -> None:
         os.close(fd)
 
 
-def _work(k: int, tasks: Sequence, job: Callable, feed: int, counts: memoryview, errors: memoryview, parent: int) -> None:
+def _work(k: int, tasks: Sequence, job: Callable, feed: int, counts: memoryview, errors: memoryview, parent: int, results: Path) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent)
     status = 0
+    found: dict[int, object] = {}
 
     def progress(n: int) -> None:
         counts[k] += n
@@ -125,7 +142,11 @@ def _work(k: int, tasks: Sequence, job: Callable, feed: int, counts: memoryview,
             record = os.read(feed, 4)
             if not record:
                 break
-            job(tasks[int.from_bytes(record, "little")], progress)
+            i = int.from_bytes(record, "little")
+            result = job(tasks[i], progress)
+            if result is not None:
+                found[i] = result
+        results.write_bytes(pickle.dumps(found))
     except BaseException as e:  # noqa: BLE001 - any fault goes back to the parent, as itself
         status = 1
         _send_error(errors[k * ERROR_BYTES : (k + 1) * ERROR_BYTES], e)

@@ -26,6 +26,7 @@ from tpshard.check.report import CheckReport, shard_text
 from tpshard.digest import Crc32, hash_digest, hash_range, new_hash
 from tpshard.errors import TpshardError
 from tpshard.manifest import Cut, Manifest, Plan, ShardSpec, SourceCuts, TensorPlan
+from tpshard.processes import can_fork, run_forked, shared_bytes
 from tpshard.pieces import VALUE_DTYPES, OpenFiles, cut_pieces, read_into, scratch, shard_bytes, value_bytes
 from tpshard.safetensors_format import DTYPE_SIZE, TensorInfo, nbytes_of
 from tpshard.writer import CheckpointReader, copy_jobs
@@ -89,33 +90,67 @@ def reassemble(
     `source_crcs`: where to put the crc32 of each checkpoint tensor read whole (not with a
     `reader`), so that check --source proves the source's identity from this one read of it."""
     infos = [ckpt.tensors[name] for name in names]
-    compared = _Reassembly(ckpt, plan, names, infos, places, reader, hashed, None if reader is not None else source_crcs)
+    jobs = copy_jobs(infos)
+    # Processes as for the split (tpshard.processes) where the source is the checkpoint's files;
+    # threads for a reader whose state is read back afterwards (check --from's OutputReader).
+    forked = workers > 1 and len(jobs) > 1 and reader is None and can_fork()
+    crcs = _SourceCrcs(names) if source_crcs is not None and reader is None else None
+    compared = _Reassembly(ckpt, plan, names, infos, places, reader, hashed, crcs)
+
+    def job(task: tuple[bool, Sequence[int]], progress: Callable[[int], None] | None) -> list[Sequence[tuple[str, str]]]:
+        done = compared.job(task)
+        if progress is not None:
+            progress(sum(infos[p].nbytes for p in task[1]))
+        return done
+
     try:
         with contextlib.ExitStack() as stack:
             if reader is None:
                 stack.enter_context(compared.runs)
-            with ThreadPoolExecutor(workers) as pool:
-                jobs = copy_jobs(infos)
-                for (_, positions), done in zip(jobs, pool.map(compared.job, jobs)):  # in order, each job's let go once counted
-                    if on_bytes is not None:
-                        on_bytes(sum(infos[p].nbytes for p in positions))
-                    for found in done:
-                        if not found:
-                            report.tensors_reassembled += 1  # only tensors proven bit-exact are counted
-                        for c, m in found:
-                            report.add(c, m)
+            if forked:
+                found_by_job = run_forked(jobs, job, workers, on_bytes)
+                results = (found_by_job[i] for i in range(len(jobs)))
+            else:
+                pool = stack.enter_context(ThreadPoolExecutor(workers))
+                results = pool.map(lambda task: job(task, on_bytes), jobs)
+            for done in results:  # in job order, whatever order they ran in
+                for found in done:
+                    if not found:
+                        report.tensors_reassembled += 1  # only tensors proven bit-exact are counted
+                    for c, m in found:
+                        report.add(c, m)
     finally:
         compared.close()
+    if crcs is not None:
+        source_crcs.update(crcs.known())
+
+
+class _SourceCrcs:
+    """The crc32 of each source tensor the reassembly read whole, by position, in memory shared
+    with its worker processes (tpshard.processes)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.position = {name: p for p, name in enumerate(names)}
+        self.crcs, self.set = shared_bytes(4 * len(names)), shared_bytes(len(names))
+
+    def put(self, name: str, crc: bytes) -> None:
+        p = self.position[name]
+        self.crcs[4 * p : 4 * p + 4], self.set[p] = crc, 1
+
+    def known(self) -> dict[str, bytes]:
+        return {name: bytes(self.crcs[4 * p : 4 * p + 4]) for p, name in enumerate(self.names) if self.set[p]}
 
 
 class _Reassembly:
-    """One reassemble: its jobs (a run of small source tensors, or one large one) run on the pool's
-    threads, each giving the findings of each of its tensors, () for one proven bit-exact. The
-    output's files are opened once and shared by the threads (pread only)."""
+    """One reassemble: its jobs (a run of small source tensors, or one large one) run on worker
+    processes or the pool's threads, each giving the findings of each of its tensors, () for one
+    proven bit-exact. The output's files are opened once by each process and shared by its threads
+    (pread only)."""
 
     def __init__(
         self, ckpt: Checkpoint, plan: Plan, names: list[str], infos: list[TensorInfo], places: Callable[[int], list[Place]], reader,
-        hashed: Hashed | None, source_crcs: dict[str, bytes] | None = None,
+        hashed: Hashed | None, source_crcs: _SourceCrcs | None = None,
     ) -> None:  # fmt: skip
         self.ckpt, self.plan, self.names, self.infos, self.places = ckpt, plan, names, infos, places
         self.reader, self.hashed, self.source_crcs = reader, hashed, source_crcs
@@ -142,8 +177,8 @@ class _Reassembly:
         pieces: dict[Path, list[tuple[int, np.ndarray, str]]] = defaultdict(list)
         with self.runs.job([(name, info, True) for name, info, _ in sources], True) as got:
             for (name, info, located), (_, _, data) in zip(sources, got):
-                if self.source_crcs is not None:  # each thread sets its own tensors' entries
-                    self.source_crcs[name] = zlib.crc32(data).to_bytes(4, "big")
+                if self.source_crcs is not None:
+                    self.source_crcs.put(name, zlib.crc32(data).to_bytes(4, "big"))
                 for t, c, path, offset, _ in located:
                     pieces[path].append((offset, shard_bytes(data, info.shape, t.dim, c, t.segments), name))
             same = {name for name, _, _ in sources}
@@ -213,7 +248,7 @@ class _Reassembly:
         for (_, path, offset, _), h, nbytes in zip(places, hashes, hashed_bytes):
             self.hashed.put(path, offset, nbytes, hash_digest(h))
         if source_hash is not None:
-            self.source_crcs[source] = source_hash.digest()
+            self.source_crcs.put(source, source_hash.digest())
         return [
             ("reassembly", _diagnose(src_fd, info, specs, i, fds[i], offsets[i], byte, tensor) + places[i][3]) for i, byte in bad.items()
         ]
