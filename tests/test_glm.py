@@ -144,6 +144,25 @@ def test_config_refusals(glm4_moe, copy_of, tmp_path, config, args, message):
     assert p.returncode == 2 and "Traceback" not in p.stderr and message in p.stderr, p.stderr
 
 
+def test_stray_o_proj_bias_is_refused(glm4_moe, copy_of, tmp_path):
+    """Glm4MoeAttention builds o_proj without a bias and SGLang's load_weights skips an extra '.bias'
+    unread (glm4_moe.py L268-276, L1234-1236): a split must not carry a weight the engine drops."""
+    from safetensors.torch import save_file
+
+    model = copy_of(glm4_moe)
+    name = "model.layers.1.self_attn.o_proj.bias"
+    save_file({name: torch.randn(64).to(torch.bfloat16)}, model / "stray.safetensors", metadata={"format": "pt"})
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    index["weight_map"][name] = "stray.safetensors"
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    out = tmp_path / "out"
+    for command in (("plan", model), ("split", model, "-o", out)):
+        p = tpshard_cli(*command, "--tp", "2")
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        assert f"{name}: SGLang glm4_moe.py builds model.layers.1.self_attn.o_proj without a bias" in p.stderr, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
 def test_heads_not_dividing_attn_tp_is_refused(tmp_path):
     model = make_checkpoint(tmp_path / "model", "glm4_moe", num_hidden_layers=2, num_attention_heads=12)
     p = tpshard_cli("plan", model, "--tp", "8")

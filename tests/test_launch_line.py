@@ -12,9 +12,9 @@ import pytest
 
 CASES = {
     "sglang attn-dp": ("qwen3", ["--tp", "8", "--attn-dp", "2", "--format", "sglang"],
-                       "python -m sglang.launch_server --model-path {dest} --load-format sharded_state --tp-size 8 --dp-size 2 --enable-dp-attention --dtype bfloat16"),
+                       "python -m sglang.launch_server --model-path {dest} --load-format sharded_state --tp-size 8 --attn-dp-size 2 --dtype bfloat16"),
     "sglang dp-lm-head": ("qwen3", ["--tp", "4", "--attn-dp", "2", "--dp-lm-head", "--format", "sglang"],
-                          "python -m sglang.launch_server --model-path {dest} --load-format sharded_state --tp-size 4 --dp-size 2 --enable-dp-attention --enable-dp-lm-head --dtype bfloat16"),
+                          "python -m sglang.launch_server --model-path {dest} --load-format sharded_state --tp-size 4 --attn-dp-size 2 --enable-dp-lm-head --dtype bfloat16"),
     "sglang tp": ("llama", ["--tp", "2", "--format", "sglang"],
                   "python -m sglang.launch_server --model-path {dest} --load-format sharded_state --tp-size 2 --dtype bfloat16"),
     "vllm ep": ("qwen3_moe", ["--tp", "4", "--ep", "4", "--format", "vllm"],

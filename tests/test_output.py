@@ -146,3 +146,21 @@ def test_progress_on_a_terminal_stderr_only(llama, tmp_path):
         assert word not in streams["stdout"] and "\x1b" not in streams["stdout"] and streams["stdout"].strip(), streams
     p = piped("reshard", out, "-o", tmp_path / "third", "--tp", 1)
     assert p.returncode == 0 and p.stderr == "" and p.stdout.startswith("resharded ")
+
+
+def test_verify_merge_and_export_count_their_progress(llama, tmp_path):
+    """verify counts the layers rank 0 has judged, merge the rank folders linked, export the bytes
+    written (issue 28 item 3): a bar on a terminal's stderr, as split's; stdout gets the summary alone."""
+    a, b, merged, exported, report = tmp_path / "a", tmp_path / "b", tmp_path / "merged", tmp_path / "exp", tmp_path / "r.json"
+    for part, ranks in ((a, "0-1"), (b, "2-3")):
+        assert piped("split", llama, "-o", part, "--tp", 4, "--ranks", ranks).returncode == 0
+    code, streams = in_terminal("merge", a, b, "-o", merged, cols=120, terminal=("stderr",))
+    assert code == 0 and "merging 2 parts: linking" in streams["terminal"] and "4/4 ranks" in streams["terminal"], streams
+    assert "4/4" not in streams["stdout"] and streams["stdout"].startswith("merged "), streams
+    code, streams = in_terminal("export", merged, "-o", exported, "--format", "sglang", cols=120, terminal=("stderr",))
+    assert code == 0 and re.search(r"exporting for sglang.*\d/[\d.]+ KiB", streams["terminal"]), streams
+    assert "exporting" not in streams["stdout"] and streams["stdout"].startswith("export "), streams
+    code, streams = in_terminal("verify", merged, "--source", llama, "--report", report, cols=120, terminal=("stderr",))
+    layers = len(json.loads(report.read_text())["layers"])
+    assert code == 0 and f"layers against the source" in streams["terminal"], streams
+    assert f"{layers}/{layers} layers" in streams["terminal"] and f"/{layers} layers" not in streams["stdout"], streams

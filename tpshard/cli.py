@@ -36,9 +36,10 @@ app = typer.Typer(
 SplitTp = Annotated[Optional[int], typer.Option("--tp", help="Tensor-parallel size (world size); without it, one rank (said so).")]
 Model = Annotated[Path, typer.Argument(help="Hugging Face checkpoint folder (config.json + safetensors).")]
 Tp = Annotated[int, typer.Option("--tp", help="Tensor-parallel size (world size).")]
-AttnDp = Annotated[int, typer.Option("--attn-dp", help="Attention data-parallel replicas (SGLang --dp with --enable-dp-attention).")]
+AttnDp = Annotated[int, typer.Option("--attn-dp", help="Attention data-parallel replicas (SGLang --attn-dp-size).")]
 AttnCp = Annotated[int, typer.Option("--attn-cp", help="Attention context-parallel size.")]
-Ep = Annotated[int, typer.Option("--ep", help="Expert-parallel size (SGLang --ep-size): routed experts in tp/ep-rank blocks, MoE-TP = tp / ep.")]
+Ep = Annotated[Optional[int], typer.Option("--ep", help="Expert-parallel size (SGLang --ep-size): routed experts in tp/ep-rank blocks, MoE-TP = tp / ep (default 1; tp with --moe-a2a-backend).")]
+A2aBackend = Annotated[Optional[str], typer.Option("--moe-a2a-backend", help="SGLang --moe-a2a-backend the server will run (deepep, mooncake, ...): ep = tp, and shared experts whole on every rank where SGLang replicates them.")]
 MoeDenseTp = Annotated[Optional[int], typer.Option("--moe-dense-tp", help="DeepSeek dense-layer MLP group (SGLang --moe-dense-tp-size): 1 = whole on every rank, or tp (default).")]
 Pad = Annotated[bool, typer.Option("--pad/--no-pad", help="Zero-pad MLP dims the group does not divide (or refuse).")]
 DpLmHead = Annotated[bool, typer.Option("--dp-lm-head", help="Shard lm_head over attn_tp instead of tp.")]
@@ -82,19 +83,25 @@ def _engine(engine: str | None, default: str = "sglang") -> str:
 
 
 def _topology(
-    tp: int, attn_dp: int, attn_cp: int, ep: int, moe_dense_tp: int | None, pp: int | None = None,
-    pp_layers: str | None = None, engine: str | None = None, ckpt=None,
+    tp: int, attn_dp: int, attn_cp: int, ep: int | None, moe_dense_tp: int | None, pp: int | None = None,
+    pp_layers: str | None = None, engine: str | None = None, a2a: str | None = None, ckpt=None,
 ) -> Topology:  # fmt: skip
     """The topology asked for; with --pp / --pp-layers, the partition of the checkpoint's layers
-    (the engine's default one unless --pp-layers)."""
+    (the engine's default one unless --pp-layers). Without --ep, ep is 1, or tp under an all-to-all
+    backend (SGLang sets it so); an --ep that contradicts the backend is Topology's refusal."""
     partition, engine = msgspec.UNSET, _engine(engine)
+    if ep is None:
+        ep = tp if a2a not in (None, "none") else 1
     if pp is not None or pp_layers is not None:
         from tpshard.checkpoint import model_info
         from tpshard.stages import resolve_partition
 
         partition = resolve_partition(model_info(ckpt).num_layers, pp, pp_layers, engine)
     try:
-        return Topology(tp=tp, attn_dp=attn_dp, attn_cp=attn_cp, ep=ep, moe_dense_tp=moe_dense_tp, pp_layers=partition, engine=engine)
+        return Topology(
+            tp=tp, attn_dp=attn_dp, attn_cp=attn_cp, ep=ep, moe_dense_tp=moe_dense_tp, pp_layers=partition, engine=engine,
+            moe_a2a_backend=msgspec.UNSET if a2a is None else a2a,
+        )  # fmt: skip
     except TopologyError as e:  # said in the options the user typed
         raise TopologyError(e.flags) from None
 
@@ -125,7 +132,7 @@ def _stage_lines(p) -> None:
 
 @app.command()
 def plan(
-    model: Model, tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = 1, moe_dense_tp: MoeDenseTp = None,
+    model: Model, tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = None, moe_a2a_backend: A2aBackend = None, moe_dense_tp: MoeDenseTp = None,
     pp: Pp = None, pp_layers: PpLayers = None, engine: EngineOpt = None,
     pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False, json: Json = False,
 ) -> None:  # fmt: skip
@@ -133,7 +140,7 @@ def plan(
     from tpshard.quant.shards import alignment_rows
     from tpshard.report import human_bytes, kind_rows, rank_rows, stage_rows
 
-    p = _plan(model, (tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine), _options(pad, dp_lm_head, pad_blocks))
+    p = _plan(model, (tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine, moe_a2a_backend), _options(pad, dp_lm_head, pad_blocks))
     alignment = alignment_rows(p)  # quantized tensors: the pre-flight (misaligned cuts were refused above)
     if json:
         out = {"plan": p, "by_kind": kind_rows(p), "by_rank": rank_rows(p), "alignment": alignment}
@@ -167,7 +174,7 @@ def plan(
 
 @app.command()
 def explain(
-    model: Model, tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = 1, moe_dense_tp: MoeDenseTp = None,
+    model: Model, tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = None, moe_a2a_backend: A2aBackend = None, moe_dense_tp: MoeDenseTp = None,
     pp: Pp = None, pp_layers: PpLayers = None, engine: EngineOpt = None,
     pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False,
     layer: Annotated[int, typer.Option("--layer", help="Decoder layer to walk through.")] = 0,
@@ -176,7 +183,7 @@ def explain(
     """Walk through one layer: segment, layer class and group, per-rank shape, disk slice, reduction."""
     from tpshard.report import explain_rows
 
-    p = _plan(model, (tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine), _options(pad, dp_lm_head, pad_blocks))
+    p = _plan(model, (tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine, moe_a2a_backend), _options(pad, dp_lm_head, pad_blocks))
     rows = explain_rows(p, layer)
     if not rows:
         mtp = f" + {p.model.num_nextn_predict_layers} MTP" if p.model.num_nextn_predict_layers else ""
@@ -201,7 +208,7 @@ def explain(
 def split(
     model: Model,
     out: Annotated[Path, typer.Option("-o", "--out", help="Output folder (must not exist unless --force).")],
-    tp: SplitTp = None, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = 1, moe_dense_tp: MoeDenseTp = None,
+    tp: SplitTp = None, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = None, moe_a2a_backend: A2aBackend = None, moe_dense_tp: MoeDenseTp = None,
     pp: Pp = None, pp_layers: PpLayers = None, engine: EngineOpt = None,
     pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False, workers: Workers = None,
     checksum: Checksum = "crc32", ranks: Ranks = None, force: Force = False,
@@ -226,7 +233,7 @@ def split(
     from tpshard.writer import split as do_split
 
     ckpt = open_checkpoint(model)
-    topology = _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine, ckpt)
+    topology = _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine, moe_a2a_backend, ckpt)
     start = time.perf_counter()
     if format is not None:
         from tpshard.export import split_and_export
@@ -264,13 +271,18 @@ def _report_written(manifest, summary: dict, json: bool, headline: str) -> None:
         from tpshard.stages import launch_hint
 
         show(launch_hint(topology.placed_for, topology.pp_layers), markup=False, soft_wrap=True)
+    if topology.moe_a2a_backend:  # UNSET (none) is falsy
+        show(
+            f"start SGLang with --moe-a2a-backend {topology.moe_a2a_backend} --ep-size {topology.tp}: the layout of the"
+            " experts and shared experts this output holds", markup=False, soft_wrap=True,
+        )  # fmt: skip
 
 
 @app.command()
 def reshard(
     old: Annotated[Path, typer.Argument(help="An existing tpshard output (every rank written).")],
     out: Annotated[Path, typer.Option("-o", "--out", help="New output folder (must not exist unless --force).")],
-    tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = 1, moe_dense_tp: MoeDenseTp = None,
+    tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = None, moe_a2a_backend: A2aBackend = None, moe_dense_tp: MoeDenseTp = None,
     pp: Pp = None, pp_layers: PpLayers = None, engine: EngineOpt = None,
     pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False, workers: Workers = None,
     checksum: Checksum = "crc32", ranks: Ranks = None, force: Force = False,
@@ -288,7 +300,7 @@ def reshard(
     start = time.perf_counter()
     check_output_path(out, [old])  # before OLD is read through
     src = open_output_source(old, workers=check_workers(workers))
-    topology = _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine, ckpt=src.checkpoint)
+    topology = _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine, moe_a2a_backend, ckpt=src.checkpoint)
     options = msgspec.structs.replace(_options(pad, dp_lm_head, pad_blocks), checksum=checksum)
     with byte_progress("resharding", sum(t.nbytes for t in src.checkpoint.tensors.values()), quiet=json) as advance:
         manifest = do_reshard(src, out, topology, options, workers=workers, force=force, ranks=parse_ranks(ranks), on_tensor=advance)
@@ -427,10 +439,13 @@ def _verify_here(out, source, model, backend, device, dtype, tokens, seed, timeo
             err.print(line, style="bold", markup=False)
             step("every rank loading its shards, then the layers" + (" and the model" if model else "") + " against the source")
 
+        def layers_done(done: int, total: int) -> None:  # rank 0's count: each layer judged, then the model
+            step("layers" + (", then the model," if model else "") + " against the source", done, total, "steps" if model else "layers")
+
         step("reading the manifest and the source")
         result = do_verify(
             out, source, model=model, backend=backend, device=device, dtype=dtype, tokens=tokens, seed=seed,
-            timeout_s=timeout, announce=announce, pp=pp, pp_layers=pp_layers,
+            timeout_s=timeout, announce=announce, pp=pp, pp_layers=pp_layers, on_progress=layers_done,
         )  # fmt: skip
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 speaks and writes
         if report:
@@ -481,8 +496,9 @@ def merge(
     from tpshard.merge import merge as do_merge
     from tpshard.merge import missing_ranks
 
-    with step_progress(f"merging {plural(len(parts), 'part')}"):
-        manifest = do_merge(parts, out, force=force)
+    with step_progress(f"merging {plural(len(parts), 'part')}", quiet=json) as step:
+        step("checking the parts")
+        manifest = do_merge(parts, out, force=force, on_rank=lambda done, total: step("linking", done, total, "ranks"))
     missing = missing_ranks(manifest)
     if json:
         _emit_json({"out": str(out), "parts": len(parts), "ranks": list(manifest.written_ranks), "missing_ranks": missing})
@@ -503,10 +519,12 @@ def export_cmd(
 ) -> None:  # fmt: skip
     """Write the per-rank files an engine's sharded_state loader reads, from a tpshard output."""
     from tpshard.export import export
+    from tpshard.export.writer import export_total
 
     start = time.perf_counter()
-    with step_progress(f"exporting for {format}", quiet=json):
-        manifest = export(out, dest, format, max_part_bytes=parse_size(max_part_size), workers=workers, force=force)
+    shown = err.is_terminal and not json  # the total costs a read of the manifest: only for a bar someone sees
+    with byte_progress(f"exporting for {format}", export_total(out) if shown else 0, quiet=not shown) as advance:
+        manifest = export(out, dest, format, max_part_bytes=parse_size(max_part_size), workers=workers, force=force, on_bytes=advance)
     _export_summary(manifest, dest, time.perf_counter() - start, json)
 
 

@@ -58,10 +58,11 @@ CONFIG_FIELDS: list[Field] = [
     *(Field(k, "int", 0, 1 << 20) for k in (
         "n_routed_experts", "num_experts", "num_local_experts", "num_experts_per_tok", "n_shared_experts",
         "first_k_dense_replace", "n_group", "topk_group", "num_nextn_predict_layers", "decoder_sparse_step",
+        "num_hash_layers",
     )),
     *(Field(k, "int", 1, 1 << 24) for k in (
         "moe_intermediate_size", "shared_expert_intermediate_size", "moe_layer_freq", "q_lora_rank",
-        "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "o_groups", "o_lora_rank",
     )),
     # Gated DeltaNet linear attention (Qwen3.5, Qwen3-Next): head counts and sizes, the layers' kinds.
     *(Field(k, "int", 1, 1 << 16) for k in (

@@ -9,6 +9,7 @@ link in place of a file is refused by name before anything is written.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -79,8 +80,11 @@ def missing_ranks(manifest: Manifest) -> list[int]:
     return sorted(set(range(manifest.topology.world_size)) - set(manifest.written_ranks))
 
 
-def merge(parts: list[str | Path], out: str | Path, *, force: bool = False) -> Manifest:
-    """Merge tpshard outputs holding different ranks of one split into `out`."""
+def merge(
+    parts: list[str | Path], out: str | Path, *, force: bool = False, on_rank: Callable[[int, int], None] | None = None
+) -> Manifest:  # fmt: skip
+    """Merge tpshard outputs holding different ranks of one split into `out`; `on_rank(done, total)`
+    after each rank's folder is linked (the command's progress)."""
     if not parts:
         raise OutputError("merge needs at least one part")
     parts = [Path(p) for p in parts]
@@ -94,12 +98,14 @@ def merge(parts: list[str | Path], out: str | Path, *, force: bool = False) -> M
                 taken[r] = _rank_files(part, m, r)
     with staged_output(out, force=force, inputs=parts) as staging:
         shared: dict[str, Path] = {}  # a file of several ranks: staged once, linked as split links it
-        for r, files in sorted(taken.items()):
+        for done, (r, files) in enumerate(sorted(taken.items()), 1):
             dst = staging / rank_dir(r)
             dst.mkdir()
             for path, name in files:
                 link_or_copy(shared.get(name, path), dst / name)
                 if name != INDEX_NAME:  # each rank's index is its own
                     shared.setdefault(name, dst / name)
+            if on_rank is not None:
+                on_rank(done, len(taken))
         write_manifest(staging, merged)
     return merged

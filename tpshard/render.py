@@ -187,12 +187,25 @@ def byte_progress(description: str, total: int, quiet: bool = False) -> Iterator
 
 
 @contextlib.contextmanager
-def step_progress(description: str, quiet: bool = False) -> Iterator[Callable[[str], None]]:
+def step_progress(description: str, quiet: bool = False) -> Iterator[Callable[..., None]]:
     """A transient spinner with the time elapsed on stderr, naming the step in progress
-    (`step(text)`), where a command has no byte count to show; nothing when stderr is not a
-    terminal or `quiet`."""
-    from rich.progress import Progress, SpinnerColumn, TimeElapsedColumn
+    (`step(text)`), and a bar of the step's count once it has one (`step(text, done, total, unit)`:
+    verify's layers, merge's ranks), where a command has no byte count to show; nothing when stderr
+    is not a terminal or `quiet`."""
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TimeElapsedColumn
 
-    with Progress(SpinnerColumn(), "{task.description}", TimeElapsedColumn(), console=err, transient=True, redirect_stdout=False, disable=quiet or not err.is_terminal) as progress:
-        task = progress.add_task(description, total=None)
-        yield lambda text: progress.update(task, description=f"{description}: {text}")
+    class Bar(BarColumn):
+        """The bar once there is a count (rich pulses one without a total)."""
+
+        def render(self, task):
+            return super().render(task) if task.total is not None else ""
+
+    columns = (SpinnerColumn(), "{task.description}", Bar(), "{task.fields[count]}", TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True, redirect_stdout=False, disable=quiet or not err.is_terminal) as progress:
+        task = progress.add_task(description, total=None, count="")
+
+        def step(text: str, done: int | None = None, total: int | None = None, unit: str = "") -> None:
+            count = {} if total is None else dict(completed=done, total=total, count=f"{done}/{total} {unit}".rstrip())
+            progress.update(task, description=f"{description}: {text}", **count)
+
+        yield step

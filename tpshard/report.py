@@ -39,18 +39,23 @@ def slice_text(s: ShardSpec) -> str:
     return text
 
 
-def layer_index(name: str) -> int | None:
-    m = re.search(r"\.layers\.(\d+)\.", name)
-    return int(m.group(1)) if m else None
+def layer_index(name: str, num_layers: int = 0) -> int | None:
+    """The decoder layer of a tensor: model.layers.N (DeepSeek-V4's native layers.N; its MTP layer
+    mtp.K is layer num_layers + K)."""
+    m = _LAYER_INDEX.search(name)
+    if m is None:
+        return None
+    return int(m.group(2)) + (num_layers if m.group(1) == "mtp" else 0)
 
 
-_LAYER_NUMBER = re.compile(r"\.layers\.\d+\.")
+_LAYER_INDEX = re.compile(r"(?:^|\.)(layers|mtp)\.(\d+)\.")
+_LAYER_NUMBER = re.compile(r"(^|\.)layers\.\d+\.")
 _EXPERT_NUMBER = re.compile(r"\.experts\.\d+\.")
 
 
 def generic_name(name: str) -> str:
     """model.layers.3.mlp.experts.17.up_proj.weight -> model.layers.N.mlp.experts.E.up_proj.weight"""
-    return _EXPERT_NUMBER.sub(".experts.E.", _LAYER_NUMBER.sub(".layers.N.", name))
+    return _EXPERT_NUMBER.sub(".experts.E.", _LAYER_NUMBER.sub(r"\1layers.N.", name))
 
 
 # What each part of the model is cut over, as the plan records it: the first tensor of the part names its group.
@@ -216,6 +221,10 @@ FORWARD = (
     ("o_proj", 11), ("post_attention_layernorm", 12), (".gate.", 13), (".experts.", 14),
     ("shared_expert_gate", 16), ("shared_expert", 15), ("gate_proj", 17), ("up_proj", 18), ("down_proj", 19),
     ("shared_head.norm", 20), ("model.norm", 21), ("shared_head.head", 22), ("lm_head", 22),
+    # DeepSeek-V4's native names: mHC and norm, LoRA query, kv, compressor / indexer, sink, grouped output
+    ("embed.", 0), ("hc_attn", 3), ("attn_norm", 3), ("indexer", 9), ("compressor", 9), ("wq_a", 4), ("wq_b", 6),
+    ("wkv", 7), ("kv_norm", 8), ("attn_sink", 10), ("wo_a", 11), ("wo_b", 11), ("hc_ffn", 12), ("ffn_norm", 12),
+    ("hc_head", 21), ("head.", 22),
 )  # fmt: skip
 
 
@@ -231,7 +240,7 @@ def explain_rows(plan: Plan, layer: int) -> list[dict]:
     rows = []
     experts: dict[tuple, list[ShardSpec]] = {}
     for s in sorted(plan.shards, key=lambda s: (_forward_position(s.name), s.expert or 0, s.name, s.group_rank)):
-        idx = layer_index(s.name)
+        idx = layer_index(s.name, plan.model.num_layers)
         if idx != layer and not (idx is None and layer == 0 and s.layer_class != "Replicated"):
             continue
         if s.expert is not None:

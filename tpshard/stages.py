@@ -163,6 +163,8 @@ def refuse_engine_layout(engine: Engine, topology, dp_lm_head: bool) -> None:
         asked.append("--dp-lm-head")
     if topology.ep not in (1, topology.tp):
         asked.append(f"--ep {topology.ep} (vLLM: --ep 1 or --ep {topology.tp})")
+    if topology.moe_a2a_backend:  # UNSET is falsy: the default
+        asked.append(f"--moe-a2a-backend {topology.moe_a2a_backend} (an SGLang server option)")
     if asked:
         raise TopologyError(
             f"--engine vllm: {', '.join(asked)}: vLLM has no such layout inside a pipeline stage's TP group;"
@@ -170,7 +172,7 @@ def refuse_engine_layout(engine: Engine, topology, dp_lm_head: bool) -> None:
         )
 
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_LAYER = re.compile(r"(?:language_model\.)?model\.layers\.(\d+)\.")  # Llama-4 nests the text model
 
 
 def layer_of(name: str) -> int | None:

@@ -20,6 +20,12 @@ output made without pipeline stages is byte for byte what it was before they exi
 names whose placement the stages follow (which stages hold the embedding, norm and lm_head,
 tpshard.stages.placement): UNSET for SGLang, the default, and at one stage, where the engines place
 every tensor alike; so only a vLLM pipeline output records it.
+
+All-to-all MoE backends (`moe_a2a_backend`, SGLang --moe-a2a-backend): every one of A2A_BACKENDS
+makes SGLang set ep to tp (sglang/srt/arg_groups/overrides.py, _a2a_ep_size), so a topology naming
+one must have ep == tp; and the families that build their shared experts replicated under it
+(Arch.a2a_shared) keep them whole on every rank. UNSET (left out of the JSON) is the default,
+`none`, so that an output made without it is byte for byte what it was before.
 """
 
 from __future__ import annotations
@@ -36,6 +42,13 @@ from tpshard.errors import TopologyError
 GroupName = Literal["tp", "attn_tp", "moe_tp", "replicated"]
 MAX_WORLD = 1 << 16  # ranks; beyond any deployment, and keeps a plan's size bounded
 MAX_LAYERS = 1 << 16  # decoder layers of one pipeline stage
+# SGLang 0.5.23's --moe-a2a-backend choices that force ep_size = tp_size: _A2A_EP_SPANNING_BACKENDS,
+# sglang/srt/arg_groups/overrides.py L1578-1592 (the choices: arg_groups/fields/exec_.py L836-869).
+# Left out: "none" (the default: UNSET here) and "ascend_tp", an Ascend NPU dispatcher that keeps
+# ep as given and moves no weight (refused: split without it).
+A2A_BACKENDS = (
+    "deepep", "deepep_v2", "mooncake", "nixl", "mori", "pplx", "megamoe", "flashinfer", "flashinfer_megamoe", "ascend_fuseep",
+)  # fmt: skip
 
 
 def _flag(field: str, value: object = None) -> str:
@@ -59,7 +72,7 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
         tp (`int`):
             Tensor-parallel size of one pipeline stage (the world size without a pipeline).
         attn_dp (`int`, *optional*, defaults to 1):
-            Attention data-parallel replicas (SGLang `--dp` with `--enable-dp-attention`).
+            Attention data-parallel replicas (SGLang `--attn-dp-size`).
         attn_cp (`int`, *optional*, defaults to 1):
             Attention context-parallel size; attention is cut over attn_tp = tp // (attn_dp * attn_cp).
         ep (`int`, *optional*, defaults to 1):
@@ -70,6 +83,8 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
             Decoder layers of each pipeline stage, e.g. (26, 27, 27); left out: one stage (docs/pipeline.md).
         engine (`str`, *optional*):
             "vllm" to place a pipeline's stages as vLLM does; left out: as SGLang does.
+        moe_a2a_backend (`str`, *optional*):
+            SGLang `--moe-a2a-backend` (one of A2A_BACKENDS): needs ep == tp; left out: `none`.
 
     Sizes that do not fit (tp not divisible by attn_dp * attn_cp, ep not dividing tp, ...) raise
     tpshard.errors.TopologyError naming the fields (attn_dp=3).
@@ -93,6 +108,8 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
     pp_layers: tuple[int, ...] | UnsetType = UNSET
     # Whose pipeline placement the stages follow: "vllm", or UNSET = SGLang (and every one-stage output).
     engine: Literal["sglang", "vllm"] | UnsetType = UNSET
+    # SGLang --moe-a2a-backend (A2A_BACKENDS): ep is tp, shared experts as Arch.a2a_shared says; UNSET = none.
+    moe_a2a_backend: str | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         problem = self._problem()
@@ -143,6 +160,19 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
                 return lambda name: f"{name('engine', repr(engine))}: choose sglang or vllm"
             if engine == "sglang" or self.pp_layers is UNSET:  # the default, or one stage: placed alike
                 msgspec.structs.force_setattr(self, "engine", UNSET)
+        if self.moe_a2a_backend is not UNSET:
+            backend = self.moe_a2a_backend
+            if backend == "none":  # the default, recorded as none so that such outputs stay as they were
+                msgspec.structs.force_setattr(self, "moe_a2a_backend", UNSET)
+            elif backend not in A2A_BACKENDS:
+                why = "; ascend_tp moves no weight: split without it" if backend == "ascend_tp" else ""
+                return lambda name: f"{name('moe_a2a_backend', repr(backend))}: choose one of {', '.join(A2A_BACKENDS)}{why}"
+            elif ep != tp:
+                return lambda name: (
+                    f"{name('ep', ep)} with {name('moe_a2a_backend', backend)}: SGLang sets the expert-parallel size"
+                    f" to the tp size under every all-to-all backend (sglang/srt/arg_groups/overrides.py, _a2a_ep_size),"
+                    f" so the engine would run {name('ep', tp)}; give that"
+                )
         if self.world_size > MAX_WORLD:
             return lambda name: f"{name('pp', self.pp)} x {name('tp', tp)} = {self.world_size} ranks; at most {MAX_WORLD}"
         return None
@@ -232,6 +262,8 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
             text += f" ep={self.ep} (moe_tp={self.moe_tp})"
         if self.moe_dense_tp is not None:
             text += f" moe_dense_tp={self.moe_dense_tp}"
+        if self.moe_a2a_backend is not UNSET:
+            text += f" moe_a2a_backend={self.moe_a2a_backend}"
         if self.pp > 1:
             text += f" pp={self.pp} (layers {','.join(map(str, self.pp_layers))}"
             text += ", vLLM placement)" if self.placed_for == "vllm" else ")"

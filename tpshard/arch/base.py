@@ -20,11 +20,11 @@ from typing import Literal, NamedTuple
 from tpshard.arch.fused import FusedExperts
 from tpshard.arch.router import RouterRule
 from tpshard.manifest import ModelInfo
-from tpshard.topology import GroupName
+from tpshard.topology import GroupName, Topology
 
 # attn -> the architecture's attention group; embed -> its embedding group under attention DP;
-# lm_head -> tp (attn_tp with --dp-lm-head); mlp, shared_expert -> tp; dense_mlp -> tp, or whole
-# with --moe-dense-tp 1; expert -> moe_tp within the expert's EP slot; replicated -> whole.
+# lm_head -> tp (attn_tp with --dp-lm-head); mlp -> tp; shared_expert -> tp, or whole under an
+# all-to-all backend of Arch.a2a_shared; dense_mlp -> tp, or whole with --moe-dense-tp 1; expert -> moe_tp within the expert's EP slot; replicated -> whole.
 Role = Literal["attn", "mlp", "dense_mlp", "shared_expert", "expert", "embed", "lm_head", "replicated"]
 LayerClass = Literal[
     "VocabParallelEmbedding",
@@ -59,6 +59,7 @@ class Rule(NamedTuple):
     segments: str = ""
     # Head counts that must all divide the group (HEAD_COUNTS key), with `heads`; "" = the attention heads.
     head_counts: str = ""
+    bias: bool = True  # False: the engine layer is built without a bias, so a checkpoint bias is refused
 
 
 # [out, in] of a weight according to config.json.
@@ -82,6 +83,12 @@ SHAPES: dict[str, Callable[[ModelInfo], tuple[int, ...]]] = {
     "mla_kv_b": lambda m: (m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
     "mla_o": lambda m: (m.hidden_size, m.num_heads * m.v_head_dim),
     "eh_proj": lambda m: (m.hidden_size, 2 * m.hidden_size),
+    # DeepSeek-V4 (tpshard/arch/deepseek_v4.py): LoRA query, one shared kv head, grouped output projection
+    "v4_q_a": lambda m: (m.q_lora_rank or 0, m.hidden_size),
+    "v4_q_b": lambda m: (m.num_heads * m.head_dim, m.q_lora_rank or 0),
+    "v4_kv": lambda m: (m.head_dim, m.hidden_size),
+    "v4_o_a": lambda m: (m.o_groups * m.o_lora_rank, m.num_heads * m.head_dim // max(m.o_groups, 1)),
+    "v4_o_b": lambda m: (m.hidden_size, m.o_groups * m.o_lora_rank),
     "q_norm": lambda m: (m.num_heads * m.head_dim,),  # [heads * head_dim]: MiniMax-M2's norm over every head
     "k_norm": lambda m: (m.num_kv_heads * m.head_dim,),
     # Gated attention (Qwen3.5 / Qwen3-Next full-attention layers): q_proj holds per head [q_h | gate_h].
@@ -162,9 +169,9 @@ ENGINES: tuple[str, ...] = EngineNames._fields  # ("vllm", "sglang"), the order 
 
 # (ModelInfo, config.json) -> the tensor names a complete checkpoint holds, in a fixed order.
 Expected = Callable[[ModelInfo, dict], Iterable[str]]
-# The tensor-parallel decoder `verify --model` runs: tpshard.verify.decoder's dense one, or
-# tpshard.verify.moe_model's MoE / MLA one.
-VerifyKind = Literal["dense", "moe"]
+# The tensor-parallel decoder `verify --model` runs: tpshard.verify.decoder's dense one,
+# tpshard.verify.moe_model's MoE / MLA one, or tpshard.verify.llama4_model's.
+VerifyKind = Literal["dense", "moe", "llama4"]
 
 
 @dataclass(frozen=True)
@@ -201,6 +208,17 @@ class Arch:
     pp_vllm_tied: bool = False
     # Routed experts stored fused [E, ...] (rule class FusedExperts): how each parameter is cut.
     fused_experts: FusedExperts | None = None
+    # Refusals that need the topology (DeepSeek-V4: o_groups over attn_tp), before any tensor is cut.
+    check_topology: Callable[[Topology, ModelInfo], None] | None = None
+    # A regex every tensor name must match in full, where rules alone (which match module paths) would
+    # take any parameter name: DeepSeek-V4's bare parameters (hc_attn_fn, attn_sink, ape, tid2eid).
+    names: str = ""
+    # SGLang --moe-a2a-backend: the backends under which the model class builds its shared experts
+    # "replicated" (whole on every rank) instead of over tp; None: not established, so an all-to-all
+    # backend is refused for a family with shared experts (tpshard.plan.refusals).
+    a2a_shared: frozenset[str] | None = None
+    # Tensors the family refuses by name before any cut (Llama-4's vision tower): one line, or None.
+    refuse_tensors: Callable[[Iterable[str]], None] | None = None
 
     def table(self, model: ModelInfo) -> tuple[Rule, ...]:
         return self.rules + (self.variant(model) if self.variant else ())

@@ -15,6 +15,11 @@
   its top-2 sum); V2 a softmax, grouped (by each group's max) only with topk_method
   group_limited_greedy.
 - Export: vLLM only (models/deepseek_v2.py), the MTP layer left out as vLLM never builds it.
+- Under every all-to-all MoE backend (--moe-a2a-backend, A2A_SHARED) DeepseekV2MoE.__init__
+  builds the shared experts with parallel_group="replicated" (deepseek_v2.py L874-897): whole on
+  every rank, the MTP layer's too. With ep = tp each rank's MoE-TP is 1, so a shared expert fused
+  into the experts (--enforce-shared-experts-fusion; off by default under DeepEP, L3355-3356) is
+  also whole on every rank: the same bytes.
 """
 
 from tpshard.arch.base import NORMS, VOCAB, Arch, EngineNames, EngineTable, L, Piece, Rule, gated_mlp, routed_experts, router
@@ -51,6 +56,10 @@ MTP: tuple[Rule, ...] = (
 )  # fmt: skip
 
 BASE = VOCAB + NORMS + MLA + MOE + DENSE + MTP
+# DeepseekV2MoE.__init__ (deepseek_v2.py L874-885): _shared_expert_use_tp1 under each of these.
+A2A_SHARED = frozenset(
+    ("deepep", "pplx", "mooncake", "nixl", "mori", "ascend_fuseep", "flashinfer", "megamoe", "flashinfer_megamoe", "deepep_v2")
+)
 
 
 def sparse(model: ModelInfo, layer: int) -> bool:
@@ -145,7 +154,7 @@ ARCHS = tuple(
     Arch(
         name, BASE, "deepseek_v2.py", attn_group="attn_tp", embed_group="attn_tp", model_type=model_type,
         expected=expected, exports=EXPORTS, verify="moe", router=rule, sparse=sparse, experts_limit="tp",
-        variant=kv_a, pp_head="last", pp_tied_head=True,
+        variant=kv_a, pp_head="last", pp_tied_head=True, a2a_shared=A2A_SHARED,
     )
     for name, model_type, rule in (("DeepseekV3ForCausalLM", "deepseek_v3", v3_router), ("DeepseekV2ForCausalLM", "deepseek_v2", v2_router))
 )  # fmt: skip

@@ -4,7 +4,8 @@ models/glm4_moe/modeling_glm4_moe.py).
 What a rank holds is what SGLang 0.5.23's Glm4MoeForCausalLM builds for it:
 - Glm4MoeAttention: q/k/v one QKVParallelLinear over attn_tp (q heads even; kv heads even, or
   each replicated attn_tp / kv ways when attn_tp > kv), their biases (config.json attention_bias)
-  cut with their weights; o_proj a RowParallelLinear over attn_tp that never has a bias; q_norm /
+  cut with their weights; o_proj a RowParallelLinear over attn_tp that never has a bias (a checkpoint
+  carrying one is refused: SGLang's loader would skip it silently); q_norm /
   k_norm ([head_dim], config.json use_qk_norm) whole. The heads must divide attn_tp.
 - The embedding is a VocabParallelEmbedding with use_attn_tp_group=is_dp_attention_enabled(), so
   over attn_tp under attention DP; lm_head over tp (attn_tp with --enable-dp-lm-head).
@@ -33,6 +34,11 @@ What a rank holds is what SGLang 0.5.23's Glm4MoeForCausalLM builds for it:
   (transformers does not run it). Export: refused for both engines (vLLM's models/glm4_moe.py
   keeps the correction bias and the shared expert under names not measured here; SGLang's
   sharded_state refuses every family with routed experts).
+- Under an all-to-all MoE backend (--moe-a2a-backend) Glm4MoeSparseMoeBlock.__init__ builds the
+  shared experts "replicated" for deepep, mooncake, nixl, mori, ascend_fuseep, flashinfer and
+  flashinfer_megamoe (glm4_moe.py L471-491): whole on every rank; under megamoe, deepep_v2 and pplx
+  (not in that list) they stay over tp. Shared-expert fusion is off there whenever ep > 1 on NVIDIA
+  (Glm4MoeForCausalLM.shared_experts_fusion_disable_reason L1022-1027).
 """
 
 from tpshard.arch.base import NORMS, QK_NORM, QKV_ATTENTION, VOCAB, Arch, EngineNames
@@ -41,7 +47,11 @@ from tpshard.arch.tensors import attention_tensors, config_value, decoder_tensor
 from tpshard.errors import PlanError
 from tpshard.manifest import ModelInfo
 
-RULES = VOCAB + NORMS + QKV_ATTENTION + QK_NORM + MOE + DENSE + MTP
+# Glm4MoeAttention builds o_proj with bias=False (glm4_moe.py L268-276) and load_weights skips a
+# ".bias" it has no parameter for (L1234-1236), as transformers' Glm4MoeAttention has none either:
+# a checkpoint's o_proj.bias would be carried by the split and silently dropped by the engine.
+ATTENTION = tuple(r._replace(bias=False) if r.module.endswith(r"o_proj") else r for r in QKV_ATTENTION)
+RULES = VOCAB + NORMS + ATTENTION + QK_NORM + MOE + DENSE + MTP
 
 
 def sparse(model: ModelInfo, layer: int) -> bool:
@@ -89,5 +99,6 @@ ARCHS = (
         "Glm4MoeForCausalLM", RULES, "glm4_moe.py", attn_group="attn_tp", embed_group="attn_tp", model_type="glm4_moe",
         expected=expected, exports=EngineNames(vllm=None, sglang=None), verify="moe", router=v3_router,
         sparse=sparse, experts_limit="tp", check=refuse_config,
+        a2a_shared=frozenset(("deepep", "mooncake", "nixl", "mori", "ascend_fuseep", "flashinfer", "flashinfer_megamoe")),
     ),
 )  # fmt: skip

@@ -13,10 +13,14 @@
   top-k weights renormalised when config.json's norm_topk_prob says so.
 - Export: vLLM for all four; SGLang for Qwen2 and Qwen3 (its dense classes). SGLang 0.5.23 splits
   attention heads over attn_tp only in the classes written for DP attention (Qwen3Attention);
-  Qwen2 splits over the full tp even under --enable-dp-attention, which tpshard's attn-dp plan does
+  Qwen2 splits over the full tp even under --attn-dp-size, which tpshard's attn-dp plan does
   not match (docs/deploy.md, measured). vLLM's Qwen3-MoE router is kept as
   `mlp.experts.gate.weight` (passed to the FusedMoE, models/qwen3_moe.py L170-205), Qwen2-MoE's as
   `mlp.gate.weight`.
+- Under an all-to-all MoE backend (--moe-a2a-backend) Qwen2MoeSparseMoeBlock.__init__ builds the
+  shared expert "replicated" for deepep, deepep_v2, mori, megamoe, flashinfer, flashinfer_megamoe and
+  ascend_fuseep only (qwen2_moe.py L362-382): whole on every rank; under mooncake, nixl and pplx it
+  stays over tp. Qwen3-MoE has no shared expert: a backend only sets ep = tp.
 """
 
 from tpshard.arch.base import DENSE_MLP, NORMS, QK_NORM, QKV_ATTENTION, VOCAB, Arch, EngineNames, EngineTable, L, Piece, Rule, gated_mlp, routed_experts, router
@@ -116,5 +120,6 @@ ARCHS = (
         expected=lambda m, c: moe_expected(m, c, qkv_bias=True, qk_norm=False, shared=True),
         exports=EngineNames(vllm=EngineTable(_QWEN2_MOE_VLLM, **VLLM_MOE), sglang=None), verify="moe", router=moe_router,
         sparse=every_layer_sparse, experts_limit="tp", check=refuse_dense_layers,
+        a2a_shared=frozenset(("deepep", "mori", "deepep_v2", "flashinfer", "flashinfer_megamoe", "megamoe", "ascend_fuseep")),
     ),
 )  # fmt: skip

@@ -1,8 +1,13 @@
 """The engine's launch line for an export: the command that starts the engine in exactly the layout
 that was exported (docs/deploy.md), every path and value quoted for a shell.
 
-SGLang (sglang/srt/server_args.py): --tp-size, --pp-size, --dp-size with --enable-dp-attention for
-attention DP, --ep-size, --moe-dense-tp-size, --enable-dp-lm-head. vLLM (vllm/engine/arg_utils.py):
+SGLang (sglang/srt/server_args.py): --tp-size, --pp-size, --attn-dp-size for attention DP,
+--ep-size, --moe-dense-tp-size, --enable-dp-lm-head, --moe-a2a-backend. Attention DP is
+--attn-dp-size in SGLang 0.5.23 (arg_groups/fields/parallel.py L81-90): the older `--dp-size N
+--enable-dp-attention` is a deprecated spelling of it (server_args.py L416-424, resolved by
+arg_groups/parallel_hook.py handle_deprecated_dp_attention L39-61, to be removed after 2026-12-31),
+and --dp-size alone (alias --data-parallel-size, fields/parallel.py L73-80) starts independent
+replicas of the whole model. vLLM (vllm/engine/arg_utils.py):
 --tensor-parallel-size, --pipeline-parallel-size, --enable-expert-parallel (EP size = tp: the only
 EP an export for vLLM has, tpshard.export.layout). Both: --load-format sharded_state and --dtype of
 the exported weights (another one is cast while loading).
@@ -15,14 +20,20 @@ from collections import Counter
 from pathlib import Path
 
 from tpshard.export.manifest import ExportManifest
+from tpshard.safetensors_format import nbytes_of
 
 ENGINE_DTYPE = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
 def weights_dtype(manifest: ExportManifest) -> str | None:
-    """The engine --dtype of the exported weights: their most common dtype (constants and a few
-    float32 buffers, such as DeepSeek's e_score_correction_bias, aside)."""
-    counts = Counter(t.dtype for f in manifest.files for t in f.tensors if t.value is None and t.dtype in ENGINE_DTYPE)
+    """The engine --dtype of the exported weights: the float dtype most of their bytes have
+    (constants aside; by bytes, not by count: a quantized export has a float32 scale per linear,
+    and DeepSeek a float32 e_score_correction_bias per layer)."""
+    counts: Counter = Counter()
+    for f in manifest.files:
+        for t in f.tensors:
+            if t.value is None and t.dtype in ENGINE_DTYPE:
+                counts[t.dtype] += nbytes_of(t.dtype, t.shape)
     return ENGINE_DTYPE[counts.most_common(1)[0][0]] if counts else None
 
 
@@ -39,10 +50,11 @@ def launch_line(manifest: ExportManifest, dest: Path) -> str:
     else:
         flags = [f"--tp-size {topo.tp}"]
         flags += [f"--pp-size {topo.pp}"] * (topo.pp > 1)
-        flags += [f"--dp-size {topo.attn_dp} --enable-dp-attention"] * (topo.attn_dp > 1)
+        flags += [f"--attn-dp-size {topo.attn_dp}"] * (topo.attn_dp > 1)
         flags += ["--enable-dp-lm-head"] * bool(options.dp_lm_head)
         flags += [f"--ep-size {topo.ep}"] * (topo.ep > 1)
         flags += [f"--moe-dense-tp-size {topo.moe_dense_tp}"] * (topo.moe_dense_tp is not None)
+        flags += [f"--moe-a2a-backend {topo.moe_a2a_backend}"] * bool(topo.moe_a2a_backend)
         command = f"python -m sglang.launch_server --model-path {path} --load-format sharded_state"
     dtype = weights_dtype(manifest)
     flags += [f"--dtype {dtype}"] * (dtype is not None)

@@ -20,7 +20,7 @@ import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Callable, Iterator
 
 import msgspec
 import numpy as np
@@ -28,7 +28,7 @@ import numpy as np
 from tpshard.version import __version__
 from tpshard.collector import paused
 from tpshard.digest import crc32_combine, file_digest, new_hash, sha256_file, tensor_digest
-from tpshard.errors import CheckpointError, OutputError
+from tpshard.errors import CheckpointError, OutputError, TpshardError
 from tpshard.export.layout import (
     DEFAULT_MAX_PART_BYTES,
     EngineTensor,
@@ -44,12 +44,14 @@ from tpshard.export.manifest import (
     EXPORT_FORMAT,
     EXPORT_MANIFEST_NAME,
     EXPORT_VERSION,
+    ConfigEdit,
     ExportFile,
     ExportManifest,
     ExportTensor,
     From,
     encode_export_manifest,
 )
+from tpshard.export.quant import config_additions, config_bytes
 from tpshard.manifest import MANIFEST_NAME, Manifest, rank_dir, read_manifest
 from tpshard.pieces import read_into, scratch
 from tpshard.plan import file_header
@@ -70,9 +72,11 @@ def export(
     max_part_bytes: int = DEFAULT_MAX_PART_BYTES,
     workers: int | None = None,
     force: bool = False,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> ExportManifest:
     """Write the `engine` ("vllm" or "sglang") sharded_state files of the tpshard output at
-    `out_dir` into `dest`, with the source's config and tokenizer files and an export manifest."""
+    `out_dir` into `dest`, with the source's config and tokenizer files and an export manifest;
+    `on_bytes(n)` as each run of n tensor bytes is written (the command's progress)."""
     out = Path(out_dir)
     manifest = read_manifest(out)
     plan = manifest.plan
@@ -87,8 +91,18 @@ def export(
     layouts = rank_layouts(plan, engine, config_tied(config), max_part_bytes, config)  # the engine's refusals first
 
     with staged_output(dest, force=force, inputs=[out]) as staging:
-        result = _write(out, manifest, layouts, engine, max_part_bytes, staging, workers or default_workers())
+        result = _write(out, manifest, layouts, engine, max_part_bytes, staging, workers or default_workers(), on_bytes)
     return result
+
+
+def export_total(out_dir: str | Path) -> int:
+    """The bytes `export`'s on_bytes counts, near enough for a progress bar: every rank's files of the
+    tpshard output, which the engine files hold again (headers aside); 0 where export will refuse it."""
+    try:
+        plan = read_manifest(Path(out_dir)).plan
+    except (TpshardError, OSError):
+        return 0
+    return sum(f.size for r in range(plan.topology.world_size) for f in plan.rank_files(r))
 
 
 class _Source:
@@ -123,7 +137,10 @@ class _Source:
         self.fds = {}
 
 
-def _write(out: Path, manifest: Manifest, layouts: Iterator[list[PartFile]], engine: str, max_part_bytes: int, staging: Path, workers: int) -> ExportManifest:
+def _write(
+    out: Path, manifest: Manifest, layouts: Iterator[list[PartFile]], engine: str, max_part_bytes: int, staging: Path,
+    workers: int, on_bytes: Callable[[int], None] | None = None,
+) -> ExportManifest:  # fmt: skip
     """Write the export rank by rank (rank_layouts): only one rank's engine tensors and copy jobs
     are held, and each file's record keeps its digests as one string and shares its tensor list
     with the same part of the stage's other ranks (the same names, dtypes and shapes)."""
@@ -134,7 +151,7 @@ def _write(out: Path, manifest: Manifest, layouts: Iterator[list[PartFile]], eng
     try:
         with ThreadPoolExecutor(max(1, workers)) as pool:
             for layout in layouts:
-                files += _write_rank(source, layout, staging, pool, shared)
+                files += _write_rank(source, layout, staging, pool, shared, on_bytes)
                 del layout  # or it would live on (every engine tensor of the rank) while the next is laid out
     finally:
         source.close()
@@ -144,6 +161,7 @@ def _write(out: Path, manifest: Manifest, layouts: Iterator[list[PartFile]], eng
         shutil.copyfile(folder / extra.name, staging / extra.name)
         if sha256_file(staging / extra.name) != extra.checksum:
             raise OutputError(f"{folder / extra.name}: differs from its sha256 in the tpshard manifest; run tpshard check {out}")
+    edit = _edit_config(staging, plan)
 
     result = ExportManifest(
         format=EXPORT_FORMAT,
@@ -155,16 +173,37 @@ def _write(out: Path, manifest: Manifest, layouts: Iterator[list[PartFile]], eng
         max_part_bytes=max_part_bytes,
         files=tuple(files),
         env=partition_env(plan.topology) or msgspec.UNSET,
+        config=edit,
     )
     write_durably(staging / EXPORT_MANIFEST_NAME, encode_export_manifest(result))
     return result
 
 
-def _write_rank(source: _Source, layout: list[PartFile], staging: Path, pool: ThreadPoolExecutor, shared: dict) -> list[ExportFile]:
+def _edit_config(staging: Path, plan) -> ConfigEdit | msgspec.UnsetType:
+    """config.json with what vLLM needs to load the export quantized (tpshard.export.quant.config_additions),
+    or UNSET where the source's copy is loaded as it is."""
+    path = staging / "config.json"
+    config = json.loads(path.read_bytes())
+    added = config_additions(plan, config)
+    if not added:
+        return msgspec.UNSET
+    return ConfigEdit(added=added, **_write_config(path, config, added))
+
+
+def _write_config(path: Path, config: dict, added: dict) -> dict:
+    """Write the source's config with `added` in its quantization_config; its size and sha256."""
+    edited = dict(config, quantization_config={**config["quantization_config"], **added})
+    path.write_bytes(config_bytes(edited))
+    return {"size": path.stat().st_size, "checksum": sha256_file(path)}
+
+
+def _write_rank(
+    source: _Source, layout: list[PartFile], staging: Path, pool: ThreadPoolExecutor, shared: dict, on_bytes=None
+) -> list[ExportFile]:  # fmt: skip
     """The files of one rank written (_copy_all), and their manifest records. A record's tensors
     are the tuple of the same part of the stage's first rank (`shared`) where they are equal."""
     topo = source.plan.topology
-    digests, headers = _copy_all(source, layout, staging, pool)
+    digests, headers = _copy_all(source, layout, staging, pool, on_bytes)
     files = []
     for p, (f, found) in enumerate(zip(layout, digests)):
         tensors = tuple(ExportTensor(name=t.name, dtype=t.dtype, shape=t.shape, value=t.value) for t in f.tensors)
@@ -180,9 +219,11 @@ def _write_rank(source: _Source, layout: list[PartFile], staging: Path, pool: Th
     return files
 
 
-def _copy_all(source: _Source, layout: list[PartFile], staging: Path, pool: ThreadPoolExecutor) -> tuple[list[list[bytes]], dict[str, bytes]]:
+def _copy_all(
+    source: _Source, layout: list[PartFile], staging: Path, pool: ThreadPoolExecutor, on_bytes: Callable[[int], None] | None = None
+) -> tuple[list[list[bytes]], dict[str, bytes]]:  # fmt: skip
     """The files of one rank (`layout`) written into `staging` and fsynced: each file's tensor
-    digests, in data order, and its header."""
+    digests, in data order, and its header; `on_bytes` hears each task's bytes once written."""
     algorithm = source.plan.options.checksum
     fds: dict[str, int] = {}
     headers: dict[str, bytes] = {}
@@ -201,6 +242,8 @@ def _copy_all(source: _Source, layout: list[PartFile], staging: Path, pool: Thre
         for task, got in zip(tasks, pool.map(lambda task: _copy_task(task, jobs, sizes, source, algorithm), tasks)):
             for i, digest in zip(task, got):
                 digests[i] = digest
+            if on_bytes is not None:
+                on_bytes(sum(sizes[i] for i in task))
         list(pool.map(os.fsync, fds.values()))
     finally:
         for fd in fds.values():
@@ -227,7 +270,7 @@ def _tasks(jobs: list[tuple[EngineTensor, int, int]], sizes: list[int]) -> list[
 def _copy_task(task: list[int], jobs: list[tuple[EngineTensor, int, int]], sizes: list[int], source: _Source, algorithm: str) -> list[bytes]:
     """Write the tensors of one task (_tasks); returns their digests."""
     first, fd, begin = jobs[task[0]]
-    if sizes[task[0]] >= SMALL_BYTES and first.value is None:  # a constant is written from memory
+    if sizes[task[0]] >= SMALL_BYTES and first.value is None and not first.transformed:  # a constant or a cast is made in memory
         return [_copy(jobs[task[0]], source, algorithm)]
     end = jobs[task[-1]][2] + sizes[task[-1]]
     buf = scratch("export-run", end - begin)
@@ -259,9 +302,11 @@ def _copy(job: tuple[EngineTensor, int, int], source: _Source, algorithm: str) -
 def _gather(tensor: EngineTensor, into: np.ndarray, source: _Source, algorithm: str) -> bytes:
     """Put one small engine tensor's bytes into `into`; returns its digest (_digest)."""
     if tensor.value is not None:
-        data = constant_bytes(tensor.dtype, tensor.value)
+        data = constant_bytes(tensor.dtype, tensor.value, tensor.shape)
         into[:] = np.frombuffer(data, np.uint8)
         return tensor_digest(algorithm, data)
+    if tensor.transformed:
+        return _transform(tensor, into, source, algorithm)
     at = 0
     for part in tensor.parts:
         src, src_offset = source.at(part)
@@ -271,6 +316,24 @@ def _gather(tensor: EngineTensor, into: np.ndarray, source: _Source, algorithm: 
     if algorithm != "crc32" and len(tensor.parts) > 1:
         return tensor_digest(algorithm, into)
     return _digest(tensor, source, algorithm)
+
+
+def _transform(tensor: EngineTensor, into: np.ndarray, source: _Source, algorithm: str) -> bytes:
+    """A quantized parameter whose bytes are not its shards' back to back (fused along dim 1, or
+    cast: tpshard.export.quant.assemble). Each shard is read whole and proven against its digest
+    in the tpshard manifest first, so that a shard damaged on disk is refused here instead of
+    exported under a digest of its damaged bytes; the result is hashed as written."""
+    from tpshard.export.quant import assemble
+
+    pieces = []
+    for part in tensor.parts:
+        src, src_offset = source.at(part)
+        data = _read(src, np.empty(part.nbytes, np.uint8), src_offset, part.nbytes)
+        if tensor_digest(algorithm, data) != source.digest(part):
+            raise OutputError(f"{part.name}: a shard in the tpshard output differs from its {algorithm} in the manifest; run tpshard check on it")
+        pieces.append((data, part.shape))
+    into[:] = assemble(pieces, tensor.parts[0].dtype, tensor.dtype, tensor.axis)
+    return tensor_digest(algorithm, into)
 
 
 def _digest(tensor: EngineTensor, source: _Source, algorithm: str) -> bytes:

@@ -58,8 +58,12 @@ def group_of(rule: Rule, ctx: Layout) -> GroupName:
         case "dense_mlp":
             return "replicated" if ctx.topology.dense_tp == 1 else "tp"
         case "expert":
-            return "moe_tp"
-        case "mlp" | "shared_expert":
+            # Fused [E, ...] tensors under EP (moe_tp 1): cut on the experts axis, one slot a tp rank.
+            return "tp" if rule.layer_class == "FusedExperts" and ctx.topology.ep > 1 else "moe_tp"
+        case "shared_expert":  # SGLang builds them "replicated" under the all-to-all backends of a2a_shared
+            shared_whole = ctx.arch.a2a_shared and ctx.topology.moe_a2a_backend in ctx.arch.a2a_shared
+            return "replicated" if shared_whole else "tp"
+        case "mlp":
             return "tp"
     return "replicated"
 
@@ -106,6 +110,12 @@ def cut_tensor(name: str, info: TensorInfo, rule: Rule, param: str, ctx: Layout)
     shape = info.shape
     cls = rule.layer_class
 
+    if param == "bias" and not rule.bias:
+        raise PlanError(
+            f"{name}: SGLang {ctx.arch.engine} builds {name.rpartition('.')[0]} without a bias and its loader skips"
+            " this tensor unread, so the engine would serve the model without it; remove it from the checkpoint"
+            " rather than split a weight the engine ignores"
+        )
     expected = expected_shape(rule, model)
     if expected and param == "weight" and shape != expected:
         raise PlanError(f"{name}: shape {list(shape)} on disk, but config.json implies {list(expected)}")

@@ -11,6 +11,7 @@ What it is not: no slicing rule (tpshard.plan.dense, tpshard.quant.layers), no f
 
 from __future__ import annotations
 
+import re
 from array import array
 
 from tpshard.arch import Matcher, Rule, arch_for
@@ -41,6 +42,8 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
     warnings = refuse_topology(ctx, ckpt.config)
     stages_of, where = refuse_pipeline(ctx, ckpt.tensors) or (None, None)  # None: one stage
     head_copy = where is not None and where.head_copy  # tied: SGLang's last stage has its own lm_head.weight
+    if arch.refuse_tensors:
+        arch.refuse_tensors(ckpt.tensors)
     matcher = Matcher(arch.table(model))
     refuse_attention(ctx, matcher, ckpt.tensors)
     if model.tie_word_embeddings and stages_of is None:
@@ -65,6 +68,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
     quant = read_quant_config(ckpt.path, ckpt.config)
     qlayers = QuantLayers(topology, options.pad_blocks, logical_layers(ctx), lambda records: TensorKind(records, topology))
     experts = Experts(ctx)
+    names = re.compile(arch.names) if arch.names else None
     # Source order by (file, offset): the writer then reads each file front to back.
     for name, info in sorted(ckpt.tensors.items(), key=lambda kv: (kv[1].file, kv[1].begin)):
         if name.endswith("inv_freq") and DROPPED.fullmatch(name):  # the test alone: a regex a tensor costs 5 % of a plan
@@ -72,7 +76,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
             continue
         module, _, param = name.rpartition(".")
         found = matcher.match(module)
-        if found is None:
+        if found is None or (names is not None and not names.fullmatch(name)):
             unknown.append(name)
             continue
         rule, layer, expert = found

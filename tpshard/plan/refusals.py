@@ -1,7 +1,7 @@
 """Topologies and pipelines the engine refuses, refused before any tensor is cut.
 
-What this file is: `refuse_topology` (attention DP, --dp-lm-head, expert parallelism, --moe-dense-tp
-against the architecture and config.json: a one-line PlanError each, else warnings) and
+What this file is: `refuse_topology` (attention DP, --dp-lm-head, expert parallelism, --moe-dense-tp,
+--moe-a2a-backend against the architecture and config.json: a one-line PlanError each, else warnings) and
 `refuse_pipeline` (at pp > 1: the stages holding each tensor and the engine's placement).
 
 What it is not: no per-tensor cut (tpshard.plan.dense), no check of the experts a checkpoint holds
@@ -11,6 +11,8 @@ What it is not: no per-tensor cut (tpshard.plan.dense), no check of the experts 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+
+from msgspec import UNSET
 
 from tpshard.errors import PlanError
 from tpshard.plan.dense import Layout
@@ -24,6 +26,8 @@ def refuse_topology(ctx: Layout, config: dict) -> list[str]:
     engine = f"SGLang {a.engine}"
     if a.check:
         a.check(config, m)
+    if a.check_topology:
+        a.check_topology(t, m)
     if t.attn_dp > 1 and not a.attn_dp:
         raise PlanError(
             f"--attn-dp {t.attn_dp}: {m.architecture} has no attention-DP layout in {engine} (attention, embedding"
@@ -51,6 +55,7 @@ def refuse_topology(ctx: Layout, config: dict) -> list[str]:
             f"{m.architecture}: {engine} cuts attention over the full tp group also under attention DP;"
             f" only the embedding follows --attn-dp {t.attn_dp}"
         )
+    refuse_a2a(ctx)  # before --ep: the CLI set ep to tp for the backend
     if not m.num_experts or a.sparse is None:
         if t.ep > 1:
             raise PlanError(f"--ep {t.ep}: {m.architecture} has no routed experts; expert parallelism needs a MoE model")
@@ -71,6 +76,22 @@ def refuse_topology(ctx: Layout, config: dict) -> list[str]:
     if t.moe_dense_tp is not None and not any(r.role == "dense_mlp" for r in a.rules):
         raise PlanError(f"--moe-dense-tp applies to DeepSeek's dense MLP layers; {m.architecture} has none")
     return warnings
+
+
+def refuse_a2a(ctx: Layout) -> None:
+    """--moe-a2a-backend: only for a model with routed experts, and for a family with shared experts
+    only where tpshard knows which backends SGLang's class replicates them under (Arch.a2a_shared)."""
+    t, m, a = ctx.topology, ctx.model, ctx.arch
+    if t.moe_a2a_backend is UNSET:
+        return
+    flag = f"--moe-a2a-backend {t.moe_a2a_backend}"
+    if not m.num_experts or a.sparse is None:
+        raise PlanError(f"{flag}: {m.architecture} has no routed experts; an all-to-all MoE backend needs a MoE model")
+    if a.a2a_shared is None and any(r.role == "shared_expert" for r in a.table(m)):
+        raise PlanError(
+            f"{flag}: where SGLang {a.engine} keeps the {m.architecture} shared experts under an all-to-all backend"
+            " is not established in tpshard; split without it"
+        )
 
 
 def refuse_pipeline(ctx: Layout, tensors: Mapping[str, TensorInfo]) -> tuple[Callable[[str], tuple[int, ...]], Placement] | None:

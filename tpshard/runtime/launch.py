@@ -13,11 +13,16 @@ root cause is the earliest failure: peers of a dead rank fail *after* it, with a
 Rendezvous: the parent binds the TCPStore itself (port 0, the OS picks) and keeps the listening
 socket for the whole job, so no other job can take the port between choosing and binding.
 
+Progress: rank code calls `report_progress(done, total)` (verify: rank 0, layers judged); a
+spawned rank sends it to the parent over the results queue, where run_local's `on_progress` hears
+it; under torchrun the process's own `listening_to` callback does; elsewhere it goes nowhere.
+
 Not here: process groups inside the world (groups.py), multi-node launching (use torchrun).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
@@ -38,6 +43,26 @@ from tpshard.lifetime import die_with_parent, ignoring_sigint
 from tpshard.runtime.groups import clear_groups
 
 BACKENDS = ("nccl", "gloo")
+
+# Where report_progress goes in this process (the module docstring): None = nowhere.
+_progress: Callable[[int, int], None] | None = None
+
+
+def report_progress(done: int, total: int) -> None:
+    """Say how far this rank is (`done` of `total` steps) to whoever listens; nothing if nobody does."""
+    if _progress is not None:
+        _progress(done, total)
+
+
+@contextlib.contextmanager
+def listening_to(callback: Callable[[int, int], None] | None):
+    """report_progress in this process calls `callback` (under torchrun, rank 0 is the command itself)."""
+    global _progress
+    before, _progress = _progress, callback
+    try:
+        yield
+    finally:
+        _progress = before
 
 
 @dataclass(frozen=True)
@@ -180,9 +205,12 @@ def _failure_order(r: RankResult) -> tuple:
 
 def _worker(
     rank: int, world_size: int, port: int, backend: str, device: str, timeout_s: float,
-    fn: Callable[..., Any], args: tuple, results: Any, parent: int,
+    fn: Callable[..., Any], args: tuple, results: Any, parent: int, progress: bool = False,
 ) -> None:
+    global _progress
     die_with_parent(parent)  # a parent killed with SIGKILL takes its ranks with it (tpshard.lifetime)
+    if progress:  # the parent listens (run_local's on_progress): a 3-tuple, told apart from results
+        _progress = lambda done, total: results.put(("progress", done, total))  # noqa: E731
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )  # fmt: skip
@@ -225,13 +253,15 @@ def run_local(
     timeout_s: float = 300.0,
     grace_s: float = 5.0,
     raise_on_error: bool = True,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> list[RankResult]:
     """Run `fn(info: DistInfo, *args)` on `nprocs` spawned local ranks; return their results by rank.
 
     `fn` and `args` must be picklable (a module-level function). A rank that raises is reported
     with its traceback; once one rank fails the others get `grace_s` seconds to finish (they may be
     stuck in a collective with it) before they are terminated. `timeout_s` bounds the whole job
-    and every collective. `device`: "cuda" lets gloo ranks compute on (shared) GPUs.
+    and every collective. `device`: "cuda" lets gloo ranks compute on (shared) GPUs. `on_progress`
+    is called here with each `report_progress(done, total)` of a rank.
 
     Example:
         results = run_local(check_layers, 4, seed, backend="gloo")
@@ -245,7 +275,8 @@ def run_local(
     store = local_store(timeout_s)  # held until every rank is done: the port cannot be taken meanwhile
     procs = [
         ctx.Process(
-            target=_worker, args=(r, nprocs, store.port, backend, device, timeout_s, fn, args, results_q, os.getpid()),
+            target=_worker,
+            args=(r, nprocs, store.port, backend, device, timeout_s, fn, args, results_q, os.getpid(), on_progress is not None),
             daemon=True,
         )  # fmt: skip
         for r in range(nprocs)
@@ -254,7 +285,7 @@ def run_local(
         with ignoring_sigint():  # Ctrl-C reaches the whole process group: the parent alone handles it
             for p in procs:
                 p.start()
-        got, first_failure = _collect(procs, results_q, timeout_s, grace_s)
+        got, first_failure = _collect(procs, results_q, timeout_s, grace_s, on_progress)
     except BaseException:  # Ctrl-C, or anything else here: no rank outlives the parent's wait
         for p in procs:
             if p.is_alive():
@@ -275,8 +306,11 @@ def run_local(
     return ordered
 
 
-def _collect(procs: list, results_q: Any, timeout_s: float, grace_s: float) -> tuple[dict[int, RankResult], float | None]:
-    """Every rank's result as it arrives, until all are in, the timeout, or the grace after a failure."""
+def _collect(
+    procs: list, results_q: Any, timeout_s: float, grace_s: float, on_progress: Callable[[int, int], None] | None = None
+) -> tuple[dict[int, RankResult], float | None]:  # fmt: skip
+    """Every rank's result as it arrives, until all are in, the timeout, or the grace after a failure;
+    a rank's progress report on the way goes to `on_progress`."""
     nprocs = len(procs)
     got: dict[int, RankResult] = {}
     deadline = time.monotonic() + timeout_s
@@ -288,7 +322,7 @@ def _collect(procs: list, results_q: Any, timeout_s: float, grace_s: float) -> t
         if remaining <= 0:
             break
         try:
-            rank, payload, error, failed_at, code = results_q.get(timeout=min(remaining, 0.5))
+            message = results_q.get(timeout=min(remaining, 0.5))
         except queue.Empty:
             # A rank killed by a signal never reports; stop waiting for it once it is gone.
             dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
@@ -299,6 +333,11 @@ def _collect(procs: list, results_q: Any, timeout_s: float, grace_s: float) -> t
                         got[r] = RankResult(r, error=f"process exited with code {procs[r].exitcode} without a result")
                     first_failure = first_failure or time.monotonic()
             continue
+        if len(message) == 3:  # ("progress", done, total)
+            if on_progress is not None:
+                on_progress(message[1], message[2])
+            continue
+        rank, payload, error, failed_at, code = message
         if error is None:
             got[rank] = RankResult(rank, value=pickle.loads(payload))
         else:

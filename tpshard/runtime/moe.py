@@ -209,7 +209,8 @@ class MoEBlock(nn.Module):
     `router_weight` [E, H] (and `correction_bias` [E]) and `shared_gate` [1, H] are replicated
     tensors, the same on every rank. The experts and the shared MLP leave their partial sums
     unreduced; they are added and reduced once over `experts.group` (SGLang's
-    DeepseekV2MoE / Qwen2MoeSparseMoeBlock forward).
+    DeepseekV2MoE / Qwen2MoeSparseMoeBlock forward). Shared experts whole on every rank (an
+    all-to-all backend builds them "replicated") give their full output, added after the reduction.
     """
 
     def __init__(
@@ -231,7 +232,8 @@ class MoEBlock(nn.Module):
             )
         if (shared_gate_up is None) != (shared_down is None):
             raise ValueError(f"{experts.name}: a shared expert needs both gate_up and down")
-        if shared_down is not None and shared_down.group.members != experts.group.members:
+        self.shared_whole = shared_down is not None and shared_down.group.size == 1
+        if shared_down is not None and not self.shared_whole and shared_down.group.members != experts.group.members:
             raise ValueError(
                 f"{experts.name}: shared experts over {shared_down.group.describe()} cannot join the experts' "
                 f"reduction over {experts.group.describe()}"
@@ -242,7 +244,7 @@ class MoEBlock(nn.Module):
         experts.reduce_results = False
         if shared_down is not None:
             shared_down.reduce_results = False
-            shared_down.input_is_parallel = True
+            shared_down.input_is_parallel = not self.shared_whole
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H], the same tokens on every rank of the group -> [..., H], reduced."""
@@ -250,10 +252,12 @@ class MoEBlock(nn.Module):
         x = x.reshape(-1, shape[-1])  # [T, H]
         ids, weights = route(self.cfg, x, self.router_weight, self.correction_bias)
         out = self.experts(x, ids, weights)  # [T, H], partial
-        if self.shared_down is not None:
-            g, u = self.shared_gate_up.split(self.shared_gate_up(x))  # [T, S_r] each
-            shared = self.shared_down(F.silu(g) * u)  # [T, H], partial over tp
-            if self.shared_gate is not None:
-                shared = torch.sigmoid(F.linear(x, self.shared_gate.to(x.dtype))) * shared  # [T, 1] per token
-            out = out + shared
-        return self.experts.group.all_reduce(out).reshape(shape)
+        if self.shared_down is None:
+            return self.experts.group.all_reduce(out).reshape(shape)
+        g, u = self.shared_gate_up.split(self.shared_gate_up(x))  # [T, S_r] each
+        shared = self.shared_down(F.silu(g) * u)  # [T, H], partial over tp (whole when replicated)
+        if self.shared_gate is not None:
+            shared = torch.sigmoid(F.linear(x, self.shared_gate.to(x.dtype))) * shared  # [T, 1] per token
+        if self.shared_whole:
+            return (self.experts.group.all_reduce(out) + shared).reshape(shape)
+        return self.experts.group.all_reduce(out + shared).reshape(shape)

@@ -108,6 +108,7 @@ def verify(
     out: str | Path, source: str | Path, *, model: bool = False, backend: str | None = None, device: str | None = None,
     dtype: str = "float32", seed: int = 0, tokens: int = 16, timeout_s: float = DEFAULT_TIMEOUT_S,
     announce: Callable[[str], None] | None = None, pp: int | None = None, pp_layers: str | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:  # fmt: skip
     """Verify the tpshard output at `out` against the checkpoint it was split from.
 
@@ -122,6 +123,8 @@ def verify(
         announce: called with one line saying which backend was chosen and why (rank 0 only).
         pp, pp_layers: the pipeline stages (and partition, "26,27,27") the server will run; the
             output must be split for them (findings in the report's `stages`, as `check --pp`).
+        on_progress: called here with (steps done, steps) as rank 0 judges each layer (and the
+            model, a last step with `model`).
     Returns:
         The VerifyReport (the same on every rank under torchrun). Never raises on a mismatch; raises
         TpshardError for a user error (exit 2) and LaunchFailed when a rank crashed or hung (exit 3),
@@ -129,7 +132,7 @@ def verify(
     """
     return verify_many(
         [out], [source], model=model, backend=backend, device=device, dtype=dtype, seed=seed, tokens=tokens,
-        timeout_s=timeout_s, announce=announce, pp=pp, pp_layers=pp_layers,
+        timeout_s=timeout_s, announce=announce, pp=pp, pp_layers=pp_layers, on_progress=on_progress,
     )[0]  # fmt: skip
 
 
@@ -137,7 +140,7 @@ def verify_many(
     outs: list[str | Path], sources: list[str | Path], *, model: bool = False, backend: str | None = None,
     device: str | None = None, dtype: str = "float32", seed: int = 0, tokens: int = 16,
     timeout_s: float = DEFAULT_TIMEOUT_S, announce: Callable[[str], None] | None = None, pp: int | None = None,
-    pp_layers: str | None = None,
+    pp_layers: str | None = None, on_progress: Callable[[int, int], None] | None = None,
 ) -> list[VerifyReport]:  # fmt: skip
     """Verify several outputs of the same world size in one launch (one process start per rank)."""
     from tpshard.manifest import read_manifest
@@ -158,11 +161,14 @@ def verify_many(
         raise TpshardError(f"--timeout must be positive, got {timeout_s:g}")
     start = time.perf_counter()
     if under_torchrun():
-        reports = _in_place(jobs, world, backend, device, timeout_s, announce)
+        from tpshard.runtime import listening_to
+
+        with listening_to(on_progress):  # rank 0 is this process
+            reports = _in_place(jobs, world, backend, device, timeout_s, announce)
     else:
         for job in jobs:
             preflight(job)  # every rank is local: its files, and the source, before anything starts
-        reports = _spawned(jobs, world, backend, device, timeout_s, announce)
+        reports = _spawned(jobs, world, backend, device, timeout_s, announce, on_progress)
     seconds = round(time.perf_counter() - start, 3)
     for r in reports:
         r.seconds = seconds if len(reports) == 1 else r.seconds
@@ -206,7 +212,7 @@ def _world_text(out: str) -> str:
     return f"tp={topo.tp}" if topo.pp == 1 else f"pp={topo.pp} x tp={topo.tp} = {topo.world_size} ranks"
 
 
-def _spawned(jobs, world: int, backend, device, timeout_s: float, announce) -> list[VerifyReport]:
+def _spawned(jobs, world: int, backend, device, timeout_s: float, announce, on_progress=None) -> list[VerifyReport]:
     from tpshard.runtime import RankFailed, run_local
     from tpshard.verify.run import rank_main
 
@@ -214,7 +220,9 @@ def _spawned(jobs, world: int, backend, device, timeout_s: float, announce) -> l
     if announce:
         announce(launch.describe(world))
     try:
-        results = run_local(rank_main, world, jobs, backend=launch.backend, device=launch.device, timeout_s=timeout_s)
+        results = run_local(
+            rank_main, world, jobs, backend=launch.backend, device=launch.device, timeout_s=timeout_s, on_progress=on_progress
+        )  # fmt: skip
     except RankFailed as e:
         root = e.root
         if root.exit_code != 3:  # a user error found by one rank (its file, its data)

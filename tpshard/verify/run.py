@@ -18,7 +18,7 @@ import torch
 from tpshard.errors import TpshardError
 from tpshard.manifest import read_manifest
 from tpshard.rank import open_rank
-from tpshard.runtime import DistInfo, bind_groups
+from tpshard.runtime import DistInfo, bind_groups, report_progress
 from tpshard.runtime.objects import all_true, broadcast_from_root, gather_to_root
 from tpshard.verify.build import build_layer
 from tpshard.verify.layer_inputs import layer_input
@@ -100,7 +100,8 @@ def source_problems(job: Job, plan, recorded) -> list[str]:
     if absent or differ:
         what = f"has no {', '.join(absent[:3])}" if absent else f"{differ[0]} has another shape"
         return [f"{job.source}: {what}: not the checkpoint {job.out} was split from"]
-    linear = sorted({s.layer for s in plan.shards if s.kind == "segmented" or s.layer_class == "HeadParameter"})
+    # (fused experts' [gate | up] segments are verified: tpshard.verify.fused_layers)
+    linear = sorted({s.layer for s in plan.shards if (s.kind == "segmented" and s.layer_class != "FusedExperts") or s.layer_class == "HeadParameter"})
     if linear:  # no gated DeltaNet runtime layer (tpshard/arch/qwen_next.py): refused, not skipped
         return [
             f"{plan.model.architecture}: verify has no runtime for gated DeltaNet linear attention ({linear[0]} and"
@@ -177,7 +178,9 @@ def _verify_job(info: DistInfo, job: Job) -> VerifyReport:
     stage = topo.pp_rank(rank)
     keep = {}  # float32 layers the model-level forward reuses
     loaded = True  # every layer built on every rank of the stages holding it (else the decoder cannot run)
-    for lay in sharded_layers(plan):
+    layers = sharded_layers(plan)
+    steps = len(layers) + job.model  # rank 0 reports each layer judged, then the model (verify's progress)
+    for done, lay in enumerate(layers, 1):
         # Pipeline stages: only the ranks of the stages holding the layer build and run it (its
         # collectives stay inside each stage's groups); the others send nothing about it.
         mine = stage in lay.stages(topo)
@@ -211,8 +214,11 @@ def _verify_job(info: DistInfo, job: Job) -> VerifyReport:
             if topo.pp > 1:
                 result.stages = list(lay.stages(topo))
             report.layers.append(result)
+            report_progress(done, steps)
     if job.model and loaded:
         report.model = _verify_model(info, job, plan, tensors, keep, src)
+        if rank == 0:
+            report_progress(steps, steps)
     elif job.model and rank == 0:
         report.model = ModelResult(
             architecture=plan.model.architecture, batches=0, sequences=0, tokens=job.tokens,
@@ -243,7 +249,11 @@ def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
         for s in plan.rank_shards(rank)
         if s.layer_class == "Replicated"
     }
-    if is_moe(plan):
+    if arch_for(plan.model).verify == "llama4":
+        from tpshard.verify.llama4_model import Llama4Decoder
+
+        decoder = Llama4Decoder(plan, rank, layers, norms, device, hf_config(tensors))
+    elif is_moe(plan):
         decoder = MoEDecoder(plan, rank, layers, norms, device, tensors.folder, hf_config(tensors))
     else:
         # Only rank 0 reads the source: the RoPE parameters travel from there.
