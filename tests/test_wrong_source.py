@@ -70,3 +70,41 @@ def test_a_byte_flipped_in_the_source_after_the_split_names_its_file(llama, llam
 def test_verify_refuses_the_wrong_source_before_any_rank_starts(llama_tp2, other_values):
     line = one_line_exit_2(run("verify", llama_tp2, "--source", other_values), other_values, llama_tp2)
     assert "model-00001-of-00002.safetensors differs" in line, line
+
+
+def test_check_source_reads_the_source_once(llama, tmp_path, monkeypatch):
+    """The source's identity comes from the tensors the reassembly read (one read of the source,
+    docs/performance.md); only tensors no written rank holds are read again for it."""
+    import tpshard.source_identity as identity
+
+    read_again = []
+    real = identity.range_digests
+
+    def counting(fd, offsets, sizes, algorithm):
+        read_again.append(sum(sizes))
+        return real(fd, offsets, sizes, algorithm)
+
+    monkeypatch.setattr(identity, "range_digests", counting)
+    tpshard.split(llama, tmp_path / "all", tpshard.Topology(tp=2))
+    report = tpshard.check(tmp_path / "all", source=llama)
+    assert report.ok and sum(read_again) == 0, (report.problems, read_again)
+    tpshard.split(llama, tmp_path / "rank1", tpshard.Topology(tp=2), ranks=[1])
+    report = tpshard.check(tmp_path / "rank1", source=llama)
+    assert report.ok, report.problems  # rank 0's own shards are not there, its shared tensors are
+    assert sum(read_again) == 0  # every tensor has a piece in rank 1's files
+
+
+def test_a_flipped_source_byte_is_one_line_even_with_findings(llama, tmp_path, copy_of):
+    """A byte of the source flipped after the split: the reassembly finds a tensor that differs, and
+    check says the one line about the source, exit 2, not the finding."""
+    source = copy_of(llama)
+    out = tmp_path / "out"
+    tpshard.split(source, out, tpshard.Topology(tp=2))
+    first = sorted(source.glob("*.safetensors"))[0]
+    with open(first, "r+b") as f:
+        f.seek(first.stat().st_size - 1)
+        byte = f.read(1)
+        f.seek(first.stat().st_size - 1)
+        f.write(bytes([byte[0] ^ 1]))
+    line = one_line_exit_2(run("check", out, "--source", source), source, out)
+    assert first.name in line, line

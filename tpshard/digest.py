@@ -60,7 +60,13 @@ def packed_digests(slots: array | list) -> bytes:
     """The digests in `slots` (digest_slots) back to back, each as tensor_digest gives it."""
     if isinstance(slots, list):
         return b"".join(slots)
-    big_endian = array("I", slots)
+    if hasattr(slots, "packed"):  # tpshard.processes.SharedDigests
+        return slots.packed()
+    if isinstance(slots, memoryview):  # shared memory seen as 4-byte ints (tpshard.processes)
+        big_endian = array("I")
+        big_endian.frombytes(slots.cast("B"))
+    else:
+        big_endian = array("I", slots)
     if sys.byteorder == "little":
         big_endian.byteswap()
     return big_endian.tobytes()

@@ -31,6 +31,7 @@ from tpshard.version import __version__
 from tpshard.checkpoint import Checkpoint, open_checkpoint
 from tpshard.collector import libc, paused, release_freed_memory
 from tpshard.digest import (
+    DIGEST_SIZE,
     Crc32,
     crc32_combine,
     digest_of,
@@ -61,6 +62,7 @@ from tpshard.manifest import (
 )
 from tpshard.pieces import cut_pieces, read_into, scratch, shard_bytes, value_bytes
 from tpshard.plan import make_plan
+from tpshard.processes import can_fork, run_forked, shared_bytes, shared_slots
 from tpshard.publish import staged_output
 from tpshard.safetensors_format import TensorInfo, nbytes_of, read_header_bytes
 from tpshard.topology import Topology
@@ -108,9 +110,11 @@ class CheckpointReader:
     `job(tensors, run)`, a context giving, for each (name, info, needed) of one pool task, the
     (fd, TensorInfo, bytes or None) to cut it from, in order; `source(digests)`, the manifest's
     source path and files, given each source tensor's crc32 (4 bytes each, in the checkpoint's
-    tensor order); `reads_every_tensor`, whether tensors no target needs are read too."""
+    tensor order); `reads_every_tensor`, whether tensors no target needs are read too;
+    `forkable`, whether jobs may run in forked processes (no state of the reader is read back)."""
 
     reads_every_tensor = True  # the source checksums cover every byte of the checkpoint
+    forkable = True  # nothing of it is read back after the copy: jobs may run on forked processes
 
     def __init__(self, ckpt: Checkpoint):
         self.ckpt = ckpt
@@ -312,27 +316,32 @@ def write_plan(
     offsets: dict[int, Sequence[int]] = {}  # file index -> each tensor's data offset, in data order
     digests: dict[int, array | list] = {}  # file index -> each tensor's digest (digest_slots), in data order
     algorithm = plan.options.checksum
+    names, infos = list(ckpt.tensors), list(ckpt.tensors.values())  # the copy names tensors by position
+    tasks = copy_jobs(infos)
+    # Processes where a copy has work for more than one (tpshard.processes); threads for a reader
+    # whose state the parent reads afterwards (a reshard's OutputReader notes what it hashed).
+    forked = workers > 1 and len(tasks) > 1 and reader.forkable and can_fork()
+    slots_for = (lambda n: shared_slots(DIGEST_SIZE[algorithm], n)) if forked else (lambda n: digest_slots(algorithm, n))
     try:
         for i in written_files:
             f = plan.files[i]
             fds[i] = os.open(staging / rank_dir(min(chosen & set(f.ranks))) / f.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             checksums[i], offsets[i] = _write_header(plan, i, fds[i])
-            digests[i] = digest_slots(algorithm, len(offsets[i]))
+            digests[i] = slots_for(len(offsets[i]))
         release_freed_memory()  # the headers
         for r in selected:
             with open(staging / rank_dir(r) / "model.safetensors.index.json", "wb") as f:
                 f.writelines(rank_index_pieces(plan, r))
-        names, infos = list(ckpt.tensors), list(ckpt.tensors.values())  # the copy names tensors by position
         slots = _Slots(plan, names, fds, offsets)
         release_freed_memory()  # the name lookup _Slots made its arrays from (~12 MB at 90k tensors)
         # each source tensor's crc32 by position, set by the jobs as they go
-        source_digests = bytearray(4 * len(names))
+        source_digests = shared_bytes(4 * len(names)) if forked else bytearray(4 * len(names))
 
         with reader:
             # Every source tensor is read (also those no selected rank needs) so that the source
             # checksums cover the whole checkpoint; a reshard (reads_every_tensor false) reads only
             # tensors some shard needs bytes of.
-            def job(task: tuple[bool, array]) -> None:
+            def job(task: tuple[bool, array], progress: Callable[[int], None] | None) -> None:
                 run, positions = task
                 digest = reader.reads_every_tensor
                 slots_each = [slots.of(p) for p in positions]
@@ -351,13 +360,16 @@ def write_plan(
                             crc = _copy_large(plan, src, src_info, data, tensor_slots, digests, digest)
                         if digest:  # b"" otherwise
                             source_digests[4 * p : 4 * p + 4] = crc
-                        if on_tensor:
-                            on_tensor(info.nbytes)
+                        if progress:
+                            progress(info.nbytes)
                     if pending is not None:  # its pieces are views of the reader's bytes: written while they live
                         pending.flush()
 
+            if forked:
+                run_forked(tasks, job, workers, on_tensor)
             with ThreadPoolExecutor(max(1, workers)) as pool:
-                list(pool.map(job, copy_jobs(infos)))
+                if not forked:
+                    list(pool.map(lambda task: job(task, on_tensor), tasks))
                 # On disk before the manifest says the output is complete.
                 list(pool.map(os.fsync, fds.values()))
     finally:

@@ -21,8 +21,9 @@ from pathlib import Path
 
 from tpshard.check.alignment import check_plan
 from tpshard.check.report import CheckReport
-from tpshard.digest import digest_of, digest_slots, file_hash, packed_digests, range_digests, sha256_file
+from tpshard.digest import DIGEST_SIZE, digest_of, file_hash, packed_digests, range_digests, sha256_file
 from tpshard.manifest import MANIFEST_NAME, Manifest, Plan, differing, rank_dir, rank_index_pieces, shard_shape
+from tpshard.processes import shared_bytes, shared_slots
 from tpshard.safetensors_format import nbytes_of
 
 
@@ -51,7 +52,8 @@ class Hashed:
 
     def expect(self, path: Path, index: int) -> None:
         offsets = self.plan.offsets(self.plan.files[index].name)  # one per tensor
-        self.copies[path] = (index, offsets, digest_slots(self.algorithm, len(offsets)), bytearray(len(offsets)))
+        # shared with the reassembly's worker processes (tpshard.processes), which set them
+        self.copies[path] = (index, offsets, shared_slots(DIGEST_SIZE[self.algorithm], len(offsets)), shared_bytes(len(offsets)))
 
     def put(self, path: Path, offset: int, nbytes: int, digest: int | bytes) -> None:
         """The digest (as digest_slots holds it) of the `nbytes` at `offset` of the copy at `path`."""
@@ -76,7 +78,7 @@ class Hashed:
         """The digests of every tensor of the copy at `path` of file `index`, back to back in file
         order, or None when some tensor was not read."""
         copy = self.copies.get(path)
-        if copy is None or copy[0] != index or 0 in copy[3]:
+        if copy is None or copy[0] != index or 0 in bytes(copy[3]):
             return None
         return packed_digests(copy[2])
 

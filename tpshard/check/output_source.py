@@ -225,6 +225,7 @@ class OutputReader:
     (tpshard.writer.CheckpointReader has the interface)."""
 
     reads_every_tensor = False  # no source digests to compute: a tensor only planned values hold is not read
+    forkable = False  # `read` (what the copy hashed) is read back by verify_rest
 
     def __init__(self, out: Path, manifest: Manifest):
         self.out, self.manifest = out, manifest

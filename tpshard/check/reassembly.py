@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import zlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,9 +23,10 @@ import numpy as np
 
 from tpshard.check.files import Hashed, distinct_copies
 from tpshard.check.report import CheckReport, shard_text
-from tpshard.digest import hash_digest, hash_range, new_hash
+from tpshard.digest import Crc32, hash_digest, hash_range, new_hash
 from tpshard.errors import TpshardError
 from tpshard.manifest import Cut, Manifest, Plan, ShardSpec, SourceCuts, TensorPlan
+from tpshard.processes import can_fork, run_forked, shared_bytes
 from tpshard.pieces import VALUE_DTYPES, OpenFiles, cut_pieces, read_into, scratch, shard_bytes, value_bytes
 from tpshard.safetensors_format import DTYPE_SIZE, TensorInfo, nbytes_of
 from tpshard.writer import CheckpointReader, copy_jobs
@@ -38,11 +40,11 @@ Place = tuple[TensorPlan, Cut, "Path | None", int, str]
 
 def reassemble_output(
     out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckReport, workers: int, reader=None, hashed: Hashed | None = None,
-    on_bytes: Callable[[int], None] | None = None,
+    on_bytes: Callable[[int], None] | None = None, source_crcs: dict[str, bytes] | None = None,
 ) -> None:  # fmt: skip
     """Every source tensor, rebuilt from the shards, equals the source bit for bit, in every copy
     of every file that holds a piece of it (a copy that replaced a hard link is proven on its own).
-    `hashed`: where to put the digest of each tensor read, per copy."""
+    `hashed`: where to put the digest of each tensor read, per copy; `source_crcs`: see reassemble."""
     plan = manifest.plan
     written = set(manifest.written_ranks)
     copies = distinct_copies(out, manifest)
@@ -65,12 +67,12 @@ def reassemble_output(
                     found.append((t, c, path, offset, f" (the copy of ranks {ranks})" if len(paths) > 1 else ""))
         return found
 
-    reassemble(ckpt, plan, names, places, report, workers, reader, hashed, on_bytes)
+    reassemble(ckpt, plan, names, places, report, workers, reader, hashed, on_bytes, source_crcs)
 
 
 def reassemble(
     ckpt: Checkpoint, plan: Plan, names: list[str], places: Callable[[int], list[Place]], report: CheckReport, workers: int, reader=None,
-    hashed: Hashed | None = None, on_bytes: Callable[[int], None] | None = None,
+    hashed: Hashed | None = None, on_bytes: Callable[[int], None] | None = None, source_crcs: dict[str, bytes] | None = None,
 ) -> None:  # fmt: skip
     """Compare every place a shard is written (a shard may be listed at several: copies) with the
     bytes its cut takes from its source tensor, reading each source tensor once: the source tensors
@@ -84,38 +86,74 @@ def reassemble(
     Small tensors go in runs, as the writer copies them (tpshard.writer.copy_jobs): one read of the
     source run, one read per file of the shards it holds, compared in one go; a run that differs
     anywhere, and every large tensor, is compared tensor by tensor, which names what differs.
-    `on_bytes(n)`: called with the source bytes of each job once compared, for progress."""
+    `on_bytes(n)`: called with the source bytes of each job once compared, for progress.
+    `source_crcs`: where to put the crc32 of each checkpoint tensor read whole (not with a
+    `reader`), so that check --source proves the source's identity from this one read of it."""
     infos = [ckpt.tensors[name] for name in names]
-    compared = _Reassembly(ckpt, plan, names, infos, places, reader, hashed)
+    jobs = copy_jobs(infos)
+    # Processes as for the split (tpshard.processes) where the source is the checkpoint's files;
+    # threads for a reader whose state is read back afterwards (check --from's OutputReader).
+    forked = workers > 1 and len(jobs) > 1 and reader is None and can_fork()
+    crcs = _SourceCrcs(names) if source_crcs is not None and reader is None else None
+    compared = _Reassembly(ckpt, plan, names, infos, places, reader, hashed, crcs)
+
+    def job(task: tuple[bool, Sequence[int]], progress: Callable[[int], None] | None) -> list[Sequence[tuple[str, str]]]:
+        done = compared.job(task)
+        if progress is not None:
+            progress(sum(infos[p].nbytes for p in task[1]))
+        return done
+
     try:
         with contextlib.ExitStack() as stack:
             if reader is None:
                 stack.enter_context(compared.runs)
-            with ThreadPoolExecutor(workers) as pool:
-                jobs = copy_jobs(infos)
-                for (_, positions), done in zip(jobs, pool.map(compared.job, jobs)):  # in order, each job's let go once counted
-                    if on_bytes is not None:
-                        on_bytes(sum(infos[p].nbytes for p in positions))
-                    for found in done:
-                        if not found:
-                            report.tensors_reassembled += 1  # only tensors proven bit-exact are counted
-                        for c, m in found:
-                            report.add(c, m)
+            if forked:
+                found_by_job = run_forked(jobs, job, workers, on_bytes)
+                results = (found_by_job[i] for i in range(len(jobs)))
+            else:
+                pool = stack.enter_context(ThreadPoolExecutor(workers))
+                results = pool.map(lambda task: job(task, on_bytes), jobs)
+            for done in results:  # in job order, whatever order they ran in
+                for found in done:
+                    if not found:
+                        report.tensors_reassembled += 1  # only tensors proven bit-exact are counted
+                    for c, m in found:
+                        report.add(c, m)
     finally:
         compared.close()
+    if crcs is not None:
+        source_crcs.update(crcs.known())
+
+
+class _SourceCrcs:
+    """The crc32 of each source tensor the reassembly read whole, by position, in memory shared
+    with its worker processes (tpshard.processes)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.position = {name: p for p, name in enumerate(names)}
+        self.crcs, self.set = shared_bytes(4 * len(names)), shared_bytes(len(names))
+
+    def put(self, name: str, crc: bytes) -> None:
+        p = self.position[name]
+        self.crcs[4 * p : 4 * p + 4], self.set[p] = crc, 1
+
+    def known(self) -> dict[str, bytes]:
+        return {name: bytes(self.crcs[4 * p : 4 * p + 4]) for p, name in enumerate(self.names) if self.set[p]}
 
 
 class _Reassembly:
-    """One reassemble: its jobs (a run of small source tensors, or one large one) run on the pool's
-    threads, each giving the findings of each of its tensors, () for one proven bit-exact. The
-    output's files are opened once and shared by the threads (pread only)."""
+    """One reassemble: its jobs (a run of small source tensors, or one large one) run on worker
+    processes or the pool's threads, each giving the findings of each of its tensors, () for one
+    proven bit-exact. The output's files are opened once by each process and shared by its threads
+    (pread only)."""
 
     def __init__(
         self, ckpt: Checkpoint, plan: Plan, names: list[str], infos: list[TensorInfo], places: Callable[[int], list[Place]], reader,
-        hashed: Hashed | None,
+        hashed: Hashed | None, source_crcs: _SourceCrcs | None = None,
     ) -> None:  # fmt: skip
         self.ckpt, self.plan, self.names, self.infos, self.places = ckpt, plan, names, infos, places
-        self.reader, self.hashed = reader, hashed
+        self.reader, self.hashed, self.source_crcs = reader, hashed, source_crcs
         self.runs = reader if reader is not None else CheckpointReader(ckpt)  # reads the runs of small tensors
         self.files = OpenFiles()
         self.fd_of = self.files.fd
@@ -139,6 +177,8 @@ class _Reassembly:
         pieces: dict[Path, list[tuple[int, np.ndarray, str]]] = defaultdict(list)
         with self.runs.job([(name, info, True) for name, info, _ in sources], True) as got:
             for (name, info, located), (_, _, data) in zip(sources, got):
+                if self.source_crcs is not None:
+                    self.source_crcs.put(name, zlib.crc32(data).to_bytes(4, "big"))
                 for t, c, path, offset, _ in located:
                     pieces[path].append((offset, shard_bytes(data, info.shape, t.dim, c, t.segments), name))
             same = {name for name, _, _ in sources}
@@ -176,7 +216,7 @@ class _Reassembly:
             if not places:
                 return found
             with self._tensor(source, info) as (src, src_info, data):
-                return found + self._compare(places, src, src_info, data)
+                return found + self._compare(places, src, src_info, data, source)
         except (OSError, TpshardError) as e:  # a missing or truncated file, already reported by name
             return [("files", f"{source}: cannot be reassembled: {e}")]
 
@@ -187,7 +227,7 @@ class _Reassembly:
             return self.reader.tensor(source, info)
         return contextlib.nullcontext((self.fd_of(self.ckpt.path / info.file), info, None))
 
-    def _compare(self, places: list, src_fd, info, tensor) -> list[tuple[str, str]]:
+    def _compare(self, places: list, src_fd, info, tensor, source: str) -> list[tuple[str, str]]:
         specs = [s for s, _, _, _ in places]
         offsets = [offset for _, _, offset, _ in places]
         fds = [self.fd_of(path) for _, path, _, _ in places]
@@ -195,7 +235,8 @@ class _Reassembly:
         buf = np.empty(0, np.uint8)
         hashes = [new_hash(self.plan.options.checksum) for _ in places] if self.hashed is not None else []  # of what each place holds
         hashed_bytes = [0] * len(hashes)
-        for i, at, data in cut_pieces(src_fd, info, specs, None, tensor):
+        source_hash = Crc32() if self.source_crcs is not None else None  # cut_pieces reads the whole tensor
+        for i, at, data in cut_pieces(src_fd, info, specs, source_hash, tensor):
             if len(buf) < len(data):
                 buf = np.empty(len(data), np.uint8)
             actual = read_into(fds[i], buf, offsets[i] + at, len(data))
@@ -206,6 +247,8 @@ class _Reassembly:
                 bad[i] = at + int(np.argmax(actual != data)) if len(actual) == len(data) else at
         for (_, path, offset, _), h, nbytes in zip(places, hashes, hashed_bytes):
             self.hashed.put(path, offset, nbytes, hash_digest(h))
+        if source_hash is not None:
+            self.source_crcs.put(source, source_hash.digest())
         return [
             ("reassembly", _diagnose(src_fd, info, specs, i, fds[i], offsets[i], byte, tensor) + places[i][3]) for i, byte in bad.items()
         ]

@@ -61,15 +61,22 @@ def check(
 
         frame = read_manifest_frame(out)
         ckpt = open_checkpoint(source)
-        check_source_identity(ckpt, frame.text.source.files, out, workers=workers)  # another checkpoint: one line, exit 2
-        manifest, expected = manifest_and_rules(out, frame, ckpt)
+        # Another checkpoint is one line, exit 2. Its names and sizes now; its checksums from the
+        # reassembly's read of it (one read of the source, not two), or here if the plan fails.
+        recorded = frame.text.source.files
+        check_source_identity(ckpt, recorded, out, listing_only=True)
+        try:
+            manifest, expected = manifest_and_rules(out, frame, ckpt)
+        except TpshardError:
+            check_source_identity(ckpt, recorded, out, workers=workers)
+            raise
     else:
         manifest = read_manifest(out)
     report = CheckReport(out_dir=str(out), source=str(source) if source else None, from_output=str(from_output) if from_output else None)
     if pp is not None or pp_layers is not None:
         check_pipeline_request(manifest.plan, pp, pp_layers, report)
     if source is not None:
-        _check_against_source(out, ckpt, manifest, report, workers, expected, on_bytes)
+        _check_against_source(out, ckpt, manifest, report, workers, expected, on_bytes, recorded)
         return report
     check_output(out, manifest, report, workers, on_bytes=on_bytes)
     if from_output is not None:
@@ -79,9 +86,11 @@ def check(
 
 def _check_against_source(
     out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckReport, workers: int, expected: Plan | TpshardError,
-    on_bytes: Callable[[int], None] | None = None,
+    on_bytes: Callable[[int], None] | None = None, recorded=(),
 ) -> None:  # fmt: skip
     """check_output, the copied files and the rules against the source, then the reassembly.
+    `recorded`: the manifest's source files, whose checksums prove this is the checkpoint split
+    (WrongSource otherwise, whatever else was found), from the tensors the reassembly read.
 
     The output's files are read once: the reassembly hashes each tensor it compares, and
     check_output takes those digests instead of reading the files again (half the bytes read).
@@ -89,7 +98,10 @@ def _check_against_source(
     and added after check_output's. When the rules refuse the manifest, nothing is reassembled."""
     held = CheckReport(out_dir=report.out_dir, source=report.source)
     check_extras_against_source(ckpt, manifest, held)
+    from tpshard.source_identity import check_source_identity
+
     if not check_rules(ckpt, manifest, held, expected):
+        check_source_identity(ckpt, recorded, out, workers=workers)
         check_output(out, manifest, report, workers)
         report.extend(held)
         return
@@ -97,7 +109,9 @@ def _check_against_source(
 
     hashed = Hashed(manifest.plan)
     reassembled = CheckReport(out_dir=report.out_dir, source=report.source)
-    reassemble_output(out, ckpt, manifest, reassembled, workers, hashed=hashed, on_bytes=on_bytes)
+    crcs: dict[str, bytes] = {}
+    reassemble_output(out, ckpt, manifest, reassembled, workers, hashed=hashed, on_bytes=on_bytes, source_crcs=crcs)
+    check_source_identity(ckpt, recorded, out, workers=workers, crcs=crcs)
     check_output(out, manifest, report, workers, hashed=hashed)
     report.extend(held)
     report.extend(reassembled)
