@@ -122,12 +122,22 @@ def test_ctrl_c_while_workers_run_leaves_none_of_them():
         """
         import os, signal, threading, time
         from tpshard.processes import run_forked
-        threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+
+        def kids():
+            return open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()
+
+        def interrupt():  # once both workers run (not a fixed delay: the machine may be slow)
+            end = time.monotonic() + 20
+            while len(kids()) < 2 and time.monotonic() < end:
+                time.sleep(0.05)
+            time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=interrupt, daemon=True).start()
         try:
             run_forked(list(range(8)), lambda task, progress: time.sleep(60), 2, None)
         except KeyboardInterrupt:
-            kids = open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()
-            print("interrupted", len(kids))
+            print("interrupted", len(kids()))
         """
     )
     env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
