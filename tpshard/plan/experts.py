@@ -14,6 +14,7 @@ import re
 from tpshard.arch import Rule
 from tpshard.errors import PlanError
 from tpshard.plan.dense import Layout
+from tpshard.quant.formats import CODES_SUFFIXES
 
 # model.layers.N (HF names); DeepSeek-V4's native layers.N, and its MTP layers mtp.K, which SGLang's
 # NextN loader reads as layer num_hidden_layers + K (deepseek_v4.py remap_weight_name_to_dpsk_hf_format)
@@ -54,7 +55,7 @@ class Experts:
             return None
         if expert >= m.num_experts:
             raise PlanError(f"{name}: expert {expert}, but config.json has {m.num_experts} routed experts")
-        if name.endswith(".weight"):
+        if name.rpartition(".")[2] in CODES_SUFFIXES:  # its weight, dense or quantized (a scale or bias is not)
             self.seen.setdefault(index, set()).add((expert, rule.piece))
         return expert // (m.num_experts // t.ep)
 
