@@ -73,7 +73,8 @@ RULES: tuple[Rule, ...] = (
     Rule(A + r"((?:indexer\.)?compressor)\.wkv", "ReplicatedLinear", "replicated", SA + r"\2.wkv_gate", "wkv"),
     Rule(A + r"((?:indexer\.)?compressor)\.wgate", "ReplicatedLinear", "replicated", SA + r"\2.wkv_gate", "wgate"),
     Rule(A + r"((?:indexer\.)?compressor(?:\.norm)?)", "Replicated", "replicated", SA + r"\2"),  # ape, norm
-    Rule(A + r"indexer\.(wq_b|weights_proj)", "ReplicatedLinear", "replicated", SA + r"indexer.\2"),
+    Rule(A + r"indexer\.wq_b", "ReplicatedLinear", "replicated", SA + r"indexer.wq_b", shape="v4_index_q_b"),
+    Rule(A + r"indexer\.weights_proj", "ReplicatedLinear", "replicated", SA + r"indexer.weights_proj", shape="v4_index_w"),
     # The router: weight, fp32 bias (SGLang's e_score_correction_bias) or the hash layers' tid2eid, all
     # whole. Held as plain tensors ("Replicated": verify compares their bytes), as the router's
     # sqrtsoftplus scoring and hash routing are not tpshard.runtime.moe.route's
@@ -85,7 +86,7 @@ RULES: tuple[Rule, ...] = (
     Rule(F + r"shared_experts\.w3", "MergedColumnParallelLinear", "shared_expert", MLP + "shared_experts.gate_up_proj", "up", "shared_up", moe=True),
     Rule(F + r"shared_experts\.w2", "RowParallelLinear", "shared_expert", MLP + "shared_experts.down_proj", shape="shared_down", moe=True),
     # The MTP layer's own (deepseek_v4_nextn.py DeepseekV4ModelNextN)
-    Rule(r"(mtp\.\d+)\.(e_proj|h_proj)", "ReplicatedLinear", "replicated", r"model.\1.\2"),
+    Rule(r"(mtp\.\d+)\.(e_proj|h_proj)", "ReplicatedLinear", "replicated", r"model.\1.\2", shape="square"),
     Rule(r"(mtp\.\d+)\.(enorm|hnorm|norm)", "Replicated", "replicated", r"model.\1.\2"),
     Rule(r"(mtp\.\d+)\.emb\.tok_emb", "VocabParallelEmbedding", "embed", r"model.\1.embed_tokens", shape="vocab"),
     Rule(r"(mtp\.\d+)\.head", "ParallelLMHead", "lm_head", r"model.\1.shared_head.head", shape="vocab"),
@@ -95,7 +96,7 @@ RULES: tuple[Rule, ...] = (
 # one of V4's bare parameters (mHC, the sink, a compressor's ape, the router's bias and tid2eid).
 NAMES = (
     r"hc_head_(?:fn|base|scale)|(?:layers|mtp)\.\d+\.(?:hc_(?:attn|ffn|head)_(?:fn|base|scale)|attn\.attn_sink"
-    r"|attn\.(?:indexer\.)?compressor\.ape|ffn\.gate\.(?:bias|tid2eid))|.+\.weight"
+    r"|attn\.(?:indexer\.)?compressor\.ape|ffn\.gate\.(?:bias|tid2eid))|.+\.weight|.+\.scale"
 )
 HC = ("fn", "base", "scale")
 COMPRESSOR = ("wkv.weight", "wgate.weight", "ape", "norm.weight")
@@ -148,10 +149,12 @@ def expected(model: ModelInfo, config: dict):
 def refuse_config(config: dict, model: ModelInfo) -> None:
     """What SGLang's DeepseekV4 classes read or assert of config.json, and what tpshard does not cut yet."""
     name = model.architecture
-    if config_value(config, "quantization_config") is not None:
+    quant = config_value(config, "quantization_config")
+    if quant is not None and (not isinstance(quant, dict) or str(quant.get("quant_method", "")).lower() != "fp8"):
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
         raise PlanError(
-            f"{name}: the quantized release (FP8 dense weights with 128x128 ue8m0 block scales, FP4 routed"
-            " experts) is not supported yet; tpshard splits the bf16 checkpoint in the release's native names"
+            f"{name}: quantization_config quant_method {method!r}; tpshard splits DeepSeek-V4 in bf16 or in its"
+            " release's form (quant_method fp8: FP8 linears with 128x128 ue8m0 block scales, FP4 routed experts)"
         )
     ratios = config_value(config, "compress_ratios")
     if ratios is None or config_value(config, "num_hash_layers") is None:
