@@ -37,8 +37,11 @@ the engine layer names below are what that remap makes of them. What a rank hold
 - config.json: SGLang indexes `compress_ratios[layer_id]` (asserting 0, 4 or 128), reads
   `num_hash_layers`, and asserts num_key_value_heads == 1. transformers' own save of a V4 model
   drops those keys and renames tensors (`model.layers.N.self_attn.*`, `attn.norm` for
-  `attn.kv_norm`): refused in one line, as is the FP8 + FP4 release (its quantization_config) until
-  tpshard cuts its scales as the engine does.
+  `attn.kv_norm`): refused in one line.
+- The FP8 + FP4 release (quantization_config quant_method fp8, expert_dtype fp4): resolved by
+  tpshard.quant.config (formats dsv4_fp8 / dsv4_fp4: `<module>.scale`, which SGLang's remap reads as
+  weight_scale_inv); each scale cut with its weight in whole blocks by tpshard.quant, wo_a kept FP8
+  (SGLang dequantizes it whole at load, then cuts it: the same rows). Other quant methods refused.
 - Pipeline stages: refused (no per-stage layout on record). verify --model: refused (no V4 decoder:
   compressors, indexer, mHC); `verify` checks every layer at layer level. Export: refused.
 """
@@ -147,7 +150,7 @@ def expected(model: ModelInfo, config: dict):
 
 
 def refuse_config(config: dict, model: ModelInfo) -> None:
-    """What SGLang's DeepseekV4 classes read or assert of config.json, and what tpshard does not cut yet."""
+    """What SGLang's DeepseekV4 classes read or assert of config.json, and quant methods other than the release's."""
     name = model.architecture
     quant = config_value(config, "quantization_config")
     if quant is not None and (not isinstance(quant, dict) or str(quant.get("quant_method", "")).lower() != "fp8"):

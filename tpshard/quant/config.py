@@ -12,6 +12,8 @@ model dtype. Resolution follows the producing tools and the engines:
 - AWQ (`version: gemm` only): every decoder linear except `modules_to_not_convert` (substrings).
 - FP8 (`quant_method: fp8`): block (`weight_block_size`) or per-tensor; every decoder linear except
   lm_head and `modules_to_not_convert` / `ignored_layers` (substrings).
+- DeepSeek-V4's release (`quant_method: fp8` in a `model_type: deepseek_v4` config): every linear
+  dsv4_fp8 (`<module>.scale`), the routed experts dsv4_fp4 per the config's `expert_dtype`.
 - auto-round (`quant_method: auto-round`): `packing_format` auto_round:auto_gptq (GPTQ v1) or
   auto_round:auto_awq (AWQ GEMM), `extra_config` per module, `block_name_to_quantize`; others refused.
 - compressed-tensors: `config_groups[*].targets` (a class name such as `Linear`, `re:<regex>`, or
