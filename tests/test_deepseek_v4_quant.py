@@ -18,6 +18,7 @@ from broken import overwrite_tensor, rewrite_checksums
 from test_deepseek_v4 import assert_engine_layout, problems, rows, tpshard_cli
 from test_moe_split import source_tensors
 from test_verify_moe import round_robin_split
+from tpshard.quant.formats import QuantSpec, dequantize
 from tpshard.topology import Topology
 from tpshard.verify import verify_many
 from v4_quant import dequant_fp4, dequant_fp8, make_v4_quant
@@ -84,6 +85,23 @@ def test_ranks_dequantize_to_what_sglang_loads(v4q, v4q_tp4_ep2):
         else:
             got = dequant_fp4(held["mtp.0.ffn.experts.1.w1.weight"], held["mtp.0.ffn.experts.1.w1.scale"])
             assert torch.equal(got, rows(w1, in_slot, 2))
+
+
+def test_tpshard_dequantizes_as_sglang(v4q):
+    """tpshard.quant's dsv4_fp8 / dsv4_fp4 (what verify runs on ranks and source) against the test's
+    own dequantizers (SGLang's _dequant_fp8 and FP4 table), and close to the bf16 weights quantized."""
+    full = source_tensors(v4q)
+    bf16 = source_tensors(v4q.with_name(v4q.name + "-bf16"))
+    for name, spec, ref in (
+        ("layers.1.attn.wq_b", QuantSpec(format="dsv4_fp8", bits=8), dequant_fp8),
+        ("layers.1.attn.indexer.wq_b", QuantSpec(format="dsv4_fp8", bits=8), dequant_fp8),  # partial blocks
+        ("layers.0.ffn.experts.3.w2", QuantSpec(format="dsv4_fp4", bits=4, group_size=32), dequant_fp4),
+    ):
+        w, s = full[f"{name}.weight"], full[f"{name}.scale"]
+        got = dequantize(spec, {"weight": w, "scale": s})
+        assert torch.equal(got, ref(w, s)), name
+        original = bf16[f"{name}.weight"].float()
+        assert (got - original).abs().max() <= original.abs().max() / (2 if spec.bits == 4 else 8), name
 
 
 @pytest.fixture(scope="module")
