@@ -141,9 +141,9 @@ def model_info(ckpt: Checkpoint) -> ModelInfo:
         head_dim=_get(config, "head_dim") or hidden // heads,
         intermediate_size=_get(config, "intermediate_size", 0),  # 0: a MoE model without a dense MLP (Qwen3.5-MoE)
         vocab_size=_get(config, "vocab_size"),
-        # What is on disk decides: a checkpoint without lm_head.weight (DeepSeek-V4's native name:
-        # head.weight) is tied whatever config says.
-        tie_word_embeddings="lm_head.weight" not in ckpt.tensors and "head.weight" not in ckpt.tensors,
+        # What is on disk decides: a checkpoint without its lm_head (DeepSeek-V4's native name:
+        # head.weight; Llama-4's language_model.lm_head.weight) is tied whatever config says.
+        tie_word_embeddings=not ({"lm_head.weight", "head.weight", "language_model.lm_head.weight"} & ckpt.tensors.keys()),
         rms_norm_eps=float(_get(config, "rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", _get(config, "rope_theta", 10000.0))),
         dtype={"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(str(dtype), str(dtype)),
@@ -170,7 +170,7 @@ def _moe_mla_info(config: dict) -> dict:
             num_shared_experts=int(shared),
             shared_expert_intermediate_size=int(g("shared_expert_intermediate_size") or shared * expert_size),
             first_k_dense_replace=int(g("first_k_dense_replace") or 0),
-            moe_layer_freq=int(g("moe_layer_freq") or 1),
+            moe_layer_freq=int(g("moe_layer_freq") or g("interleave_moe_layer_step") or 1),  # Llama-4: its step
             norm_topk_prob=bool(g("norm_topk_prob", False)),
             # DeepSeek-V3 configs written by transformers omit these; the model always routes so.
             scoring_func=str(g("scoring_func") or ("sigmoid" if config.get("model_type") == "deepseek_v3" else "")),
@@ -190,6 +190,8 @@ def _moe_mla_info(config: dict) -> dict:
     if g("o_groups"):  # DeepSeek-V4 (tpshard/arch/deepseek_v4.py): LoRA query, grouped output projection
         info.update(q_lora_rank=int(g("q_lora_rank") or 0), o_groups=int(g("o_groups")), o_lora_rank=int(g("o_lora_rank") or 0))
         info.update(index_n_heads=int(g("index_n_heads") or 0), index_head_dim=int(g("index_head_dim") or 0))
+    if experts and str((config.get("quantization_config") or {}).get("quant_method", "")).lower() == "mxfp4":
+        info.update(expert_block=32)  # gpt-oss MXFP4: the fused experts in 32-value blocks
     if experts or g("kv_lora_rank"):  # DeepSeek's and GLM's MTP layers, stored as layers num_hidden_layers, ...
         info.update(num_nextn_predict_layers=int(g("num_nextn_predict_layers") or 0))
     if g("linear_num_value_heads"):  # gated DeltaNet linear attention (Qwen3.5, Qwen3-Next)

@@ -1,16 +1,17 @@
-"""Layer-level verify of gpt-oss's own layer kinds: routed experts stored fused (FusedExperts) and
-attention sinks (AttentionSinks).
+"""Layer-level verify of routed experts stored fused (FusedExperts: gpt-oss, Llama-4) and attention
+sinks (AttentionSinks, gpt-oss).
 
-- **FusedExperts** (`L.mlp.experts`): each rank loads its shards of the four fused tensors into a
-  tpshard.runtime.fused_moe.InterleavedExperts (every expert, its moe_tp slice of I), each shape
-  compared with what the layer expects. Run on `max(--tokens, E)` seeded tokens:
+- **FusedExperts** (gpt-oss `L.mlp.experts`, Llama-4 `L.feed_forward.experts`): each rank loads its
+  shards of the fused tensors into a tpshard.runtime.fused_moe InterleavedExperts or
+  SegmentedExperts, by the family's gate/up layout (tpshard.arch.fused; every expert, its moe_tp
+  slice of I), each shape compared with what the layer expects. Run on `max(--tokens, E)` seeded tokens:
   1. *routed*: every token picks k distinct experts with positive weights, every expert picked,
      all-reduced over tp: each rank's output must equal sum_k w_k expert_k(x) computed in float64
-     from the source tensors (gate/up de-interleaved as transformers' GptOssExperts does, the
-     clamped SwiGLU, both biases);
+     from the source tensors (gpt-oss: gate/up de-interleaved as transformers' GptOssExperts does,
+     the clamped SwiGLU, both biases; Llama-4: the [gate | up] halves, silu(gate) * up);
   2. *one expert per token*, unreduced, without the down bias: each rank's partial output of each
      expert must equal that expert over the rank's slice of I, which says which rank holds what
-     (another MoE-TP rank's slice, the [gate | up] halves read instead of the interleaved pairs).
+     (another MoE-TP rank's slice, the gate/up axis read in the other layout).
 - **AttentionSinks** (`L.self_attn.sinks`): each rank's sinks, concatenated in group-rank order,
   must be the source's, and each group rank's must be its own heads' (not another rank's, not
   every head).
@@ -24,9 +25,10 @@ from collections import defaultdict
 
 import torch
 
+from tpshard.arch import ARCHITECTURES
 from tpshard.manifest import Plan
 from tpshard.runtime import LogicalGroup
-from tpshard.runtime.fused_moe import PARAMS, InterleavedExperts, swiglu
+from tpshard.runtime.fused_moe import InterleavedExperts, SegmentedExperts, mxfp4_dequantize, silu_halves, swiglu
 from tpshard.verify.layer_inputs import generator
 from tpshard.verify.layer_specs import Built
 from tpshard.verify.moe_layers import hf_config
@@ -43,6 +45,15 @@ def swiglu_numbers(config: dict) -> tuple[float, float]:
 
 def _param(s) -> str:
     return s.name.rpartition(".")[2]
+
+
+def _layout(plan: Plan) -> str:
+    """The family's gate/up layout of the fused experts: interleaved (gpt-oss) or segmented (Llama-4)."""
+    return ARCHITECTURES[plan.model.architecture].fused_experts.params["gate_up_proj"].layout
+
+
+def _experts_class(plan: Plan):
+    return SegmentedExperts if _layout(plan) == "segmented" else InterleavedExperts
 
 
 def build(lay, plan: Plan, rank: int, tensors, *, dtype: torch.dtype, device: torch.device) -> Built:
@@ -64,18 +75,44 @@ def build(lay, plan: Plan, rank: int, tensors, *, dtype: torch.dtype, device: to
         return built
     group = LogicalGroup.of(topo, "tp", rank)
     alpha, limit = swiglu_numbers(hf_config(tensors))
-    module = InterleavedExperts(m.num_experts, m.hidden_size, m.moe_intermediate_size, group=group, alpha=alpha, limit=limit, dtype=dtype, name=lay.layer).to(device)
+    per = per_rank(plan)
+    module = _experts_class(plan)(
+        m.num_experts, m.hidden_size, m.moe_intermediate_size, group=group, alpha=alpha, limit=limit, dtype=dtype,
+        name=lay.layer, per_rank=per[1] if m.expert_block else None, ep_size=topo.ep,
+    ).to(device)  # fmt: skip
     built = Built(lay, module, group)
-    for s in lay.specs:
-        if rank not in s.ranks:
-            continue
+    held = {_param(s): tensors[s.name] for s in lay.specs if rank in s.ranks}
+    try:
+        held = dequantized(held)
+    except (KeyError, RuntimeError, IndexError) as e:
+        built.problems.append(f"{lay.layer} on rank {rank}: cannot dequantize its MXFP4 tensors: {e!r}")
+    for param, t in held.items():
         try:
-            module.load(_param(s), tensors[s.name].to(device=device, dtype=dtype))
+            module.load(param, t.to(device=device, dtype=dtype))
         except (ValueError, KeyError) as e:
-            built.problems.append(f"{s.name} on rank {rank}: {e.args[0]}")
+            built.problems.append(f"{lay.layer}.{param} on rank {rank}: {e.args[0]}")
     if module.missing_shards():
         built.problems.append(f"{lay.layer} on rank {rank}: never loaded {module.missing_shards()}")
     return built
+
+
+def dequantized(held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The fused experts' tensors in transformers' float layout: MXFP4 `*_blocks` / `*_scales`
+    ([E, out, in] blocks) dequantized and transposed to gate_up_proj [E, H, 2I] / down_proj [E, I, H],
+    as transformers' convert_moe_packed_tensors (integrations/mxfp4.py) does."""
+    out = {p: t for p, t in held.items() if not p.endswith(("_blocks", "_scales"))}
+    for p in ("gate_up_proj", "down_proj"):
+        if f"{p}_blocks" in held or f"{p}_scales" in held:
+            out[p] = mxfp4_dequantize(held[f"{p}_blocks"], held[f"{p}_scales"]).transpose(1, 2)
+    return out
+
+
+def per_rank(plan: Plan) -> tuple[list[range], int]:
+    """Each MoE-TP rank's intermediate range, and the per-rank size padding included: I / moe_tp,
+    or MXFP4's whole 32-blocks, ceil(blocks / moe_tp) a rank, the last rank short."""
+    i, g, b = plan.model.moe_intermediate_size, plan.topology.moe_tp, plan.model.expert_block
+    per = -(-(i // b) // g) * b if b else i // g
+    return [range(m * per, min((m + 1) * per, i)) for m in range(g)], per
 
 
 def experts_inputs(lay, plan: Plan, *, seed: int, tokens: int, dtype: torch.dtype):
@@ -96,18 +133,24 @@ def rank_outputs(built: Built, x: torch.Tensor, lay, plan: Plan, *, seed: int, t
             return {} if module.sinks is None else {"": (built.group.rank, module.sinks.double().cpu())}
         x, ids, w = (t.to(x.device) for t in experts_inputs(lay, plan, seed=seed, tokens=tokens, dtype=x.dtype))
         out = module(x, ids, w)
-        partial = torch.stack([module.expert(e, x, bias=False) for e in range(module.num_experts)])  # [E, T, H]
+        partial = torch.stack([module.expert(e, x, bias=False) for e in range(module.num_local_experts)])  # [E / ep, T, H]
     return {"": (built.group.rank, out.double().cpu()), "partial": (built.group.rank, partial.double().cpu())}
 
 
-def _source_experts(lay, src) -> dict[str, torch.Tensor]:
+def _source_experts(lay, src, params: tuple[str, ...]) -> dict[str, torch.Tensor]:
     names = {_param(s): s.source for s in lay.specs}
-    return {p: src[names[p]] for p in PARAMS if p in names}
+    full = dequantized({p: src.raw(n) for p, n in names.items()})
+    return {p: full[p].double() for p in params if p in full}
 
 
 def _expert(w: dict, e: int, x: torch.Tensor, cols: slice, alpha: float, limit: float, bias: bool) -> torch.Tensor:
-    """Expert e over the intermediate range `cols` (of I) from the source, in float64."""
-    gu = x @ w["gate_up_proj"][e][:, 2 * cols.start : 2 * cols.stop] + w["gate_up_proj_bias"][e][2 * cols.start : 2 * cols.stop]
+    """Expert e over the intermediate range `cols` (of I) from the source, in float64: gpt-oss's
+    interleaved gate/up with its biases, or (no gate_up_proj_bias) Llama-4's [gate | up] halves."""
+    g = w["gate_up_proj"][e]
+    if "gate_up_proj_bias" not in w:
+        i = g.shape[-1] // 2
+        return silu_halves(torch.cat((x @ g[:, cols], x @ g[:, i + cols.start : i + cols.stop]), -1)) @ w["down_proj"][e][cols]
+    gu = x @ g[:, 2 * cols.start : 2 * cols.stop] + w["gate_up_proj_bias"][e][2 * cols.start : 2 * cols.stop]
     y = swiglu(gu, alpha, limit) @ w["down_proj"][e][cols]
     return y + w["down_proj_bias"][e] if bias else y
 
@@ -155,9 +198,10 @@ def _compare_sinks(lay, sent, src, tol, findings, problems) -> tuple[float, floa
 
 def _compare_experts(lay, plan, sent, src, *, seed, tokens, dtype, tol, findings, problems) -> tuple[float, float]:
     alpha, limit = swiglu_numbers(src.ckpt.config)
-    w = _source_experts(lay, src)
-    if set(w) != set(PARAMS):
-        problems.setdefault(f"the manifest has no {sorted(set(PARAMS) - set(w))} for {lay.layer}")
+    params = _experts_class(plan).params
+    w = _source_experts(lay, src, params)
+    if set(w) != set(params):
+        problems.setdefault(f"the manifest has no {sorted(set(params) - set(w))} for {lay.layer}")
         return 0.0, 1.0
     e_total, i = plan.model.num_experts, plan.model.moe_intermediate_size
     x, ids, weights = experts_inputs(lay, plan, seed=seed, tokens=tokens, dtype=dtype)
@@ -177,18 +221,21 @@ def _compare_experts(lay, plan, sent, src, *, seed, tokens, dtype, tol, findings
         max_abs = max(max_abs, err)
         if err / scale > tol:
             findings["routed output differs from the source's"].append(rank)
-    moe_tp = plan.topology.moe_tp
-    i_p = i // moe_tp
+    moe_tp, local = plan.topology.moe_tp, e_total // plan.topology.ep
+    ranges = [slice(r.start, r.stop) for r in per_rank(plan)[0]]
     for rank, msg in sent.items():
         if "partial" not in msg["outputs"]:
             continue
-        m, partial = msg["outputs"]["partial"]
-        for e in range(e_total):
-            want = _expert(w, e, x, slice(m * i_p, (m + 1) * i_p), alpha, limit, False)
-            err = (partial[e] - want).abs().max().item() / scale
+        tp_rank, partial = msg["outputs"]["partial"]
+        m, start = tp_rank % moe_tp, tp_rank // moe_tp * local  # the MoE-TP rank and first expert of its EP slot
+        for j in range(partial.shape[0]):
+            e = start + j
+            want = _expert(w, e, x, ranges[m], alpha, limit, False)
+            err = (partial[j] - want).abs().max().item() / scale
             if err <= tol:
                 continue
-            others = [k for k in range(moe_tp) if k != m and (partial[e] - _expert(w, e, x, slice(k * i_p, (k + 1) * i_p), alpha, limit, False)).abs().max().item() / scale <= tol]
-            what = f"it holds MoE-TP rank {others[0]}'s slice" if others else f"rel error {err:.3g}"
+            others = [k for k in range(moe_tp) if k != m and (partial[j] - _expert(w, e, x, ranges[k], alpha, limit, False)).abs().max().item() / scale <= tol]
+            other = [k for k in range(e_total) if k != e and (partial[j] - _expert(w, k, x, ranges[m], alpha, limit, False)).abs().max().item() / scale <= tol]
+            what = f"it holds MoE-TP rank {others[0]}'s slice" if others else f"it holds expert {other[0]}" if other else f"rel error {err:.3g}"
             findings[f"expert {e} on MoE-TP rank {m}/{moe_tp} differs ({what})"].append(rank)
     return max_abs, scale
