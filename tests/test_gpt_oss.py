@@ -213,3 +213,117 @@ def test_verify_model_tp8(gpt_oss, tmp_path):
     tpshard.split(gpt_oss, out, Topology(tp=8))
     (report,) = verify_many([out], [gpt_oss], model=True)
     assert report.ok and report.model.top1 == 1.0
+
+
+# ---- MXFP4 (the released layout: *_blocks / *_scales, stored transposed) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(gpt_oss, tmp_path_factory) -> Path:
+    from gpt_oss_fixtures import make_gpt_oss_mxfp4
+
+    return make_gpt_oss_mxfp4(tmp_path_factory.mktemp("gpt_oss_mxfp4") / "model", gpt_oss)
+
+
+def test_mxfp4_dequantize_is_transformers(gpt_oss_mxfp4):
+    """tpshard's dequantization of the fixture's blocks and scales, transposed to gate_up_proj
+    [E, H, 2I] / down_proj [E, I, H], is transformers' own (integrations/mxfp4.py)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tpshard.verify.fused_layers import dequantized
+
+    full = source_tensors(gpt_oss_mxfp4)
+    x = EXPERTS.format(i=0)
+    held = {p: full[x + p] for p in ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")}
+    ours = dequantized(held)
+    for p in ("gate_up_proj", "down_proj"):
+        theirs = convert_moe_packed_tensors(held[p + "_blocks"], held[p + "_scales"], dtype=torch.float32)
+        assert ours[p].shape == theirs.shape and torch.equal(ours[p], theirs), p
+    assert ours["gate_up_proj"].shape == (E, H, 2 * I) and ours["down_proj"].shape == (E, I, H)
+
+
+def test_mxfp4_per_rank_as_sglang_loads(gpt_oss_mxfp4, tmp_path):
+    """tp 2: 3 blocks of 32 give ceil(3 / 2) = 2 blocks (64 values) to rank 0 and 1 block to rank 1,
+    zero-padded; not I / 2 = 48 each as the bf16 cut."""
+    out = tmp_path / "out"
+    tpshard.split(gpt_oss_mxfp4, out, Topology(tp=2))
+    assert tpshard.check(out, gpt_oss_mxfp4).ok
+    full = source_tensors(gpt_oss_mxfp4)
+    x = EXPERTS.format(i=1)
+    for r, (lo, hi) in enumerate(((0, 64), (64, 96))):  # SGLang: start = r * 64, end = min(start + 64, I)
+        held = tpshard.open_rank(out, r)
+        for p, dim, a, b in (
+            ("gate_up_proj_blocks", 1, 2 * lo, 2 * hi), ("gate_up_proj_scales", 1, 2 * lo, 2 * hi),
+            ("gate_up_proj_bias", 1, 2 * lo, 2 * hi), ("down_proj_blocks", 2, lo // 32, hi // 32),
+            ("down_proj_scales", 2, lo // 32, hi // 32),
+        ):  # fmt: skip
+            t, want = held[x + p], full[x + p].narrow(dim, a, b - a)
+            assert torch.equal(t.narrow(dim, 0, b - a), want), (r, p)
+            assert t.shape[dim] == full[x + p].shape[dim] * 2 // 3 and not t.narrow(dim, b - a, t.shape[dim] - (b - a)).any()
+        assert torch.equal(held[x + "down_proj_bias"], full[x + "down_proj_bias"])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--tp", "4"), "3 MXFP4 blocks of the expert intermediate size over moe_tp 4: 1 per rank leaves moe_tp rank 3 none"),
+        (("--tp", "4", "--ep", "2"), "which the engine's loader cuts on two dims at ep < tp"),
+    ],
+    ids=["empty-rank", "ep"],
+)
+def test_mxfp4_refusals(gpt_oss_mxfp4, tmp_path, args, message):
+    p = tpshard_cli("split", gpt_oss_mxfp4, "-o", tmp_path / "out", *args)
+    assert p.returncode == 2 and message in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_mxfp4_breakages_seen(gpt_oss_mxfp4, tmp_path):
+    """tp 2, checksums rewritten: layer 0's gate/up blocks, scales and bias read as [gate | up] halves
+    on both ranks; layer 1's down scales of rank 0 one block off (blocks [1, 3) for [0, 2)). check
+    --source names each tensor; verify fails both layers; --model is refused for MXFP4."""
+    out = tmp_path / "out"
+    tpshard.split(gpt_oss_mxfp4, out, Topology(tp=2))
+    full = source_tensors(gpt_oss_mxfp4)
+    x0, x1 = EXPERTS.format(i=0), EXPERTS.format(i=1)
+    for r, (lo, hi) in enumerate(((0, 64), (64, 96))):
+        for p in ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias"):
+            t = full[x0 + p]
+            halves = torch.cat((t[:, lo:hi], t[:, I + lo : I + hi]), 1)
+            pad = torch.zeros_like(t[:, : 128 - halves.shape[1]])
+            overwrite_tensor(out, r, x0 + p, torch.cat((halves, pad), 1))
+    overwrite_tensor(out, 0, x1 + "down_proj_scales", full[x1 + "down_proj_scales"][:, :, 1:3].contiguous())
+    rewrite_checksums(out)
+    found = " ".join(p.message for p in tpshard.check(out, gpt_oss_mxfp4).problems)
+    for p in ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias"):
+        assert x0 + p in found
+    assert x1 + "down_proj_scales" in found
+    (report,) = verify_many([out], [gpt_oss_mxfp4])
+    failed = {r.layer for r in report.layers if r.problems}
+    assert failed == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}, failed
+    p = tpshard_cli("verify", out, "--source", gpt_oss_mxfp4, "--model")
+    assert p.returncode == 2 and "not MXFP4 experts" in p.stderr
+
+
+def test_mxfp4_expert_parallel(gpt_oss_mxfp4, tmp_path):
+    """--tp 2 --ep 2 (moe_tp 1): each rank holds its EP slot's 4 experts of every fused tensor, the
+    whole intermediate size, the down bias sliced too (SGLang's _load_mxfp4_experts_weights slices
+    [ep_rank * E/ep, +E/ep) of each). A round-robin placement (experts 0, 2, 4, 6 on rank 0) is seen
+    by check --source and by verify."""
+    out = tmp_path / "out"
+    tpshard.split(gpt_oss_mxfp4, out, Topology(tp=2, ep=2))
+    assert tpshard.check(out, gpt_oss_mxfp4).ok
+    full = source_tensors(gpt_oss_mxfp4)
+    x = EXPERTS.format(i=0)
+    params = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias", "down_proj_blocks", "down_proj_scales", "down_proj_bias")
+    for r in range(2):
+        held = tpshard.open_rank(out, r)
+        for p in params:
+            assert torch.equal(held[x + p], full[x + p][4 * r : 4 * r + 4]), (r, p)
+    for r in range(2):  # round-robin: rank r holds experts r, r + 2, r + 4, r + 6
+        for p in params:
+            overwrite_tensor(out, r, x + p, full[x + p][r::2].contiguous())
+    rewrite_checksums(out)
+    found = " ".join(p.message for p in tpshard.check(out, gpt_oss_mxfp4).problems)
+    assert all(x + p in found for p in params), found
+    (report,) = verify_many([out], [gpt_oss_mxfp4])
+    failed = {r.layer: " ".join(r.problems) for r in report.layers if r.problems}
+    assert set(failed) == {"model.layers.0.mlp.experts"} and "expert 1 on MoE-TP rank 0/1 differs (it holds expert 2)" in failed[x[:-1]], failed

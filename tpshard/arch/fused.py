@@ -15,7 +15,12 @@ to know which rows are gate and which are up. The vocabulary:
   j in its intermediate range), `segmented` (Llama-4: [gate | up] halves, a rank keeps its slice of
   each half, concatenated), `single` (down: one projection), `whole` (down's bias: not cut, kept
   whole on every rank of the EP slot, as every row-parallel bias);
-- `role`: which projection a parameter is (w13 / w2), for verify.
+- `role`: which projection a parameter is (w13 / w2), for verify;
+- `block`: intermediate elements per index of `dim` (MXFP4's down_proj_blocks: 32 per block);
+  `blocks` True: a parameter of block-quantized checkpoints only (ModelInfo.expert_block, gpt-oss
+  MXFP4: `*_blocks` / `*_scales`), False: of unquantized ones only, None: of both (the biases).
+  A block-quantized checkpoint's intermediate axis is cut in whole blocks, ceil(blocks / moe_tp)
+  per rank, the last rank short (zero-padded to the others' size).
 
 Not here: the cut arithmetic (tpshard.plan.fused), the runtime layer (tpshard.runtime.fused_moe).
 """
@@ -33,6 +38,8 @@ class FusedParam(NamedTuple):
     dim: int | None  # the intermediate axis cut over moe_tp; None for `whole`
     per_i: int = 1  # indices of `dim` per intermediate element (2: gate and up)
     shape: str = ""  # the source shape by config.json: a key of FUSED_SHAPES
+    block: int = 1  # intermediate elements per index of `dim`
+    blocks: bool | None = None  # only in block-quantized (True) / unquantized (False) checkpoints
 
 
 # [E, ...] of each parameter by config.json, as (E, H, I) -> shape.
@@ -41,10 +48,17 @@ FUSED_SHAPES = {
     "e_2i": lambda e, h, i: (e, 2 * i),
     "e_i_h": lambda e, h, i: (e, i, h),
     "e_h": lambda e, h, i: (e, h),
+    # MXFP4 (32 values a block, two per byte): blocks [..., blocks, 16] and one E8M0 scale a block
+    "e_2i_hb_16": lambda e, h, i: (e, 2 * i, h // 32, 16),
+    "e_2i_hb": lambda e, h, i: (e, 2 * i, h // 32),
+    "e_h_ib_16": lambda e, h, i: (e, h, i // 32, 16),
+    "e_h_ib": lambda e, h, i: (e, h, i // 32),
 }
 
 
 class FusedExperts(NamedTuple):
     params: dict[str, FusedParam]
-    ep_loads: bool = False  # the engine's loader slices the experts axis by EP slot (False: --ep > 1 refused)
+    # Which checkpoints the engine's loader slices by EP slot on the experts axis: "never" (--ep > 1
+    # refused with `ep_refusal`), "blocks" (block-quantized ones only: gpt-oss MXFP4), "always".
+    ep_loads: Literal["never", "blocks", "always"] = "never"
     ep_refusal: str = ""  # why not, for the refusal

@@ -19,11 +19,16 @@ What a rank holds is what SGLang 0.5.23's GptOssForCausalLM builds for it:
   dim 1; `down_proj_bias` [E, H] kept whole, as tpshard keeps every row-parallel bias (the
   runtime adds it once; SGLang zeroes it on moe_tp ranks != 0 after loading, a choice of its
   kernel, not of the checkpoint). FusedMoE asserts I % moe_tp == 0.
-- Expert parallelism: refused for these bf16 fused experts. The fused loader copies the whole
-  [E, ...] tensor into each rank's [E / ep, ...] parameter (no expert map; fused_moe_triton
-  layer.py); only the MXFP4 loader (_load_mxfp4_experts_weights) slices experts by EP rank, and
-  MXFP4 checkpoints (quant_method mxfp4) are not split by tpshard yet (refused with the other
-  unsupported quant_methods).
+- MXFP4 (quant_method mxfp4, _load_mxfp4_experts_weights): `*_blocks` [E, out, in/32, 16] and
+  `*_scales` [E, out, in/32], stored transposed (gate/up rows interleaved on dim 1, down's blocks on
+  dim 2), replace gate_up_proj / down_proj; the intermediate axis is cut in whole 32-blocks,
+  ceil(I/32 / moe_tp) a rank and the last rank short (`end = min(.., I)`), the gate/up bias alike,
+  the down bias whole. A rank left empty is refused; SGLang asserts I % 32 == 0.
+- Expert parallelism: bf16 refused. The bf16 fused loader copies the whole [E, ...] tensor into each
+  rank's [E / ep, ...] parameter (no expert map; fused_moe_triton layer.py). The MXFP4 loader
+  slices experts by EP rank (`[ep_rank * E/ep, +E/ep)`, the down bias too) and moe_tp at once:
+  tpshard writes --ep == --tp (moe_tp 1: every fused tensor cut on dim 0, one EP slot's experts a
+  rank, the whole intermediate size) and refuses ep < tp (a cut on two dims the manifest does not hold).
 - No tp > experts check in this class (unlike GLM); no MTP layer (the NextN path only logs).
 - Router (transformers GptOssTopKRouter): logits = x W^T + b, top-k of the logits, softmax over
   the k: the same as a softmax over all experts renormalised over the k picked.
@@ -52,15 +57,21 @@ RULES = VOCAB + NORMS + QKV_ATTENTION + (
 )  # fmt: skip
 
 EXPERT_PARAMS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+MXFP4_PARAMS = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias", "down_proj_blocks", "down_proj_scales", "down_proj_bias")
 
 FUSED = FusedExperts(
     params={
-        "gate_up_proj": FusedParam("w13", "interleaved", 2, per_i=2, shape="e_h_2i"),
+        "gate_up_proj": FusedParam("w13", "interleaved", 2, per_i=2, shape="e_h_2i", blocks=False),
         "gate_up_proj_bias": FusedParam("w13_bias", "interleaved", 1, per_i=2, shape="e_2i"),
-        "down_proj": FusedParam("w2", "single", 1, shape="e_i_h"),
+        "down_proj": FusedParam("w2", "single", 1, shape="e_i_h", blocks=False),
         "down_proj_bias": FusedParam("w2_bias", "whole", None, shape="e_h"),
+        # MXFP4: stored transposed ([E, out, in]), so gate/up rows on dim 1 and down's blocks on dim 2
+        "gate_up_proj_blocks": FusedParam("w13", "interleaved", 1, per_i=2, shape="e_2i_hb_16", blocks=True),
+        "gate_up_proj_scales": FusedParam("w13", "interleaved", 1, per_i=2, shape="e_2i_hb", blocks=True),
+        "down_proj_blocks": FusedParam("w2", "single", 2, shape="e_h_ib_16", block=32, blocks=True),
+        "down_proj_scales": FusedParam("w2", "single", 2, shape="e_h_ib", block=32, blocks=True),
     },
-    ep_loads=False,
+    ep_loads="blocks",
     ep_refusal=(
         "SGLang's fused expert loader (weight_loader_fused, models/gpt_oss.py) copies all experts of a bf16"
         " gpt-oss checkpoint into every EP rank, so it cannot load --ep > 1; split with --ep 1"
@@ -83,7 +94,7 @@ def expected(model: ModelInfo, config: dict):
 
     def mlp(p: str, i: int):
         yield from (f"{p}.mlp.router.weight", f"{p}.mlp.router.bias")
-        yield from (f"{p}.mlp.experts.{n}" for n in EXPERT_PARAMS)
+        yield from (f"{p}.mlp.experts.{n}" for n in (MXFP4_PARAMS if model.expert_block else EXPERT_PARAMS))
 
     return decoder_tensors(model, config, attention, mlp)
 

@@ -58,7 +58,8 @@ def group_of(rule: Rule, ctx: Layout) -> GroupName:
         case "dense_mlp":
             return "replicated" if ctx.topology.dense_tp == 1 else "tp"
         case "expert":
-            return "moe_tp"
+            # Fused [E, ...] tensors under EP (moe_tp 1): cut on the experts axis, one slot a tp rank.
+            return "tp" if rule.layer_class == "FusedExperts" and ctx.topology.ep > 1 else "moe_tp"
         case "shared_expert":  # SGLang builds them "replicated" under the all-to-all backends of a2a_shared
             shared_whole = ctx.arch.a2a_shared and ctx.topology.moe_a2a_backend in ctx.arch.a2a_shared
             return "replicated" if shared_whole else "tp"

@@ -26,27 +26,56 @@ def fused_cut(name: str, shape: tuple[int, ...], param: str, arch: Arch, model: 
     if spec is None:
         known = ", ".join(sorted(fused.params)) if fused is not None else "none"
         raise PlanError(f"{name}: no rule for parameter '{param}' of the fused experts (known: {known})")
-    if topology.ep > 1 and not fused.ep_loads:
+    b = model.expert_block
+    if spec.blocks is not None and spec.blocks != bool(b):
+        kind = "a block-quantized (MXFP4)" if spec.blocks else "an unquantized"
+        raise PlanError(f"{name}: {kind} expert tensor, but config.json's quantization_config says the experts are {'MXFP4' if b else 'unquantized'}")
+    if topology.ep > 1 and (fused.ep_loads == "never" or (fused.ep_loads == "blocks" and not b)):
         raise PlanError(f"--ep {topology.ep}: {name} holds every expert in one tensor; {fused.ep_refusal}")
+    if topology.ep > 1 and topology.moe_tp > 1:
+        raise PlanError(
+            f"--ep {topology.ep} --tp {topology.tp}: {name} holds every expert in one tensor, which the engine's loader"
+            f" cuts on two dims at ep < tp (the EP slot's experts and the moe_tp slice); tpshard writes one-dim cuts:"
+            f" split with --ep {topology.tp} (or --ep 1)"
+        )
     e, h, i = model.num_experts, model.hidden_size, model.moe_intermediate_size
     want = FUSED_SHAPES[spec.shape](e, h, i)
     if tuple(shape) != want:
         raise PlanError(f"{name}: shape {list(shape)} on disk, but config.json implies {list(want)} ([E, ...] of {e} experts)")
     g = topology.moe_tp
+    if topology.ep > 1:  # moe_tp 1: each rank its EP slot's block of experts, every parameter whole inside it
+        return Cutting("column", 0, 1, topology.ep, even_cuts(e, topology.ep, e // topology.ep))
     if spec.layout == "whole":  # a row-parallel bias: whole, added once after the reduction
         return Cutting("row_bias", None, g, 1, [Cut(0, 0, shape[0], 0, 0)])
     if spec.layout == "segmented":
         raise PlanError(f"{name}: a [gate | up] segmented fused expert tensor has no segment cut in tpshard yet")
-    if i % g:
-        raise PlanError(
-            f"{name}: expert intermediate size {i} does not divide over moe_tp {g} (tp {topology.tp} / ep"
-            f" {topology.ep}); SGLang's FusedMoE asserts it"
-        )
+    per = intermediate_per_rank(name, i, g, b, topology)
     # interleaved gate/up: ONE contiguous slice of the 2I axis (the rank's (gate_j, up_j) pairs);
-    # single (down): the rank's I / moe_tp columns.
-    per = spec.per_i * (i // g)
+    # single (down): the rank's intermediate columns (or blocks of them).
     kind = "row" if spec.role == "w2" else "column"
-    return Cutting(kind, spec.dim, 1, g, even_cuts(shape[spec.dim], g, per))
+    return Cutting(kind, spec.dim, 1, g, even_cuts(shape[spec.dim], g, per * spec.per_i // spec.block))
+
+
+def intermediate_per_rank(name: str, i: int, g: int, block: int, topology: Topology) -> int:
+    """Intermediate elements per moe_tp rank: I / moe_tp (FusedMoE asserts it divides), or for
+    block-quantized experts whole blocks, ceil(I / block / moe_tp) of them, the last rank short
+    (SGLang's _load_mxfp4_experts_weights: per-rank block count math.ceil, end min(.., I))."""
+    if not block:
+        if i % g:
+            raise PlanError(
+                f"{name}: expert intermediate size {i} does not divide over moe_tp {g} (tp {topology.tp} / ep"
+                f" {topology.ep}); SGLang's FusedMoE asserts it"
+            )
+        return i // g
+    if i % block:
+        raise PlanError(f"{name}: expert intermediate size {i} is not a multiple of the {block}-value MXFP4 block; SGLang asserts it")
+    per = -(-(i // block) // g) * block
+    if (g - 1) * per >= i:
+        raise PlanError(
+            f"{name}: {i // block} MXFP4 blocks of the expert intermediate size over moe_tp {g}: {per // block} per rank"
+            f" leaves moe_tp rank {g - 1} none (SGLang's loader would give it an empty slice); choose a smaller tp"
+        )
+    return per
 
 
 def sinks_cut(name: str, shape: tuple[int, ...], param: str, model: ModelInfo, g: int) -> Cutting:

@@ -287,7 +287,15 @@ def _compressed_tensors(raw: dict):
     return resolve
 
 
+def _mxfp4(raw: dict):
+    """MXFP4 (gpt-oss): only the fused routed experts are quantized, stored as *_blocks / *_scales
+    beside their bf16 biases, cut by the family's FusedExperts rule in whole 32-blocks
+    (tpshard.arch.fused, tpshard.plan.fused); no linear is a tpshard.quant layer."""
+    return lambda module: None
+
+
 _PARSERS = {
+    "mxfp4": _mxfp4,
     "gptq": _gptq,
     "marlin": _gptq,
     "awq": _awq,

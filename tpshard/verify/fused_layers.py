@@ -26,7 +26,7 @@ import torch
 
 from tpshard.manifest import Plan
 from tpshard.runtime import LogicalGroup
-from tpshard.runtime.fused_moe import PARAMS, InterleavedExperts, swiglu
+from tpshard.runtime.fused_moe import PARAMS, InterleavedExperts, mxfp4_dequantize, swiglu
 from tpshard.verify.layer_inputs import generator
 from tpshard.verify.layer_specs import Built
 from tpshard.verify.moe_layers import hf_config
@@ -64,18 +64,44 @@ def build(lay, plan: Plan, rank: int, tensors, *, dtype: torch.dtype, device: to
         return built
     group = LogicalGroup.of(topo, "tp", rank)
     alpha, limit = swiglu_numbers(hf_config(tensors))
-    module = InterleavedExperts(m.num_experts, m.hidden_size, m.moe_intermediate_size, group=group, alpha=alpha, limit=limit, dtype=dtype, name=lay.layer).to(device)
+    per = per_rank(plan)
+    module = InterleavedExperts(
+        m.num_experts, m.hidden_size, m.moe_intermediate_size, group=group, alpha=alpha, limit=limit, dtype=dtype,
+        name=lay.layer, per_rank=per[1] if m.expert_block else None, ep_size=topo.ep,
+    ).to(device)  # fmt: skip
     built = Built(lay, module, group)
-    for s in lay.specs:
-        if rank not in s.ranks:
-            continue
+    held = {_param(s): tensors[s.name] for s in lay.specs if rank in s.ranks}
+    try:
+        held = dequantized(held)
+    except (KeyError, RuntimeError, IndexError) as e:
+        built.problems.append(f"{lay.layer} on rank {rank}: cannot dequantize its MXFP4 tensors: {e!r}")
+    for param, t in held.items():
         try:
-            module.load(_param(s), tensors[s.name].to(device=device, dtype=dtype))
+            module.load(param, t.to(device=device, dtype=dtype))
         except (ValueError, KeyError) as e:
-            built.problems.append(f"{s.name} on rank {rank}: {e.args[0]}")
+            built.problems.append(f"{lay.layer}.{param} on rank {rank}: {e.args[0]}")
     if module.missing_shards():
         built.problems.append(f"{lay.layer} on rank {rank}: never loaded {module.missing_shards()}")
     return built
+
+
+def dequantized(held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The fused experts' tensors in transformers' float layout: MXFP4 `*_blocks` / `*_scales`
+    ([E, out, in] blocks) dequantized and transposed to gate_up_proj [E, H, 2I] / down_proj [E, I, H],
+    as transformers' convert_moe_packed_tensors (integrations/mxfp4.py) does."""
+    out = {p: t for p, t in held.items() if not p.endswith(("_blocks", "_scales"))}
+    for p in ("gate_up_proj", "down_proj"):
+        if f"{p}_blocks" in held or f"{p}_scales" in held:
+            out[p] = mxfp4_dequantize(held[f"{p}_blocks"], held[f"{p}_scales"]).transpose(1, 2)
+    return out
+
+
+def per_rank(plan: Plan) -> tuple[list[range], int]:
+    """Each MoE-TP rank's intermediate range, and the per-rank size padding included: I / moe_tp,
+    or MXFP4's whole 32-blocks, ceil(blocks / moe_tp) a rank, the last rank short."""
+    i, g, b = plan.model.moe_intermediate_size, plan.topology.moe_tp, plan.model.expert_block
+    per = -(-(i // b) // g) * b if b else i // g
+    return [range(m * per, min((m + 1) * per, i)) for m in range(g)], per
 
 
 def experts_inputs(lay, plan: Plan, *, seed: int, tokens: int, dtype: torch.dtype):
@@ -96,13 +122,14 @@ def rank_outputs(built: Built, x: torch.Tensor, lay, plan: Plan, *, seed: int, t
             return {} if module.sinks is None else {"": (built.group.rank, module.sinks.double().cpu())}
         x, ids, w = (t.to(x.device) for t in experts_inputs(lay, plan, seed=seed, tokens=tokens, dtype=x.dtype))
         out = module(x, ids, w)
-        partial = torch.stack([module.expert(e, x, bias=False) for e in range(module.num_experts)])  # [E, T, H]
+        partial = torch.stack([module.expert(e, x, bias=False) for e in range(module.num_local_experts)])  # [E / ep, T, H]
     return {"": (built.group.rank, out.double().cpu()), "partial": (built.group.rank, partial.double().cpu())}
 
 
 def _source_experts(lay, src) -> dict[str, torch.Tensor]:
     names = {_param(s): s.source for s in lay.specs}
-    return {p: src[names[p]] for p in PARAMS if p in names}
+    full = dequantized({p: src.raw(n) for p, n in names.items()})
+    return {p: full[p].double() for p in PARAMS if p in full}
 
 
 def _expert(w: dict, e: int, x: torch.Tensor, cols: slice, alpha: float, limit: float, bias: bool) -> torch.Tensor:
@@ -177,18 +204,21 @@ def _compare_experts(lay, plan, sent, src, *, seed, tokens, dtype, tol, findings
         max_abs = max(max_abs, err)
         if err / scale > tol:
             findings["routed output differs from the source's"].append(rank)
-    moe_tp = plan.topology.moe_tp
-    i_p = i // moe_tp
+    moe_tp, local = plan.topology.moe_tp, e_total // plan.topology.ep
+    ranges = [slice(r.start, r.stop) for r in per_rank(plan)[0]]
     for rank, msg in sent.items():
         if "partial" not in msg["outputs"]:
             continue
-        m, partial = msg["outputs"]["partial"]
-        for e in range(e_total):
-            want = _expert(w, e, x, slice(m * i_p, (m + 1) * i_p), alpha, limit, False)
-            err = (partial[e] - want).abs().max().item() / scale
+        tp_rank, partial = msg["outputs"]["partial"]
+        m, start = tp_rank % moe_tp, tp_rank // moe_tp * local  # the MoE-TP rank and first expert of its EP slot
+        for j in range(partial.shape[0]):
+            e = start + j
+            want = _expert(w, e, x, ranges[m], alpha, limit, False)
+            err = (partial[j] - want).abs().max().item() / scale
             if err <= tol:
                 continue
-            others = [k for k in range(moe_tp) if k != m and (partial[e] - _expert(w, e, x, slice(k * i_p, (k + 1) * i_p), alpha, limit, False)).abs().max().item() / scale <= tol]
-            what = f"it holds MoE-TP rank {others[0]}'s slice" if others else f"rel error {err:.3g}"
+            others = [k for k in range(moe_tp) if k != m and (partial[j] - _expert(w, e, x, ranges[k], alpha, limit, False)).abs().max().item() / scale <= tol]
+            other = [k for k in range(e_total) if k != e and (partial[j] - _expert(w, k, x, ranges[m], alpha, limit, False)).abs().max().item() / scale <= tol]
+            what = f"it holds MoE-TP rank {others[0]}'s slice" if others else f"it holds expert {other[0]}" if other else f"rel error {err:.3g}"
             findings[f"expert {e} on MoE-TP rank {m}/{moe_tp} differs ({what})"].append(rank)
     return max_abs, scale

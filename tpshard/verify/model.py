@@ -39,6 +39,11 @@ def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> s
             f"model-level verify compares with transformers' dense forward, not {', '.join(formats)} checkpoints;"
             " layer-level verify covers quantized layers (reference: the dequantized source)"
         )
+    if plan.model.expert_block:
+        return (
+            "model-level verify compares with transformers' dense forward, not MXFP4 experts; layer-level verify"
+            " covers them (reference: the dequantized source)"
+        )
     if plan.topology.attn_cp > 1:
         return "model-level verify does not model context-parallel attention (attn_cp > 1); use layer-level verify"
     if moe_model.is_moe(plan):  # MoE and MLA architectures: their own decoder (verify/moe_model.py)
