@@ -29,9 +29,9 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -226,19 +226,38 @@ def write_case(work: Path, name: str, experts: int, vocab: int, tiny: bool) -> t
     return path, len(items), total
 
 
-def profile_split(cmd: list[str], out: Path, top: int = 12) -> None:
-    """Run one split in-process-of-a-child under cProfile; print the top functions by cumulative and own time."""
+# The writer copies in a ThreadPoolExecutor, whose threads cProfile does not see: the profiled run
+# copies on the main thread instead (one worker, the same work in the same order).
+PROFILE = """
+import cProfile, pstats, sys
+import tpshard.writer as w
+class Inline:
+    def __init__(self, *a): pass
+    def __enter__(self): return self
+    def __exit__(self, *a): return False
+    def map(self, fn, *its): return list(map(fn, *its))
+w.ThreadPoolExecutor = Inline
+from tpshard.cli import main
+sys.argv = ["tpshard", *sys.argv[2:]]
+prof = cProfile.Profile()
+try:
+    prof.runcall(main)
+except SystemExit:
+    pass
+for key in ("tottime", "cumulative"):
+    print(f"--- by {key}", file=sys.stderr)
+    pstats.Stats(prof, stream=sys.stderr).sort_stats(key).print_stats(14)
+"""
+
+
+def profile_split(cmd: list[str], out: Path) -> None:
+    """One split of `cmd` (a `python -m tpshard split ...` line) with --workers 1 under cProfile;
+    its top functions by own and cumulative time go to stderr."""
     import subprocess
 
-    stats = out.with_name(out.name + ".prof")
-    subprocess.run([sys.executable, "-m", "cProfile", "-o", str(stats), *cmd[1:]], check=False, capture_output=True, cwd=str(HERE.parent))
+    print(f"--- cProfile of tpshard {' '.join(cmd[3:])} --workers 1", file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-c", PROFILE, "-", *cmd[3:], "--workers", "1"], check=False, cwd=str(HERE.parent))
     drop(out)
-    import pstats
-
-    for key in ("tottime", "cumulative"):
-        print(f"--- cProfile of {' '.join(cmd[2:])}, by {key}", file=sys.stderr)
-        pstats.Stats(str(stats), stream=sys.stderr).sort_stats(key).print_stats(top)
-    stats.unlink(missing_ok=True)
 
 
 def run_case(name: str, args, work: Path, py: list[str], log) -> dict:
@@ -283,7 +302,7 @@ def run_case(name: str, args, work: Path, py: list[str], log) -> dict:
 
 def print_case(result: dict) -> None:
     print(f"\n{result['header']}")
-    print(f"| case | time s | × cp | cpu s | peak RSS MiB (anon) | load |\n|---|---|---|---|---|---|")
+    print("| case | time s | × cp | cpu s | peak RSS MiB (anon) | load |\n|---|---|---|---|---|---|")
     for label, r in result["rows"].items():
         print(f"| `{label}` | {r['time_s']:.2f} | {r['x_cp']:.2f} | {r['cpu_s']:.2f} | {r['maxrss_mib']} ({r['anon_mib']}) | {r['loadavg']:.1f} |")
 
