@@ -68,8 +68,48 @@ def vllm_loader(model: str, *, expert_parallel: bool = False, post_process: bool
     return build
 
 
+class _NoKernel:
+    """Stands in for a quantized linear kernel vLLM cannot select on this CPU (FP8 block asks for
+    AMX, NVFP4 has no CPU kernel list): it is only built, never run; post-processing is off."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
+def patch_kernel_selection() -> None:
+    """Replace vLLM's quantized linear kernel choice (kernels/linear: choose_*_kernel returns a
+    class, init_*_kernel an instance; Marlin's supported-type check) wherever a vllm module bound it. No weight loader is touched:
+    create_weights and the loaders run as they are."""
+    import vllm.model_executor.kernels.linear  # noqa: F401
+    import vllm.model_executor.layers.quantization.auto_awq  # noqa: F401
+    import vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors  # noqa: F401
+    import vllm.model_executor.layers.quantization.fp8  # noqa: F401
+
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("vllm") or mod is None:
+            continue
+        for attr in list(vars(mod)):
+            if attr.endswith("_kernel") and attr.startswith("choose_") and callable(getattr(mod, attr)):
+                setattr(mod, attr, lambda *a, **k: _NoKernel)
+            elif attr.endswith("_linear_kernel") and attr.startswith("init_") and callable(getattr(mod, attr)):
+                setattr(mod, attr, lambda *a, **k: _NoKernel())
+            elif attr == "verify_marlin_supported":  # GPTQ 8-bit: Marlin's type list on this (CPU) device
+                setattr(mod, attr, lambda *a, **k: None)
+
+
 def main(model: str, export: str, tp: int, ranks: list[int]) -> int:
-    build = vllm_loader(model)
+    import json
+
+    quantized = "quantization_config" in json.loads(open(os.path.join(model, "config.json")).read())
+    # Quantized: the files hold create_weights' layout, so both loads stop before post-processing.
+    # An export split with --ep = tp is served with --enable-expert-parallel (docs/deploy.md).
+    ep = json.loads(open(os.path.join(export, "tpshard-export.json")).read())["from"]["topology"].get("ep", 1) > 1
+    build = vllm_loader(model, expert_parallel=ep, post_process=not quantized)
+    if quantized:
+        patch_kernel_selection()
 
     def load(r: int, path: str, load_format: str) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in build(r, tp, path, load_format).state_dict().items()}

@@ -87,22 +87,37 @@ FP8_DEEPSEEK = dict(
 FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
+# Qwen3-MoE and Mixtral as their FP8 releases ship (Qwen3-30B-A3B-FP8: block 128 x 128), scaled
+# down so that every cut of tp 2 (and ep 2) is whole blocks.
+FP8_MOE = {
+    "qwen3_moe": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128, num_experts=4),
+    "mixtral": dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128, num_local_experts=4),
+}  # fmt: skip
+
+
 def make_fp8_deepseek(path: Path, *, seed: int = 0) -> Path:
     """A tiny DeepSeek-V3 checkpoint with every linear but the router and lm_head in FP8 block format
     (random codes and scales, tpshard.quant.formats.random_layer), as DeepSeek-V3 ships."""
+    return make_fp8_moe(path, "deepseek_v3", seed=seed, **FP8_DEEPSEEK)
+
+
+def make_fp8_moe(path: Path, kind: str, *, seed: int = 0, **overrides) -> Path:
+    """A tiny MoE checkpoint of `kind` with every linear but the router, embeddings and lm_head in FP8
+    block format (random codes and scales, tpshard.quant.formats.random_layer)."""
     import json
 
     from safetensors.torch import load_file, save_file
 
     from tpshard.quant.formats import QuantSpec, random_layer
 
-    make_moe_checkpoint(path, "deepseek_v3", seed=seed, **FP8_DEEPSEEK)
+    make_moe_checkpoint(path, kind, seed=seed, **(overrides or FP8_MOE[kind]))
     spec = QuantSpec(format="fp8_block", bits=8, block=(128, 128))
     tensors = load_file(path / "model.safetensors")
     out = {}
     for i, (name, t) in enumerate(sorted(tensors.items())):
         module = name.rsplit(".", 1)[0]
-        linear = t.dim() == 2 and "embed_tokens" not in name and not name.startswith("lm_head") and not module.endswith("mlp.gate")
+        router = module.endswith("mlp.gate") or module.endswith("block_sparse_moe.gate")
+        linear = t.dim() == 2 and "embed_tokens" not in name and not name.startswith("lm_head") and not router
         if not linear:
             out[name] = t
             continue
@@ -110,7 +125,10 @@ def make_fp8_deepseek(path: Path, *, seed: int = 0) -> Path:
         out.update({f"{module}.{suffix}": v for suffix, v in packed.items()})
     save_file(out, path / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = FP8_BLOCK
+    config["quantization_config"] = dict(FP8_BLOCK)
+    routers = sorted({n.rsplit(".", 1)[0] for n in out if n.endswith(".gate.weight") and ".experts." not in n})
+    if kind != "deepseek_v3":  # vLLM builds these routers with the quant config: an unquantized one is listed, as the releases do
+        config["quantization_config"]["modules_to_not_convert"] = routers
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
 

@@ -68,6 +68,8 @@ DEFAULT_SPECS: dict[str, QuantSpec] = {
     "ct_fp8_dynamic": QuantSpec(format="ct_fp8_channel", bits=8),
     "ct_fp8_block": QuantSpec(format="ct_fp8_block", bits=8),
     "ct_nvfp4": QuantSpec(format="ct_nvfp4", bits=4, group_size=16, static_input=True),
+    "ct_w8a8_int8": QuantSpec(format="ct_int8_channel", bits=8),  # dynamic per-token activations
+    "ct_w8a8_int8_static": QuantSpec(format="ct_int8_tensor", bits=8, static_input=True),
 }
 
 
@@ -138,6 +140,10 @@ def quantization_config(spec: QuantSpec) -> dict:
         acts = _ct_args(8, "float", "tensor") if spec.static_input else \
             _ct_args(8, "float", "token", dynamic=True, observer=None)  # fmt: skip
         return _ct_config("float-quantized", weights, acts)
+    if f.startswith("ct_int8_"):
+        weights = _ct_args(8, "int", f.removeprefix("ct_int8_"))
+        acts = _ct_args(8, "int", "tensor") if spec.static_input else _ct_args(8, "int", "token", dynamic=True, observer=None)
+        return _ct_config("int-quantized", weights, acts)
     if f == "ct_nvfp4":
         weights = _ct_args(4, "float", "tensor_group", group_size=16, scale_dtype="torch.float8_e4m3fn",
                            zp_dtype="torch.float8_e4m3fn")  # fmt: skip

@@ -60,7 +60,7 @@ def test_every_arch_declares_its_exports_verify_and_router(name):
     for engine in ENGINES:
         table = getattr(arch.exports, engine)
         assert table is None or isinstance(table, EngineTable), (engine, table)
-    assert arch.verify in ("dense", "moe", None)
+    assert arch.verify in ("dense", "moe", "llama4", None)
     assert arch.model_type and isinstance(arch.model_type, str)
     # Routed experts and a router go together: the MoE decoder and layer-level verify route with it.
     # DeepSeek-V4's router (sqrtsoftplus scores, hash-routed layers) is not tpshard's: no decoder runs

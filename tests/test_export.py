@@ -232,8 +232,11 @@ def test_quantized_input_refused_with_the_reason(tmp_path):
     tpshard.split(src, tmp_path / "out", tpshard.Topology(tp=2))
     with pytest.raises(ExportError, match=r"sglang: the checkpoint is quantized \(gptq\); SGLang's sharded_state loads files after"):
         export(tmp_path / "out", tmp_path / "x", "sglang")
-    with pytest.raises(ExportError, match=r"vllm: the checkpoint is quantized \(gptq\); vLLM's quant-method parameter names are not mapped"):
-        export(tmp_path / "out", tmp_path / "x", "vllm")
+    # vLLM: the formats it loads are exported (tests/test_export_quant.py); legacy Marlin is not
+    write_quant_checkpoint(tmp_path / "marlin", DEFAULT_SPECS["marlin"])
+    tpshard.split(tmp_path / "marlin", tmp_path / "m", tpshard.Topology(tp=2))
+    with pytest.raises(ExportError, match=r"vllm: the checkpoint is quantized: legacy Marlin \(B, s\): vLLM 0.33.0 has no parameter"):
+        export(tmp_path / "m", tmp_path / "x", "vllm")
 
 
 def test_damaged_tpshard_output_is_caught_by_check_of_the_export(tmp_path, llama):

@@ -76,7 +76,7 @@ def _dtype(d):
 
 
 def _constant(d):
-    d["files"][0]["tensors"][0]["value"] = 1.0  # a constant of a BF16 tensor
+    d["files"][0]["tensors"][0]["value"] = [1.0, 2.0]  # two values for a [128, 64] tensor
 
 
 @pytest.mark.parametrize(
@@ -84,7 +84,7 @@ def _constant(d):
     [
         (_shape, "`$.files[0].tensors[0].shape[0]`"),
         (_dtype, "files[0].tensors[0] (model.embed_tokens.weight).dtype: 'Q7' is not a safetensors dtype"),
-        (_constant, "files[0].tensors[0] (model.embed_tokens.weight).value: a constant of dtype BF16"),
+        (_constant, "files[0].tensors[0] (model.embed_tokens.weight).value: [1.0, 2.0] is not a constant tpshard writes as BF16 [128, 64]"),
     ],
 )
 def test_a_crafted_export_manifest_is_one_line_exit_2(export_tp2, copy_of, llama, edit, wanted):

@@ -149,7 +149,7 @@ DEEPSEEK_V3_TP2 = {
     1: {
         **MLA,
         "mlp.experts.gate.weight": (BF, (8, 64)),
-        "mlp.experts.gate.e_score_correction_bias": (BF, (8,)),  # float32 in vLLM: cast on load (docs/deploy.md)
+        "mlp.experts.gate.e_score_correction_bias": ("F32", (8,)),  # vLLM builds it in float32: written so (docs/deploy.md)
         "mlp.experts._shared_experts._layer.gate_up_proj.weight": (BF, (32, 64)),
         "mlp.experts._shared_experts._layer.down_proj.weight": (BF, (64, 16)),
         "mlp.experts.routed_experts.w13_weight": (BF, (8, 32, 64)), "mlp.experts.routed_experts.w2_weight": (BF, (8, 64, 16)),
@@ -187,7 +187,8 @@ def test_deepseek_v3_mla_names_and_mtp_left_out(tmp_path, copy_of, deepseek_v3):
     at = "model.layers.2.mlp.experts."
     w13 = torch.stack([torch.cat([w[f"{at}{e}.gate_proj.weight"][16:], w[f"{at}{e}.up_proj.weight"][16:]]) for e in range(8)])
     assert torch.equal(got[at + "routed_experts.w13_weight"], w13)
-    assert torch.equal(got[at + "gate.e_score_correction_bias"], w["model.layers.2.mlp.gate.e_score_correction_bias"])
+    bias = got[at + "gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and torch.equal(bias, w["model.layers.2.mlp.gate.e_score_correction_bias"].float())
     report = check(dest, deepseek_v3)
     assert report.ok, report.problems
 

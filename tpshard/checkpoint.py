@@ -141,9 +141,9 @@ def model_info(ckpt: Checkpoint) -> ModelInfo:
         head_dim=_get(config, "head_dim") or hidden // heads,
         intermediate_size=_get(config, "intermediate_size", 0),  # 0: a MoE model without a dense MLP (Qwen3.5-MoE)
         vocab_size=_get(config, "vocab_size"),
-        # What is on disk decides: a checkpoint without lm_head.weight (DeepSeek-V4's native name:
-        # head.weight) is tied whatever config says.
-        tie_word_embeddings="lm_head.weight" not in ckpt.tensors and "head.weight" not in ckpt.tensors,
+        # What is on disk decides: a checkpoint without its lm_head (DeepSeek-V4's native name:
+        # head.weight; Llama-4's language_model.lm_head.weight) is tied whatever config says.
+        tie_word_embeddings=not ({"lm_head.weight", "head.weight", "language_model.lm_head.weight"} & ckpt.tensors.keys()),
         rms_norm_eps=float(_get(config, "rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", _get(config, "rope_theta", 10000.0))),
         dtype={"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(str(dtype), str(dtype)),
@@ -170,7 +170,7 @@ def _moe_mla_info(config: dict) -> dict:
             num_shared_experts=int(shared),
             shared_expert_intermediate_size=int(g("shared_expert_intermediate_size") or shared * expert_size),
             first_k_dense_replace=int(g("first_k_dense_replace") or 0),
-            moe_layer_freq=int(g("moe_layer_freq") or 1),
+            moe_layer_freq=int(g("moe_layer_freq") or g("interleave_moe_layer_step") or 1),  # Llama-4: its step
             norm_topk_prob=bool(g("norm_topk_prob", False)),
             # DeepSeek-V3 configs written by transformers omit these; the model always routes so.
             scoring_func=str(g("scoring_func") or ("sigmoid" if config.get("model_type") == "deepseek_v3" else "")),

@@ -172,7 +172,7 @@ def refuse_engine_layout(engine: Engine, topology, dp_lm_head: bool) -> None:
         )
 
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_LAYER = re.compile(r"(?:language_model\.)?model\.layers\.(\d+)\.")  # Llama-4 nests the text model
 
 
 def layer_of(name: str) -> int | None:

@@ -7,21 +7,25 @@ Each family's module declares its `Arch`s: everything tpshard knows about an eng
 
 from __future__ import annotations
 
-from tpshard.arch import deepseek, deepseek_v4, glm, gpt_oss, llama, minimax, mixtral, qwen, qwen_next
+from tpshard.arch import deepseek, deepseek_v4, glm, gpt_oss, llama, llama4, minimax, mixtral, qwen, qwen_next
 from tpshard.arch.base import DROPPED, ENGINES, HEAD_COUNTS, SEGMENTS, SHAPES, Arch, Matcher, Rule
 from tpshard.arch.router import RouterConfig
+from tpshard.arch.tensors import config_value
 from tpshard.errors import PlanError
 from tpshard.manifest import ModelInfo
 
 # The families in the order messages list their architectures (verify --model's supported list:
 # the dense decoder's, then the MoE / MLA decoder's).
-FAMILIES = (llama, deepseek, qwen, mixtral, glm, minimax, gpt_oss, qwen_next, deepseek_v4)
+FAMILIES = (llama, deepseek, qwen, mixtral, glm, minimax, gpt_oss, qwen_next, deepseek_v4, llama4)
 
 ARCHITECTURES: dict[str, Arch] = {a.name: a for family in FAMILIES for a in family.ARCHS}
 
 
 def refuse_architecture(name: str) -> None:
-    """A one-line refusal of an architecture no family declares."""
+    """A one-line refusal of an architecture no family declares, or one a family refuses (its REFUSED)."""
+    why = next((f.REFUSED[name] for f in FAMILIES if name in getattr(f, "REFUSED", {})), None)
+    if why:
+        raise PlanError(f"{name}: {why}")
     if name not in ARCHITECTURES:
         raise PlanError(
             f"architecture {name} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
@@ -42,9 +46,11 @@ def router_config(config: dict) -> RouterConfig:
     GptOssTopKRouter.
     """
     kind = config.get("model_type", "")
-    k = config["num_experts_per_tok"]
+    k = config_value(config, "num_experts_per_tok")  # multimodal wrappers (Llama-4) nest them under text_config
+    if k is None:
+        raise ValueError(f"config of model_type {kind!r} names no num_experts_per_tok")
     # transformers 5 writes some of these under its own attribute names (Qwen3-MoE: num_local_experts)
-    e = next((config[n] for n in ("n_routed_experts", "num_experts", "num_local_experts") if config.get(n)), None)
+    e = next((config_value(config, n) for n in ("n_routed_experts", "num_experts", "num_local_experts") if config_value(config, n)), None)
     if e is None:
         raise ValueError(f"config of model_type {kind!r} names no routed expert count")
     rule = next((a.router for a in ARCHITECTURES.values() if a.model_type == kind and a.router is not None), None)

@@ -169,9 +169,9 @@ ENGINES: tuple[str, ...] = EngineNames._fields  # ("vllm", "sglang"), the order 
 
 # (ModelInfo, config.json) -> the tensor names a complete checkpoint holds, in a fixed order.
 Expected = Callable[[ModelInfo, dict], Iterable[str]]
-# The tensor-parallel decoder `verify --model` runs: tpshard.verify.decoder's dense one, or
-# tpshard.verify.moe_model's MoE / MLA one.
-VerifyKind = Literal["dense", "moe"]
+# The tensor-parallel decoder `verify --model` runs: tpshard.verify.decoder's dense one,
+# tpshard.verify.moe_model's MoE / MLA one, or tpshard.verify.llama4_model's.
+VerifyKind = Literal["dense", "moe", "llama4"]
 
 
 @dataclass(frozen=True)
@@ -217,6 +217,8 @@ class Arch:
     # "replicated" (whole on every rank) instead of over tp; None: not established, so an all-to-all
     # backend is refused for a family with shared experts (tpshard.plan.refusals).
     a2a_shared: frozenset[str] | None = None
+    # Tensors the family refuses by name before any cut (Llama-4's vision tower): one line, or None.
+    refuse_tensors: Callable[[Iterable[str]], None] | None = None
 
     def table(self, model: ModelInfo) -> tuple[Rule, ...]:
         return self.rules + (self.variant(model) if self.variant else ())

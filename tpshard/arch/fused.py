@@ -7,13 +7,16 @@ param -> `FusedParam`); tpshard.plan.fused turns that into cuts and verify reads
 to know which rows are gate and which are up. The vocabulary:
 
 - the **experts axis** is dim 0: under expert parallelism an EP slot holds the contiguous block
-  `[slot * E/ep, (slot + 1) * E/ep)` (only where the engine's loader slices it: `ep_loads`);
+  `[slot * E/ep, (slot + 1) * E/ep)` where the engine's loader slices it (`ep_loads`); at ep = tp
+  (moe_tp 1) that is a cut of dim 0 alone (gpt-oss MXFP4), at ep < tp a cut of dims 0 and `dim` of
+  one tensor, which tpshard's cuts (one dim per tensor) do not express: refused, with `ep_refusal`
+  saying why where the family's loader does not slice at all;
 - the **intermediate axis** (`dim`) is cut over moe_tp; `per_i` indices of it per intermediate
   element (2 for a gate/up tensor, 1 for down);
 - `layout` says how gate and up share a gate/up axis: `interleaved` (gpt-oss: gate_j, up_j
   alternate, so a rank keeps ONE contiguous slice of the axis, its (gate_j, up_j) pairs for
   j in its intermediate range), `segmented` (Llama-4: [gate | up] halves, a rank keeps its slice of
-  each half, concatenated), `single` (down: one projection), `whole` (down's bias: not cut, kept
+  each half, concatenated: a segmented cut, ShardSpec.segments (1, 1) along `dim`), `single` (down: one projection), `whole` (down's bias: not cut, kept
   whole on every rank of the EP slot, as every row-parallel bias);
 - `role`: which projection a parameter is (w13 / w2), for verify;
 - `block`: intermediate elements per index of `dim` (MXFP4's down_proj_blocks: 32 per block);

@@ -34,7 +34,7 @@ from tpshard.check.report import CheckReport
 from tpshard.check.rules import check_copies_against_source, check_source_sizes
 from tpshard.digest import file_digest, range_digests, sha256_file
 from tpshard.errors import TpshardError
-from tpshard.export.layout import PART_GLOBS, PartFile, config_tied, constant_bytes, parse_part_name, partition_env, rank_layouts, stage_problems
+from tpshard.export.layout import PART_GLOBS, EngineTensor, PartFile, config_tied, constant_bytes, parse_part_name, partition_env, rank_layouts, stage_problems
 from tpshard.export.manifest import ExportFile, ExportManifest, ExportTensor, read_export_manifest
 from tpshard.manifest import FILE_METADATA, Plan, differing
 from tpshard.safetensors_format import build_header, header_layout, nbytes_of
@@ -71,6 +71,9 @@ def check_export(
             report.add("files", _link_finding(path))
         elif not path.is_file():
             report.add("files", f"{extra.name} is missing (the engine builds the model from the source's config.json)")
+        elif extra.name == "config.json" and m.config:  # the source's, with what vLLM needs added (ConfigEdit)
+            if path.stat().st_size != m.config.size or sha256_file(path) != m.config.checksum:
+                report.add("checksum", f"config.json: sha256 differs from the one the export wrote (the source's, {sorted(m.config.added)} added)")
         elif path.stat().st_size != extra.size or sha256_file(path) != extra.checksum:
             report.add("checksum", f"{extra.name}: sha256 differs from the source's copy")
     if source is not None:
@@ -206,7 +209,7 @@ def _check_files(folder: Path, m: ExportManifest, report: CheckReport, workers: 
             for t, offset, n in zip(f.tensors, offsets, sizes):
                 if t.value is not None:
                     fh.seek(offset)
-                    if fh.read(n) != constant_bytes(t.dtype, t.value):
+                    if fh.read(n) != constant_bytes(t.dtype, t.value, t.shape):
                         found.append(("checksum", f"{f.name}: {t.name} does not hold the constant {t.value}"))
         if file_digest(header, digests) != f.checksum:
             found.append(("checksum", f"{f.name}: file checksum differs from the manifest"))
@@ -236,6 +239,7 @@ def _check_against_source(folder: Path, m: ExportManifest, ckpt: Checkpoint, rep
     got = {f.name: f for f in m.files}
     try:
         plan = make_plan(ckpt, m.from_.topology, m.from_.options)
+        _check_config_edit(folder, m, ckpt, plan, report)
         located = _Located(plan, list(ckpt.tensors))
         for layout in rank_layouts(plan, m.engine, config_tied(ckpt.config), m.max_part_bytes, ckpt.config):
             for f in layout:
@@ -259,6 +263,86 @@ def _check_against_source(folder: Path, m: ExportManifest, ckpt: Checkpoint, rep
     if report.found != before:  # the rules refuse: nothing to reassemble
         return
     reassemble(ckpt, plan, located.names, located.places(), report, workers, reader)
+    _check_transformed(ckpt, plan, located.transformed, report, reader)
+
+
+def _check_transformed(ckpt: Checkpoint, plan: Plan, tensors: list, report: CheckReport, reader) -> None:
+    """The quantized parameters that are not their shards' bytes back to back (fused along dim 1,
+    cast: tpshard.export.quant), each slot cut from its source tensor as the rules place it and
+    compared with the slot as read back out of the file; a slot holding another rank's shard, or
+    another slot's, is named as such. Each source tensor proven in every place is counted."""
+    import numpy as np
+
+    from tpshard.export.quant import split_back
+    from tpshard.pieces import read_into, shard_bytes
+
+    cache: dict[str, np.ndarray] = {}
+
+    def source_bytes(name: str) -> np.ndarray:
+        if name not in cache:
+            info = ckpt.tensors[name]
+            if reader is not None:
+                with reader.tensor(name, info) as (_, _, data):
+                    cache[name] = np.array(data, np.uint8)
+            else:
+                fd = os.open(ckpt.path / info.file, os.O_RDONLY)
+                try:
+                    cache[name] = read_into(fd, np.empty(info.nbytes, np.uint8), info.begin, info.nbytes).copy()
+                finally:
+                    os.close(fd)
+        return cache[name]
+
+    def cut_of(part, cut) -> np.ndarray:
+        name = part.tensor.source or part.tensor.name
+        return shard_bytes(source_bytes(name), ckpt.tensors[name].shape, part.tensor.dim, cut)
+
+    seen, bad = set(), set()
+    for file_name, path, t, at in tensors:
+        with open(path, "rb") as fh:
+            fh.seek(at)
+            data = np.frombuffer(fh.read(t.nbytes), np.uint8)
+        names = [p.tensor.source or p.tensor.name for p in t.parts]
+        seen.update(names)
+        if len(data) != t.nbytes:
+            report.add("files", f"{file_name}: {t.name} ends early")
+            bad.update(names)
+            continue
+        held = split_back(data, [p.shape for p in t.parts], [p.nbytes for p in t.parts], t.parts[0].dtype, t.dtype, t.axis)
+        want = [cut_of(p, p.cut) for p in t.parts]
+        for i, (part, h, w) in enumerate(zip(t.parts, held, want)):
+            if np.array_equal(h, w):
+                continue
+            bad.add(names[i])
+            what = f"{file_name}: {t.name} slot {i} ({part.name}, group rank {part.group_rank}) differs from the source"
+            other = [c for c in part.tensor.cuts if c is not part.cut and np.array_equal(h, cut_of(part, c))]
+            slot = [j for j, w2 in enumerate(want) if j != i and np.array_equal(h, w2)]
+            if other:
+                what += f": it holds the shard of rank(s) {list(plan.files[other[0].file].ranks)} (group rank {other[0].group_rank})"
+            elif slot:
+                what += f": it holds slot {slot[0]} ({t.parts[slot[0]].name}): slots out of order"
+            report.add("reassembly", what)
+    report.tensors_reassembled += len(seen - bad)
+
+
+def _check_config_edit(folder: Path, m: ExportManifest, ckpt: Checkpoint, plan: Plan, report: CheckReport) -> None:
+    """config.json: the source's with exactly what the rules add for vLLM (tpshard.export.quant.config_additions),
+    and nothing else; without an addition it is a byte-identical copy (checked with the other copies)."""
+    from tpshard.export.quant import config_additions, config_bytes
+
+    source = ckpt.config  # the source's config.json as read (check --from: the output's copy of it)
+    want = config_additions(plan, source) if m.engine == "vllm" else {}
+    have = dict(m.config.added) if m.config else {}
+    if have != want:
+        report.add("rules", f"config.json: the export adds {sorted(have) or 'nothing'} to quantization_config, the rules add {sorted(want) or 'nothing'}")
+        return
+    if have:
+        edited = dict(source, quantization_config={**source["quantization_config"], **have})
+        try:
+            held = (folder / "config.json").read_bytes()
+        except OSError:
+            return  # reported as missing with the copies
+        if held != config_bytes(edited):
+            report.add("rules", f"config.json: not the source's with exactly {sorted(have)} added to quantization_config")
 
 
 class _Located:
@@ -275,6 +359,7 @@ class _Located:
         # per place, in the order added: its source tensor, the shard's tpshard file and its index
         # there, the export file, the data offset
         self.source, self.held, self.index, self.file, self.offset = array("I"), array("I"), array("I"), array("I"), array("Q")
+        self.transformed: list[tuple[str, Path, EngineTensor, int]] = []  # (file name, path, tensor, data offset)
 
     def add(self, f: PartFile, path: Path) -> None:
         """The places of the shards of the rules' file `f`, written at `path`."""
@@ -282,6 +367,9 @@ class _Located:
         k = len(self.files)
         self.files.append((path, f" [{f.name}]"))
         for t, at in zip(f.tensors, offsets):
+            if t.transformed:  # not the shards' bytes back to back: compared by _check_transformed
+                self.transformed.append((f.name, path, t, at))
+                continue
             for part in t.parts:
                 self.source.append(self.position[part.tensor.source or part.tensor.name])
                 self.held.append(part.cut.file)

@@ -382,10 +382,9 @@ class OutputReader:
                     h.update(tail)
                     self._zero(tail, c)
                     at += len(tail)
-        elif t.segments:  # tpshard cuts segments along dim 0 only
-            raise OutputError(f"{self.out}: {t.name}: a segmented cut along dim {t.dim} cannot be rebuilt")
         else:  # cut along an inner dim: whole rows of the outer dims at a time, a few MiB each
-            per = s.length + s.pad
+            pieces = runs(t.segments, t.shape[t.dim], s)  # one run, or one per segment (fused [gate | up])
+            per = sum(n + p for _, n, p in pieces)
             inner = row_bytes // t.shape[t.dim]
             shard_row = per * inner
             step = max(1, CHUNK_BYTES // max(shard_row, 1))
@@ -395,9 +394,12 @@ class OutputReader:
                 chunk = read_into(fd, scratch("shard", (b - a) * shard_row), c.offset + a * shard_row, (b - a) * shard_row)
                 h.update(chunk)
                 view = chunk.reshape(b - a, per, inner)
-                if s.pad:
-                    self._zero(view[:, s.length :], c)
-                into[a:b, s.start : s.start + s.length] = view[:, : s.length]
+                at = 0
+                for start, length, pad in pieces:
+                    if pad:
+                        self._zero(view[:, at + length : at + length + pad], c)
+                    into[a:b, start : start + length] = view[:, at : at + length]
+                    at += length + pad
         if h.digest() != c.digest:
             raise OutputError(f"{self.out}: {c.where}: tensor {t.name} does not match its {self.algorithm} in the manifest")
         with self.lock:

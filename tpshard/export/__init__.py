@@ -6,7 +6,8 @@ loaders read without slicing (docs/deploy.md).
     split_and_export(model, dest, Topology(tp=8), "vllm")  # split --format: checkpoint to export
 
 names.py compiles the engines' names (the tables are the architectures', tpshard/arch/), layout.py
-what each rank's files hold (and what is refused), writer.py writes them, tpshard.check.export
+what each rank's files hold (and what is refused), quant.py what vLLM's quant methods build per rank
+(quantized checkpoints, vLLM only), writer.py writes them, tpshard.check.export
 proves them, split_export.py goes from a checkpoint to an export through a hidden tpshard output.
 """
 

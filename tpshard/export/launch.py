@@ -20,14 +20,20 @@ from collections import Counter
 from pathlib import Path
 
 from tpshard.export.manifest import ExportManifest
+from tpshard.safetensors_format import nbytes_of
 
 ENGINE_DTYPE = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
 def weights_dtype(manifest: ExportManifest) -> str | None:
-    """The engine --dtype of the exported weights: their most common dtype (constants and a few
-    float32 buffers, such as DeepSeek's e_score_correction_bias, aside)."""
-    counts = Counter(t.dtype for f in manifest.files for t in f.tensors if t.value is None and t.dtype in ENGINE_DTYPE)
+    """The engine --dtype of the exported weights: the float dtype most of their bytes have
+    (constants aside; by bytes, not by count: a quantized export has a float32 scale per linear,
+    and DeepSeek a float32 e_score_correction_bias per layer)."""
+    counts: Counter = Counter()
+    for f in manifest.files:
+        for t in f.tensors:
+            if t.value is None and t.dtype in ENGINE_DTYPE:
+                counts[t.dtype] += nbytes_of(t.dtype, t.shape)
     return ENGINE_DTYPE[counts.most_common(1)[0][0]] if counts else None
 
 

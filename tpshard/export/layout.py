@@ -1,9 +1,11 @@
 """What an engine export holds, rank by rank, computed from a tpshard plan: no tensor data.
 
 Each engine tensor is the rank's shards concatenated along dim 0 in the table's order (one shard
-for an unfused tensor) or a constant buffer. Everything the engine cannot build from such files is
-refused here, before a byte is written: padded dims, topologies the engine model does not shard
-the same way, quantized checkpoints, architectures without a name table. The files are laid out
+for an unfused tensor) or a constant buffer; for quantized vLLM exports, under the quant method's
+parameter names, also fused along dim 1, cast, or one slot per fused matrix (tpshard.export.quant).
+Everything the engine cannot build from such files is refused here, before a byte is written:
+padded dims, topologies the engine model does not shard the same way, quantized checkpoints the
+engine cannot load, architectures without a name table. The files are laid out
 one rank at a time (rank_layouts); a plan that lacks a rank's pieces is refused at that rank.
 
 Pipeline stages (vLLM only, docs/pipeline.md): vLLM 0.33.0's sharded_state loader reads
@@ -19,6 +21,7 @@ for vLLM (`split --engine vllm`) is exported: SGLang places lm_head and tied hea
 
 from __future__ import annotations
 
+import math
 import re
 import struct
 from array import array
@@ -66,17 +69,27 @@ class EngineTensor(NamedTuple):
     name: str  # engine key
     dtype: str
     shape: tuple[int, ...]
-    parts: tuple[Part, ...]  # concatenated along dim 0; () for a constant
-    value: float | None = None  # constant content of a buffer
+    parts: tuple[Part, ...]  # concatenated along `axis`; () for a constant
+    value: float | tuple[float, ...] | None = None  # constant content: one value filling the shape, or every value
+    axis: int = 0  # quantized vLLM exports: AWQ's [K, N] tensors fuse along dim 1 (tpshard.export.quant)
 
     @property
     def nbytes(self) -> int:
         return nbytes_of(self.dtype, self.shape)
 
+    @property
+    def transformed(self) -> bool:
+        """Not the parts' bytes back to back: fused along dim 1, or cast (tpshard.export.quant.assemble)."""
+        return bool(self.parts) and (self.axis != 0 or self.dtype != self.parts[0].dtype)
 
-def constant_bytes(dtype: str, value: float) -> bytes:
-    """The bytes of a constant buffer (EngineTensor.value)."""
-    return struct.pack({"F32": "<f", "F64": "<d"}[dtype], value)
+
+def constant_bytes(dtype: str, value: float | tuple[float, ...], shape: tuple[int, ...] = ()) -> bytes:
+    """The bytes of a constant tensor (EngineTensor.value) of `shape`."""
+    if shape == () and not isinstance(value, tuple) and dtype in ("F32", "F64"):
+        return struct.pack({"F32": "<f", "F64": "<d"}[dtype], value)
+    from tpshard.export.quant import constant_array
+
+    return constant_array(dtype, value, shape).tobytes()
 
 
 class PartFile(NamedTuple):
@@ -193,7 +206,7 @@ def refuse_unexportable(plan: Plan, engine: str, config_tied: bool) -> NameMap:
             f"--format sglang: {arch} has routed experts; SGLang's sharded_state loads files after"
             " process_weights_after_loading, and its MoE expert layout then is backend- and platform-specific"
             " (transposed for the Triton-kernels runner, shuffled for AITER, repacked on CPU), which an offline"
-            " export cannot know; use --format vllm or load the tpshard output"
+            " export cannot know; serve the HF checkpoint with SGLang's own loader, or export for vLLM (--format vllm)"
         )
     table = TABLES[engine].get(arch)
     if table is None:
@@ -203,17 +216,7 @@ def refuse_unexportable(plan: Plan, engine: str, config_tied: bool) -> NameMap:
         )
     quant = sorted({t.quant for t in plan.tensors if t.quant and t.cuts}) or sorted({q.get("format", "?") for q in plan.quant_layers.values()})
     if quant:
-        if engine == "sglang":
-            raise ExportError(
-                f"--format sglang: the checkpoint is quantized ({', '.join(quant)}); SGLang's sharded_state loads"
-                " files after its quant methods' process_weights_after_loading, so it expects kernel- and"
-                " platform-specific layouts that an offline export cannot know; load the tpshard output or the"
-                " checkpoint instead"
-            )
-        raise ExportError(
-            f"--format vllm: the checkpoint is quantized ({', '.join(quant)}); vLLM's quant-method parameter names"
-            " are not mapped for export yet, and tpshard writes no name it has not mapped exactly"
-        )
+        refuse_quantized(plan, engine, quant, table)
     refuse_pipeline_export(plan, engine)
     topo = plan.topology
     if table.ep == "vllm" and topo.ep not in (1, topo.tp):
@@ -268,6 +271,28 @@ def refuse_unexportable(plan: Plan, engine: str, config_tied: bool) -> NameMap:
     return NameMap(table, plan.model.q_lora_rank)
 
 
+def refuse_quantized(plan: Plan, engine: str, quant: list[str], table) -> None:
+    """One line for a quantized checkpoint this engine's export cannot hold (tpshard.export.quant)."""
+    from tpshard.export.quant import refuse_method
+
+    instead = "serve the HF checkpoint with the engine's own loader, or export for vLLM (--format vllm)"
+    if engine == "sglang":
+        raise ExportError(
+            f"--format sglang: the checkpoint is quantized ({', '.join(quant)}); SGLang's sharded_state loads files after"
+            " its quant methods' process_weights_after_loading (srt/model_loader/loader.py ShardedStateLoader), i.e."
+            f" kernel- and platform-specific layouts an offline export cannot know; {instead}"
+        )
+    if (plan.model.num_experts or table.q_lora or table.drop_mtp) and quant != ["fp8_block"]:
+        raise ExportError(
+            f"--format vllm: the checkpoint is quantized ({', '.join(quant)}) and has routed experts or MLA attention;"
+            " tpshard maps those for vLLM in FP8 block format only (docs/deploy.md); serve the HF checkpoint with vLLM's own loader"
+        )
+    for fmt in quant:
+        why = refuse_method(fmt, [q for q in plan.quant_layers.values() if q.get("format") == fmt])
+        if why:
+            raise ExportError(f"--format vllm: the checkpoint is quantized: {why}")
+
+
 def _order(name: str) -> tuple:
     # State-dict order: embedding, layers in order, final norm, lm_head (any order loads; this one
     # reads well). No regex: it runs for every engine tensor of every rank (800k at tiny90k, tp 8).
@@ -295,12 +320,13 @@ def _layer_index(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def _route(plan: Plan, names: NameMap, anchor: re.Pattern, name: str) -> tuple:
-    """Where HF tensor `name` goes in the engine model, the same on every rank: (the pipeline stages
+def _route(plan: Plan, names: NameMap, anchor: re.Pattern, t: TensorPlan) -> tuple:
+    """Where HF tensor `t` goes in the engine model, the same on every rank: (the pipeline stages
     whose model holds it, None at pp 1; its Piece, None when unmapped; the decoder layer whose
-    buffers it anchors, or None)."""
+    buffers it anchors, or None; its quantized Param (tpshard.export.quant), or None)."""
+    name = t.name
     if names.table.drop_mtp and _layer_index(name) >= plan.model.num_layers:
-        return (), None, None  # DeepSeek's MTP layer: not in the target model (names.py), only in vLLM's draft model
+        return (), None, None, None  # DeepSeek's MTP layer: not in the target model (names.py), only in vLLM's draft model
     held = None
     topo = plan.topology
     if topo.pp > 1:
@@ -308,8 +334,22 @@ def _route(plan: Plan, names: NameMap, anchor: re.Pattern, name: str) -> tuple:
         held = tensor_stages(name, topo.pp_layers, head="last", mtp=False, embed_last=plan.model.tie_word_embeddings)
         if held is None:
             raise ExportError(f"{name}: no pipeline stage of vLLM's {plan.model.architecture} holds it")
-    m = anchor.fullmatch(name)
-    return held, names.piece(name), m.group(1) if m else None
+    if not t.quant:
+        m = anchor.fullmatch(name)
+        param = None
+        if names.table.ep == "vllm" and name.endswith(".e_score_correction_bias"):
+            from tpshard.export.quant import ROUTER_BIAS as param
+        return held, names.piece(name), m.group(1) if m else None, param
+    # A quantized module's tensors go where its `.weight` would, under the method's parameter names.
+    from tpshard.export.quant import engine_param
+
+    module, _, suffix = name.rpartition(".")
+    m = anchor.fullmatch(module + ".weight")
+    base = names.piece(module + ".weight")
+    found = engine_param(base.engine, suffix, t.quant, base.stacked) if base is not None and base.engine else None
+    if found is None:
+        return held, None, None, None
+    return held, base._replace(engine=found[0]), m.group(1) if m else None, found[1]
 
 
 class _Shards:
@@ -359,30 +399,47 @@ class _Known:
         self.routes: dict[str, tuple] = {}
         self.buffers: dict[str, list[EngineTensor]] = {}
 
-    def route(self, name: str) -> tuple:
-        route = self.routes.get(name)
+    def route(self, t: TensorPlan) -> tuple:
+        route = self.routes.get(t.name)
         if route is None:
-            route = self.routes[name] = _route(self.plan, self.names, self.anchor, name)
+            route = self.routes[t.name] = _route(self.plan, self.names, self.anchor, t)
         return route
 
     def layer_buffers(self, layer: str) -> list[EngineTensor]:
         found = self.buffers.get(layer)
         if found is None:
-            found = self.buffers[layer] = [EngineTensor(b.engine, b.dtype, (), (), b.value) for b in self.names.buffers(layer)]
+            found = [EngineTensor(b.engine, b.dtype, (), (), b.value) for b in self.names.buffers(layer)]
+            found += self.attention_params(found)
+            self.buffers[layer] = found
         return found
+
+    def attention_params(self, buffers: list[EngineTensor]) -> list[EngineTensor]:
+        """The parameters a quantized checkpoint's method adds to each attention layer, beside
+        vLLM's own buffers (tpshard.export.quant.Method.attention)."""
+        from tpshard.export.quant import METHODS
+
+        formats = sorted({q.get("format") for q in self.plan.quant_layers.values()} & set(METHODS))
+        if not formats or not buffers:
+            return []
+        attn = buffers[0].name.rpartition(".")[0]  # {layer}.self_attn.attn
+        if attn.endswith(".mla_attn"):  # vLLM's MLA attention has no KV-cache scale parameters of the method
+            return []
+        dtype = self.plan.model.dtype
+        return [EngineTensor(f"{attn}.{a.name}", a.dtype or dtype, a.shape, (), a.value) for a in METHODS[formats[0]].attention]
 
 
 def rank_tensors(plan: Plan, rank: int, shards: list[Part], known: _Known) -> list[EngineTensor]:
     """The engine state dict of one rank (`shards`: its shards, _Shards.parts): fused shards and
     constant buffers, in state-dict order. `known`: what the ranks share."""
     fused: dict[str, list | dict[int, list]] = {}  # engine key -> its pieces; stacked experts: expert id -> its pieces
+    params: dict[str, object] = {}  # engine key -> its quantized Param, where it has one
     layers: set[str] = set()
     topo, tied = plan.topology, plan.model.tie_word_embeddings
     stage, last = topo.pp_rank(rank), topo.pp - 1
     routes = known.routes
     for part in shards:
         name = part.tensor.name
-        held, piece, layer = routes.get(name) or known.route(name)
+        held, piece, layer, param = routes.get(name) or known.route(part.tensor)
         if held is not None and stage not in held:
             continue
         if piece is None:
@@ -403,6 +460,8 @@ def rank_tensors(plan: Plan, rank: int, shards: list[Part], known: _Known) -> li
         if len(slots) != piece.count or slots[piece.position] is not None:
             raise ExportError(f"rank {rank}: two shards map to piece {piece.position} of {engine}")
         slots[piece.position] = part
+        if param is not None:
+            params[engine] = param
         if layer is not None:
             layers.add(layer)
     out = []
@@ -426,6 +485,10 @@ def rank_tensors(plan: Plan, rank: int, shards: list[Part], known: _Known) -> li
                 raise ExportError(f"rank {rank}: {engine}: experts of {rows} and {n} rows do not stack")
             rows = n
             parts += slots
+        param = params.get(engine)
+        if param is not None and not stacked:
+            out.append(_quantized(rank, engine, param, parts))
+            continue
         first = parts[0]
         if len(parts) > 1 and any(s.dtype != first.dtype or s.shape[1:] != first.shape[1:] or not s.shape for s in parts[1:]):
             raise ExportError(f"rank {rank}: {engine}: pieces {[(s.name, s.dtype, list(s.shape)) for s in parts]} do not concatenate along dim 0")
@@ -433,11 +496,39 @@ def rank_tensors(plan: Plan, rank: int, shards: list[Part], known: _Known) -> li
             shape = (len(by_expert), rows, *first.shape[1:])
         else:
             shape = (rows, *first.shape[1:]) if len(parts) > 1 else first.shape
-        out.append(EngineTensor(engine, first.dtype, shape, tuple(parts)))
+        out.append(EngineTensor(engine, param.dtype or first.dtype if param else first.dtype, shape, tuple(parts)))
     for layer in layers:
         out += known.layer_buffers(layer)
     out.sort(key=lambda t: _order(t.name))
     return out
+
+
+def _quantized(rank: int, engine: str, param, parts: list[Part]) -> EngineTensor:
+    """A quantized parameter of vLLM's create_weights layout from its slots (tpshard.export.quant.Param)."""
+    first = parts[0]
+    dtype = param.dtype or first.dtype
+    if param.source_shape:  # the source's [N, K] of the last slot: vLLM's loader keeps the last shard's value
+        last = parts[-1]
+        value = last.cut.value
+        if value is None or last.tensor.logical_dim is None:
+            raise ExportError(f"rank {rank}: {last.name}: no per-rank [N, K] value in the tpshard output")
+        full = list(value)
+        full[last.tensor.logical_dim] = last.tensor.logical_size
+        return EngineTensor(engine, "I64", (2,), (), tuple(float(v) for v in full))
+    if any(s.dtype != first.dtype for s in parts):
+        raise ExportError(f"rank {rank}: {engine}: pieces of dtypes {sorted({s.dtype for s in parts})} do not fuse")
+    if param.slots:  # one slot per fused matrix: PerTensorScaleParameter [len(output_partition_sizes)]
+        if any(math.prod(s.shape) != 1 for s in parts):
+            raise ExportError(f"rank {rank}: {engine}: per-tensor scales of shapes {[list(s.shape) for s in parts]}, not one value each")
+        return EngineTensor(engine, dtype, (len(parts),), tuple(parts))
+    if param.axis == 1:
+        if any(len(s.shape) != 2 or s.shape[0] != first.shape[0] for s in parts):
+            raise ExportError(f"rank {rank}: {engine}: pieces {[(s.name, list(s.shape)) for s in parts]} do not fuse along dim 1")
+        return EngineTensor(engine, dtype, (first.shape[0], sum(s.shape[1] for s in parts)), tuple(parts), axis=1)
+    if len(parts) > 1 and any(len(s.shape) < 1 or s.shape[1:] != first.shape[1:] for s in parts):
+        raise ExportError(f"rank {rank}: {engine}: pieces {[(s.name, list(s.shape)) for s in parts]} do not concatenate along dim 0")
+    shape = (sum(s.shape[0] for s in parts), *first.shape[1:]) if len(parts) > 1 else first.shape
+    return EngineTensor(engine, dtype, shape, tuple(parts))
 
 
 def split_parts(rank: int, tensors: list[EngineTensor], max_part_bytes: int, topology: Topology | None = None) -> list[PartFile]:

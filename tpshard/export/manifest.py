@@ -34,7 +34,8 @@ class ExportTensor(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     name: str  # engine key
     dtype: str  # a safetensors dtype (_tensors_problem)
     shape: tuple[Count, ...]
-    value: float | None = None  # a constant buffer's content (vLLM attention scales), F32 or F64
+    # A constant's content (vLLM attention scales; CT weight_shape): one value filling the shape, or every value.
+    value: float | tuple[float, ...] | None = None
 
 
 class ExportFile(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -48,6 +49,16 @@ class ExportFile(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # In data order. Left out of the JSON (and filled in by the reader, the same tuple) where they
     # are those of the same part of the stage's first rank: see encode_export_manifest.
     tensors: tuple[ExportTensor, ...] = ()
+
+
+class ConfigEdit(msgspec.Struct, frozen=True, kw_only=True):
+    """config.json as the export wrote it: the source's, with `added` put into its
+    quantization_config so that vLLM loads the export quantized (tpshard.export.quant.config_additions);
+    `check --source` accepts exactly this addition and nothing else."""
+
+    added: dict[str, list[str]]
+    size: int
+    checksum: str  # sha256 of the file written
 
 
 class From(msgspec.Struct, frozen=True, kw_only=True):
@@ -73,6 +84,8 @@ class ExportManifest(msgspec.Struct, frozen=True, kw_only=True):
     # Pipeline stages: the environment the server must be started with (VLLM_PP_LAYER_PARTITION);
     # UNSET (left out of the JSON) at one stage, so such exports read as before.
     env: dict[str, str] | UnsetType = UNSET
+    # Quantized exports: what config.json gained over the source's (UNSET: a byte-identical copy).
+    config: ConfigEdit | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         from tpshard.export.layout import parse_part_name, part_name
@@ -137,14 +150,19 @@ def read_export_manifest(folder: str | Path) -> ExportManifest:
 
 def _tensors_problem(i: int, tensors: tuple[ExportTensor, ...]) -> str | None:
     """The first tensor of files[i] whose dtype is not one safetensors has, or whose constant is
-    not of a float dtype tpshard writes constants in (layout.constant_bytes)."""
+    not one tpshard writes (layout.constant_bytes)."""
     from tpshard.safetensors_format import DTYPE_SIZE
 
     for j, t in enumerate(tensors):
         if t.dtype not in DTYPE_SIZE:
             return f"files[{i}].tensors[{j}] ({t.name}).dtype: {t.dtype!r} is not a safetensors dtype"
-        if t.value is not None and t.dtype not in ("F32", "F64"):
-            return f"files[{i}].tensors[{j}] ({t.name}).value: a constant of dtype {t.dtype}, not F32 or F64"
+        if t.value is not None:
+            from tpshard.export.layout import constant_bytes
+
+            try:
+                constant_bytes(t.dtype, t.value, t.shape)
+            except (ValueError, KeyError, OverflowError):
+                return f"files[{i}].tensors[{j}] ({t.name}).value: {list(t.value) if isinstance(t.value, tuple) else t.value!r} is not a constant tpshard writes as {t.dtype} {list(t.shape)}"
     return None
 
 

@@ -44,12 +44,14 @@ from tpshard.export.manifest import (
     EXPORT_FORMAT,
     EXPORT_MANIFEST_NAME,
     EXPORT_VERSION,
+    ConfigEdit,
     ExportFile,
     ExportManifest,
     ExportTensor,
     From,
     encode_export_manifest,
 )
+from tpshard.export.quant import config_additions, config_bytes
 from tpshard.manifest import MANIFEST_NAME, Manifest, rank_dir, read_manifest
 from tpshard.pieces import read_into, scratch
 from tpshard.plan import file_header
@@ -159,6 +161,7 @@ def _write(
         shutil.copyfile(folder / extra.name, staging / extra.name)
         if sha256_file(staging / extra.name) != extra.checksum:
             raise OutputError(f"{folder / extra.name}: differs from its sha256 in the tpshard manifest; run tpshard check {out}")
+    edit = _edit_config(staging, plan)
 
     result = ExportManifest(
         format=EXPORT_FORMAT,
@@ -170,9 +173,28 @@ def _write(
         max_part_bytes=max_part_bytes,
         files=tuple(files),
         env=partition_env(plan.topology) or msgspec.UNSET,
+        config=edit,
     )
     write_durably(staging / EXPORT_MANIFEST_NAME, encode_export_manifest(result))
     return result
+
+
+def _edit_config(staging: Path, plan) -> ConfigEdit | msgspec.UnsetType:
+    """config.json with what vLLM needs to load the export quantized (tpshard.export.quant.config_additions),
+    or UNSET where the source's copy is loaded as it is."""
+    path = staging / "config.json"
+    config = json.loads(path.read_bytes())
+    added = config_additions(plan, config)
+    if not added:
+        return msgspec.UNSET
+    return ConfigEdit(added=added, **_write_config(path, config, added))
+
+
+def _write_config(path: Path, config: dict, added: dict) -> dict:
+    """Write the source's config with `added` in its quantization_config; its size and sha256."""
+    edited = dict(config, quantization_config={**config["quantization_config"], **added})
+    path.write_bytes(config_bytes(edited))
+    return {"size": path.stat().st_size, "checksum": sha256_file(path)}
 
 
 def _write_rank(
@@ -248,7 +270,7 @@ def _tasks(jobs: list[tuple[EngineTensor, int, int]], sizes: list[int]) -> list[
 def _copy_task(task: list[int], jobs: list[tuple[EngineTensor, int, int]], sizes: list[int], source: _Source, algorithm: str) -> list[bytes]:
     """Write the tensors of one task (_tasks); returns their digests."""
     first, fd, begin = jobs[task[0]]
-    if sizes[task[0]] >= SMALL_BYTES and first.value is None:  # a constant is written from memory
+    if sizes[task[0]] >= SMALL_BYTES and first.value is None and not first.transformed:  # a constant or a cast is made in memory
         return [_copy(jobs[task[0]], source, algorithm)]
     end = jobs[task[-1]][2] + sizes[task[-1]]
     buf = scratch("export-run", end - begin)
@@ -280,9 +302,11 @@ def _copy(job: tuple[EngineTensor, int, int], source: _Source, algorithm: str) -
 def _gather(tensor: EngineTensor, into: np.ndarray, source: _Source, algorithm: str) -> bytes:
     """Put one small engine tensor's bytes into `into`; returns its digest (_digest)."""
     if tensor.value is not None:
-        data = constant_bytes(tensor.dtype, tensor.value)
+        data = constant_bytes(tensor.dtype, tensor.value, tensor.shape)
         into[:] = np.frombuffer(data, np.uint8)
         return tensor_digest(algorithm, data)
+    if tensor.transformed:
+        return _transform(tensor, into, source, algorithm)
     at = 0
     for part in tensor.parts:
         src, src_offset = source.at(part)
@@ -292,6 +316,24 @@ def _gather(tensor: EngineTensor, into: np.ndarray, source: _Source, algorithm: 
     if algorithm != "crc32" and len(tensor.parts) > 1:
         return tensor_digest(algorithm, into)
     return _digest(tensor, source, algorithm)
+
+
+def _transform(tensor: EngineTensor, into: np.ndarray, source: _Source, algorithm: str) -> bytes:
+    """A quantized parameter whose bytes are not its shards' back to back (fused along dim 1, or
+    cast: tpshard.export.quant.assemble). Each shard is read whole and proven against its digest
+    in the tpshard manifest first, so that a shard damaged on disk is refused here instead of
+    exported under a digest of its damaged bytes; the result is hashed as written."""
+    from tpshard.export.quant import assemble
+
+    pieces = []
+    for part in tensor.parts:
+        src, src_offset = source.at(part)
+        data = _read(src, np.empty(part.nbytes, np.uint8), src_offset, part.nbytes)
+        if tensor_digest(algorithm, data) != source.digest(part):
+            raise OutputError(f"{part.name}: a shard in the tpshard output differs from its {algorithm} in the manifest; run tpshard check on it")
+        pieces.append((data, part.shape))
+    into[:] = assemble(pieces, tensor.parts[0].dtype, tensor.dtype, tensor.axis)
+    return tensor_digest(algorithm, into)
 
 
 def _digest(tensor: EngineTensor, source: _Source, algorithm: str) -> bytes:

@@ -14,10 +14,12 @@ import re
 from tpshard.arch import Rule
 from tpshard.errors import PlanError
 from tpshard.plan.dense import Layout
+from tpshard.quant.formats import CODES_SUFFIXES
 
-# model.layers.N (HF names); DeepSeek-V4's native layers.N, and its MTP layers mtp.K, which SGLang's
-# NextN loader reads as layer num_hidden_layers + K (deepseek_v4.py remap_weight_name_to_dpsk_hf_format)
-_LAYER_INDEX = re.compile(r"(?:model\.)?(layers|mtp)\.(\d+)\.")
+# model.layers.N (HF names; Llama-4 nests the text model under language_model.); DeepSeek-V4's native
+# layers.N, and its MTP layers mtp.K, which SGLang's NextN loader reads as layer num_hidden_layers + K
+# (deepseek_v4.py remap_weight_name_to_dpsk_hf_format)
+_LAYER_INDEX = re.compile(r"(?:language_model\.)?(model\.)?(layers|mtp)\.(\d+)\.")
 
 
 class Experts:
@@ -34,9 +36,9 @@ class Experts:
         found = _LAYER_INDEX.match(name)
         if found is None:
             return None
-        kind, index = found.group(1), int(found.group(2))
+        kind, index = found.group(2), int(found.group(3))
         # DeepSeek-V4's native names keep the MTP layers apart (mtp.K): its layers.N stop at num_hidden_layers
-        apart = kind == "mtp" or (kind == "layers" and not name.startswith("model."))
+        apart = kind == "mtp" or found.group(1) is None
         if kind == "mtp":
             if index >= m.num_nextn_predict_layers:
                 raise PlanError(f"{name}: MTP layer {index}, but config.json has {m.num_nextn_predict_layers} MTP layer(s)")
@@ -54,7 +56,7 @@ class Experts:
             return None
         if expert >= m.num_experts:
             raise PlanError(f"{name}: expert {expert}, but config.json has {m.num_experts} routed experts")
-        if name.endswith(".weight"):
+        if name.rpartition(".")[2] in CODES_SUFFIXES:  # its weight, dense or quantized (a scale or bias is not)
             self.seen.setdefault(index, set()).add((expert, rule.piece))
         return expert // (m.num_experts // t.ep)
 

@@ -1,6 +1,7 @@
 """The cut of routed experts stored fused [E, ...] (tpshard.arch.fused): one tensor per projection
-of a layer's experts, its intermediate axis cut over moe_tp, the experts axis whole (or, where the
-engine's loader slices it, by EP slot: not built yet, refused).
+of a layer's experts, its intermediate axis cut over moe_tp, the experts axis whole (expert
+parallelism, where the engine's loader slices the experts axis by EP slot, would cut two dims of one
+tensor: not built, refused).
 
 What this file is: `fused_cut`, the Cutting of one parameter of a FusedExperts module from the
 family's FusedParam, and `sinks_cut`, attention sinks [heads] cut with the q heads.
@@ -47,9 +48,11 @@ def fused_cut(name: str, shape: tuple[int, ...], param: str, arch: Arch, model: 
         return Cutting("column", 0, 1, topology.ep, even_cuts(e, topology.ep, e // topology.ep))
     if spec.layout == "whole":  # a row-parallel bias: whole, added once after the reduction
         return Cutting("row_bias", None, g, 1, [Cut(0, 0, shape[0], 0, 0)])
-    if spec.layout == "segmented":
-        raise PlanError(f"{name}: a [gate | up] segmented fused expert tensor has no segment cut in tpshard yet")
     per = intermediate_per_rank(name, i, g, b, topology)
+    if spec.layout == "segmented":  # [gate | up] halves of I each: the rank's slice of each, concatenated
+        if b:
+            raise PlanError(f"{name}: a [gate | up] segmented fused expert tensor in {b}-value blocks has no cut in tpshard")
+        return Cutting("segmented", spec.dim, 1, g, even_cuts(i, g, per), (1,) * spec.per_i)
     # interleaved gate/up: ONE contiguous slice of the 2I axis (the rank's (gate_j, up_j) pairs);
     # single (down): the rank's intermediate columns (or blocks of them).
     kind = "row" if spec.role == "w2" else "column"

@@ -42,6 +42,8 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
     warnings = refuse_topology(ctx, ckpt.config)
     stages_of, where = refuse_pipeline(ctx, ckpt.tensors) or (None, None)  # None: one stage
     head_copy = where is not None and where.head_copy  # tied: SGLang's last stage has its own lm_head.weight
+    if arch.refuse_tensors:
+        arch.refuse_tensors(ckpt.tensors)
     matcher = Matcher(arch.table(model))
     refuse_attention(ctx, matcher, ckpt.tensors)
     if model.tie_word_embeddings and stages_of is None:

@@ -12,9 +12,11 @@ model dtype. Resolution follows the producing tools and the engines:
 - AWQ (`version: gemm` only): every decoder linear except `modules_to_not_convert` (substrings).
 - FP8 (`quant_method: fp8`): block (`weight_block_size`) or per-tensor; every decoder linear except
   lm_head and `modules_to_not_convert` / `ignored_layers` (substrings).
+- auto-round (`quant_method: auto-round`): `packing_format` auto_round:auto_gptq (GPTQ v1) or
+  auto_round:auto_awq (AWQ GEMM), `extra_config` per module, `block_name_to_quantize`; others refused.
 - compressed-tensors: `config_groups[*].targets` (a class name such as `Linear`, `re:<regex>`, or
   an exact module name) minus `ignore` (same forms); the group's (or top-level) `format` picks
-  pack-quantized / float-quantized / nvfp4-pack-quantized.
+  pack-quantized / int-quantized (W8A8 int8) / float-quantized / nvfp4-pack-quantized.
 - MoE router gates (`mlp.gate`, `block_sparse_moe.gate`) are never quantized.
 
 What it is not: no layouts (tpshard.quant.formats), no sharding; `is_linear` comes from the rule
@@ -206,6 +208,51 @@ def _fp8(raw: dict):
     return resolve
 
 
+# ---- auto-round --------------------------------------------------------------------------------
+
+# packing_format -> the layout it writes (SGLang's AutoRoundConfig.SUPPORTED_FORMATS: GPTQ v1 or AWQ GEMM).
+_AUTO_ROUND_LAYOUTS = {"auto_round:auto_gptq": "gptq", "auto_round:auto_awq": "awq"}
+_REGEX_CHARS = set("*+?^$()[]{}|\\")
+
+
+def _auto_round(raw: dict):
+    """quant_method auto-round, as SGLang's AutoRoundConfig reads it: packing_format picks the GPTQ
+    (desc_act off) or AWQ layout; `extra_config` overrides bits / group_size / sym per module (its
+    exact name first, then patterns with regex characters by re.fullmatch; bits >= 16 = dense);
+    `block_name_to_quantize` (or `to_quant_block_names`) limits quantization to modules under those
+    prefixes; lm_head stays dense."""
+    packing = raw.get("packing_format") or "auto_round:auto_gptq"
+    if packing not in _AUTO_ROUND_LAYOUTS:
+        raise ValueError(f"packing_format {packing!r}: tpshard (as SGLang) reads {', '.join(sorted(_AUTO_ROUND_LAYOUTS))}")
+    if (raw.get("data_type") or "int") != "int":
+        raise ValueError(f"data_type {raw.get('data_type')!r}: only int auto-round checkpoints are supported")
+    fmt = _AUTO_ROUND_LAYOUTS[packing]
+    base = (_int(raw, "bits", default=4, lo=1, hi=32), _int(raw, "group_size", default=128), _bool(raw, "sym", True))
+    blocks = raw.get("block_name_to_quantize") or raw.get("to_quant_block_names")
+    blocks = blocks.split(",") if isinstance(blocks, str) else _strings(blocks, "block_name_to_quantize")
+    extra = raw.get("extra_config") or {}
+    if not isinstance(extra, dict) or not all(isinstance(v, dict) for v in extra.values()):
+        raise ValueError("extra_config is not an object of module -> {bits, group_size, sym}")
+    patterns = [(re.compile(k), v) for k, v in extra.items() if any(c in _REGEX_CHARS for c in k)]
+
+    def resolve(module: str) -> QuantSpec | None:
+        override = extra.get(module)  # an exact name counts as quantized (SGLang: get_config(name) defaults)
+        quantized = override is not None or (module != "lm_head" and (not blocks or any(module.startswith(b) for b in blocks)))
+        if override is None:
+            override = next((v for p, v in patterns if p.fullmatch(module)), None)
+        if override is None and not quantized:
+            return None
+        bits, group, sym = base if quantized else (16, -1, True)
+        override = override or {}
+        bits = _int(override, "bits", default=bits, lo=1, hi=32)
+        if bits >= 16:
+            return None
+        group = _int(override, "group_size", default=group)
+        return _spec(format=fmt, bits=bits, group_size=group, sym=_bool(override, "sym", sym))  # type: ignore[arg-type]
+
+    return resolve
+
+
 # ---- compressed-tensors -----------------------------------------------------------------------
 
 
@@ -243,9 +290,19 @@ def _ct_scheme(fmt: str, weights: dict, acts: dict | None) -> QuantSpec:
         if strategy in ("tensor", "channel"):
             return _spec(format=f"ct_fp8_{strategy}", bits=8, static_input=static and strategy == "tensor")  # type: ignore[arg-type]
         raise ValueError(f"float-quantized strategy {strategy!r} is not supported (tensor, channel, block)")
+    if fmt == "int-quantized":  # W8A8 int8 (SGLang CompressedTensorsW8A8Int8)
+        if kind != "int" or bits != 8 or strategy not in ("tensor", "channel") or not weights.get("symmetric", True):
+            raise ValueError(
+                f"int-quantized with {'symmetric' if weights.get('symmetric', True) else 'asymmetric'} {bits}-bit"
+                f" {kind} weights, strategy {strategy!r}: tpshard reads symmetric 8-bit int weights, tensor or channel"
+            )
+        if acts is not None and (acts.get("type", "int") != "int" or acts.get("symmetric", True) is False):
+            raise ValueError("int-quantized with asymmetric or non-int input activations (input_zero_point) is not supported")
+        static = static and (acts or {}).get("strategy", "tensor") == "tensor"
+        return _spec(format=f"ct_int8_{strategy}", bits=8, static_input=static)  # type: ignore[arg-type]
     if fmt == "nvfp4-pack-quantized":
         return _spec(format="ct_nvfp4", bits=4, group_size=16, static_input=acts is not None)
-    raise ValueError(f"compressed-tensors format {fmt!r} is not supported (pack-quantized, float-quantized, nvfp4-pack-quantized)")
+    raise ValueError(f"compressed-tensors format {fmt!r} is not supported (pack-quantized, int-quantized, float-quantized, nvfp4-pack-quantized)")
 
 
 def _compressed_tensors(raw: dict):
@@ -301,4 +358,5 @@ _PARSERS = {
     "awq": _awq,
     "fp8": _fp8,
     "compressed-tensors": _compressed_tensors,
+    "auto-round": _auto_round,
 }

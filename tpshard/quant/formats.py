@@ -17,6 +17,7 @@ Logical convention of `pack_layer` (everything output-major, like nn.Linear.weig
   int formats   codes [N, K] unsigned in [0, 2**bits); scales [N, n_groups]; zeros [N, n_groups]
                 unsigned (None = symmetric: 2**(bits-1)); g_idx [K] group of each k.
   fp8           codes float8_e4m3fn [N, K]; scales per layout (scalar, [N, 1], [ceil(N/bn), ceil(K/bk)]).
+  int8 (W8A8)   codes int8 [N, K] (signed, no zero point); scales [N, 1] or [1], as fp8's.
   nvfp4         codes e2m1 [N, K] (uint8, sign << 3 | idx); scales e4m3 [N, K/16]; global_scale [1].
 Dequantization: W[n, k] = (code - zero[n, g[k]]) * scale[n, g[k]] for int formats, computed in
 float32; with act order (desc_act), g[k] = g_idx[k] (global ids, full scales); otherwise
@@ -50,6 +51,8 @@ FormatName = Literal[
     "ct_fp8_channel",  # ... strategy channel
     "ct_fp8_block",  # ... strategy block
     "ct_nvfp4",  # compressed-tensors "nvfp4-pack-quantized"
+    "ct_int8_channel",  # compressed-tensors "int-quantized" (W8A8 int8), strategy channel: weight_scale [N, 1]
+    "ct_int8_tensor",  # ... strategy tensor: weight_scale [1]
 ]
 
 # How one logical index along N or K maps onto a physical dim (physical = logical * ratio):
@@ -101,6 +104,8 @@ _GPTQ = (
 )
 _FP8_BLOCK_SCALE = (Axis(0, "block_n"), Axis(1, "block_k"))  # [ceil(N/bn), ceil(K/bk)]
 _FP8_WEIGHT = _r("weight", "F8_E4M3", Axis(0, "value"), Axis(1, "value"))  # [N, K]
+_INT8_WEIGHT = _r("weight", "I8", Axis(0, "value"), Axis(1, "value"))  # [N, K], signed codes
+_STATIC_INPUT = _r("input_scale", None, None, None, present="static")  # [1]
 
 LAYOUTS: dict[str, FormatLayout] = {
     "gptq": FormatLayout(name="gptq", int_bits=True, roles=_GPTQ),
@@ -149,7 +154,21 @@ LAYOUTS: dict[str, FormatLayout] = {
         _r("weight_global_scale", "F32", None, None),  # [1]
         _r("input_global_scale", "F32", None, None, present="static"),  # [1]
     )),
+    "ct_int8_channel": FormatLayout(name="ct_int8_channel", int_bits=False, roles=(
+        _INT8_WEIGHT,
+        _r("weight_scale", None, Axis(0, "value"), None),  # [N, 1]
+        _STATIC_INPUT,
+    )),
+    "ct_int8_tensor": FormatLayout(name="ct_int8_tensor", int_bits=False, roles=(
+        _INT8_WEIGHT,
+        _r("weight_scale", None, None, None),  # [1]
+        _STATIC_INPUT,
+    )),
 }
+
+# The suffix of the tensor holding a quantized linear's codes in some format (each layout lists it
+# first): weight, qweight, B, weight_packed. A routed expert counts as present when it is.
+CODES_SUFFIXES = frozenset(layout.roles[0].suffix for layout in LAYOUTS.values())
 
 _WORD_BITS = {"I32": 32, "U8": 8}
 _MARLIN_CHANNELWISE_PERM = 32
@@ -173,6 +192,8 @@ class QuantSpec(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"{self.format}: bits must be one of {SUPPORTED_BITS}, got {self.bits}")
         if self.format in ("awq", "marlin", "ct_nvfp4") and self.bits != 4:
             raise ValueError(f"{self.format} is 4-bit only, got bits={self.bits}")
+        if self.format.startswith("ct_int8_") and self.bits != 8:
+            raise ValueError(f"{self.format} is 8-bit only, got bits={self.bits}")
         if self.format == "ct_nvfp4" and self.group_size != 16:
             raise ValueError(f"ct_nvfp4 has group_size 16, got {self.group_size}")
         if self.format == "marlin" and (self.desc_act or not self.sym):
@@ -390,7 +411,7 @@ def dequantize(spec: QuantSpec, tensors: Mapping[str, torch.Tensor], *, k: int |
         w = t["weight"]
         scale = t["weight_scale_inv" if f == "fp8_block" else "weight_scale"]
         return w.to(torch.float32) * _block_scale(scale, *w.shape, spec.block)
-    if f in ("fp8_tensor", "ct_fp8_tensor", "ct_fp8_channel"):
+    if f in ("fp8_tensor", "ct_fp8_tensor", "ct_fp8_channel", "ct_int8_channel", "ct_int8_tensor"):
         scale = t["weight_scale"].to(torch.float32)  # [], [1] or [N, 1]
         return t["weight"].to(torch.float32) * (scale.reshape(-1, 1) if scale.ndim == 2 else scale.reshape(()))
     if f == "ct_nvfp4":
@@ -462,9 +483,9 @@ def pack_layer(
         if spec.desc_act:
             out["weight_g_idx"] = g_idx.to(torch.int32)
         return out
-    if f in ("fp8_block", "fp8_tensor", "ct_fp8_tensor", "ct_fp8_channel", "ct_fp8_block"):
+    if f in ("fp8_block", "fp8_tensor", "ct_fp8_tensor", "ct_fp8_channel", "ct_fp8_block", "ct_int8_channel", "ct_int8_tensor"):
         name = "weight_scale_inv" if f == "fp8_block" else "weight_scale"
-        out = {"weight": codes.to(torch.float8_e4m3fn), name: scales}
+        out = {"weight": codes.to(torch.int8 if f.startswith("ct_int8_") else torch.float8_e4m3fn), name: scales}
         if spec.static_input:
             out["input_scale"] = input_scale if input_scale is not None else torch.ones(1)
         return out
@@ -529,13 +550,16 @@ def random_layer(
                              input_scale=torch.tensor([1.5]) if spec.static_input else None)
         expected = packing.fp4_to_float(codes) * (scales.float() / global_scale).repeat_interleave(16, 1)
         return tensors, expected
-    w = _random_fp8((n, k), gen)
+    if f.startswith("ct_int8_"):
+        w = torch.randint(-128, 128, (n, k), generator=gen).to(torch.int8)
+    else:
+        w = _random_fp8((n, k), gen)
     if f in ("fp8_block", "ct_fp8_block"):
         bn, bk = spec.block
         scale = torch.rand(-(-n // bn), -(-k // bk), generator=gen, dtype=torch.float32) * 1e-3
         scale = scale.to(scale_dtype if f == "ct_fp8_block" else torch.float32)
         expected = w.float() * scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    elif f == "ct_fp8_channel":
+    elif f in ("ct_fp8_channel", "ct_int8_channel"):
         scale = (torch.rand(n, 1, generator=gen) * 1e-3).to(scale_dtype)
         expected = w.float() * scale.float()
     else:

@@ -30,7 +30,7 @@ from tpshard.errors import PlanError
 from tpshard.quant.formats import QuantSpec, alignment
 from tpshard.quant.shards import (
     ENGINE_MULTIPLES, PAD_BLOCK_FORMATS, engine_warnings, expected_physical_shape, group_findings, misalignment_message,
-    misalignments, pad_blocks_per, physical_cut,
+    misalignments, moe_engine_note, pad_blocks_per, physical_cut,
 )  # fmt: skip
 from tpshard.safetensors_format import TensorInfo
 from tpshard.topology import GroupName, Topology
@@ -78,6 +78,7 @@ class QuantLayers(Generic[K]):
         self.fits: dict[tuple[LogicalLayer, QuantSpec], tuple] = {}  # -> _fit(...)
         self.errors: list[tuple[str, str]] = []  # (tensor, message)
         self.engine = group_findings()
+        self.moe_notes: set[str] = set()  # what SGLang's FusedMoE refuses for these experts (warnings)
         self.kinds: dict[tuple, K] = {}
 
     def _layer(self, module: str, info: TensorInfo, qspec: QuantSpec, rule: object, ep_slot: int | None):
@@ -89,6 +90,8 @@ class QuantLayers(Generic[K]):
         if key not in self.fits:
             self.fits[key] = self._fit(layer, qspec)
         cutting, bad, pad_hint = self.fits[key]
+        if layer.layer_class == "FusedMoE" and (note := moe_engine_note(qspec)):
+            self.moe_notes.add(note)
         cuts = cutting.cuts
         if cutting.dim is not None:
             full = (layer.n, layer.k)[cutting.dim]
@@ -252,7 +255,7 @@ class QuantLayers(Generic[K]):
             raise PlanError(
                 f"{len(self.errors)} quantized tensor cut(s) do not align at {self.topology.describe()}; nothing was written:\n  {shown}{more}"
             )
-        return engine_warnings(self.engine)
+        return engine_warnings(self.engine) + [f"{n}; the split is exact" for n in sorted(self.moe_notes)]
 
 
 # The same quantized cut recurs for every expert and layer; Fraction arithmetic is worth caching.

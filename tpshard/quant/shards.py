@@ -45,6 +45,18 @@ ENGINE_MULTIPLES: dict[str, tuple[str, int, int]] = {
 }
 
 
+def moe_engine_note(spec: QuantSpec) -> str | None:
+    """What SGLang's FusedMoE quant methods refuse to load for routed experts in this format, though
+    the cut is exact (a warning: vLLM or another build may serve it)."""
+    if spec.format == "ct_int" and not spec.sym:
+        return ("asymmetric compressed-tensors experts (weight_zero_point): SGLang's CompressedTensorsWNA16MoE"
+                " asserts symmetric quantization (compressed_tensors_wNa16_moe.py)")
+    if spec.format.startswith("ct_int8_"):
+        return ("int-quantized (W8A8 int8) experts: SGLang's compressed-tensors MoE scheme for them is Ascend NPU"
+                " only, with channel weights and dynamic per-token activations (compressed_tensors_w8a8_int8_moe.py)")
+    return None
+
+
 def side_of(dim: int) -> str:
     return "output" if dim == 0 else "input"
 

@@ -10,6 +10,10 @@ elementwise over the intermediate axis, so each rank's slice gives its partial s
 down bias is added by MoE-TP rank 0 only (SGLang zeroes it on the other ranks), and one
 all-reduce over the group sums the slices.
 
+`SegmentedExperts` is the same for Llama-4 (models/mllama4.py, transformers Llama4TextExperts): no
+biases, gate_up_proj [E, H, 2 I_r] holding the rank's slice of the gate half then of the up half,
+silu(gate) * up.
+
 `sinks_attention` is transformers' eager_attention_forward of gpt-oss on a rank's heads: the
 sink of each head an extra logit column of the softmax, dropped after it; a sliding window keeps
 the `window` most recent positions (the query's own included).
@@ -31,6 +35,8 @@ PARAMS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
 
 class InterleavedExperts(nn.Module):
+    params = PARAMS  # the checkpoint's fused tensors of the layer
+
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, *, group: LogicalGroup,
         alpha: float, limit: float, dtype: torch.dtype, name: str = "", per_rank: int | None = None, ep_size: int = 1,
@@ -48,7 +54,8 @@ class InterleavedExperts(nn.Module):
         i_p = per_rank or divide(intermediate_size, self.moe_tp_size, f"{self.name}: expert intermediate size over MoE-TP")
         self.intermediate_per_rank = i_p
         e, h = self.num_local_experts, hidden_size
-        self.shapes = {"gate_up_proj": (e, h, 2 * i_p), "gate_up_proj_bias": (e, 2 * i_p), "down_proj": (e, i_p, h), "down_proj_bias": (e, h)}
+        shapes = {"gate_up_proj": (e, h, 2 * i_p), "gate_up_proj_bias": (e, 2 * i_p), "down_proj": (e, i_p, h), "down_proj_bias": (e, h)}
+        self.shapes = {p: shapes[p] for p in self.params}
         # Zeros, not empty: a parameter never loaded must not look like plausible weights.
         self.weights = {p: torch.zeros(s, dtype=dtype) for p, s in self.shapes.items()}
         self.reduce_results = True
@@ -61,7 +68,7 @@ class InterleavedExperts(nn.Module):
     def load(self, param: str, tensor: torch.Tensor) -> None:
         """Copy this rank's presharded tensor of `param`; never slices."""
         if param not in self.shapes:
-            raise KeyError(f"{self.name}: no parameter {param!r}; the fused experts have {list(PARAMS)}")
+            raise KeyError(f"{self.name}: no parameter {param!r}; the fused experts have {list(self.params)}")
         if tuple(tensor.shape) != self.shapes[param]:
             raise ValueError(
                 f"{self.name}: {param} has shape {tuple(tensor.shape)}, MoE-TP rank {self.moe_tp_rank}/{self.moe_tp_size}"
@@ -71,7 +78,7 @@ class InterleavedExperts(nn.Module):
         self._loaded.add(param)
 
     def missing_shards(self) -> list[str]:
-        return [p for p in PARAMS if p not in self._loaded]
+        return [p for p in self.params if p not in self._loaded]
 
     def expert(self, e: int, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
         """Local expert e (global id expert_start + e) on tokens x [n, H] over this rank's slice
@@ -102,6 +109,21 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     b = blocks.to(torch.int64)
     vals = torch.stack((lut[b & 0x0F], lut[b >> 4]), dim=-1).flatten(-2)  # [..., G, 32]
     return torch.ldexp(vals, (scales.to(torch.int32) - 127).unsqueeze(-1)).flatten(-2)
+
+
+class SegmentedExperts(InterleavedExperts):
+    params = ("gate_up_proj", "down_proj")
+
+    def expert(self, e: int, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
+        """Expert e on tokens x [n, H] over this rank's slice of I -> [n, H], partial (no biases)."""
+        gu = x @ self.weights["gate_up_proj"][e]  # [n, 2 I_r]: the rank's gate slice, then its up slice
+        return silu_halves(gu) @ self.weights["down_proj"][e]
+
+
+def silu_halves(gu: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of [gate | up] halves [..., 2n] -> [..., n] (transformers Llama4TextExperts)."""
+    g, u = gu.chunk(2, dim=-1)
+    return F.silu(g) * u
 
 
 def swiglu(gu: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:

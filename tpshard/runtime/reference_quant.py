@@ -44,7 +44,8 @@ _FP4_MAX = 6.0  # largest e2m1 value
 def quantize_input(spec: QuantSpec, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x as the layer's static activation quantization leaves it (float32 in, float32 out).
 
-    FP8 with `input_scale` s: e4m3(clamp(x / s)) * s, one scale for the tensor. NVFP4 with
+    FP8 with `input_scale` s: e4m3(clamp(x / s)) * s, one scale for the tensor; int8 (W8A8):
+    clamp(round(x / s), -128, 127) * s. NVFP4 with
     `input_global_scale` g (compressed-tensors' convention, a multiplier): per 16 values along K a
     block scale e4m3(amax / 6 * g), values rounded to e2m1 at block scale / g. Elementwise or per
     16-block along K, so a rank's K-slice (aligned to 16) quantizes as the whole input would.
@@ -58,6 +59,8 @@ def quantize_input(spec: QuantSpec, x: torch.Tensor, scale: torch.Tensor) -> tor
         safe = torch.where(block_scale > 0, block_scale, torch.ones_like(block_scale))
         values = _round_fp4((blocks / safe).clamp(-_FP4_MAX, _FP4_MAX))
         return (values * block_scale).flatten(-2)
+    if spec.format.startswith("ct_int8_"):  # W8A8 int8, static per-tensor: round(x / s) in [-128, 127]
+        return (x / s).round().clamp(-128, 127) * s
     return (x / s).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * s
 
 

@@ -1,16 +1,17 @@
-"""Layer-level verify of gpt-oss's own layer kinds: routed experts stored fused (FusedExperts) and
-attention sinks (AttentionSinks).
+"""Layer-level verify of routed experts stored fused (FusedExperts: gpt-oss, Llama-4) and attention
+sinks (AttentionSinks, gpt-oss).
 
-- **FusedExperts** (`L.mlp.experts`): each rank loads its shards of the four fused tensors into a
-  tpshard.runtime.fused_moe.InterleavedExperts (every expert, its moe_tp slice of I), each shape
-  compared with what the layer expects. Run on `max(--tokens, E)` seeded tokens:
+- **FusedExperts** (gpt-oss `L.mlp.experts`, Llama-4 `L.feed_forward.experts`): each rank loads its
+  shards of the fused tensors into a tpshard.runtime.fused_moe InterleavedExperts or
+  SegmentedExperts, by the family's gate/up layout (tpshard.arch.fused; every expert, its moe_tp
+  slice of I), each shape compared with what the layer expects. Run on `max(--tokens, E)` seeded tokens:
   1. *routed*: every token picks k distinct experts with positive weights, every expert picked,
      all-reduced over tp: each rank's output must equal sum_k w_k expert_k(x) computed in float64
-     from the source tensors (gate/up de-interleaved as transformers' GptOssExperts does, the
-     clamped SwiGLU, both biases);
+     from the source tensors (gpt-oss: gate/up de-interleaved as transformers' GptOssExperts does,
+     the clamped SwiGLU, both biases; Llama-4: the [gate | up] halves, silu(gate) * up);
   2. *one expert per token*, unreduced, without the down bias: each rank's partial output of each
      expert must equal that expert over the rank's slice of I, which says which rank holds what
-     (another MoE-TP rank's slice, the [gate | up] halves read instead of the interleaved pairs).
+     (another MoE-TP rank's slice, the gate/up axis read in the other layout).
 - **AttentionSinks** (`L.self_attn.sinks`): each rank's sinks, concatenated in group-rank order,
   must be the source's, and each group rank's must be its own heads' (not another rank's, not
   every head).
@@ -24,9 +25,10 @@ from collections import defaultdict
 
 import torch
 
+from tpshard.arch import ARCHITECTURES
 from tpshard.manifest import Plan
 from tpshard.runtime import LogicalGroup
-from tpshard.runtime.fused_moe import PARAMS, InterleavedExperts, mxfp4_dequantize, swiglu
+from tpshard.runtime.fused_moe import InterleavedExperts, SegmentedExperts, mxfp4_dequantize, silu_halves, swiglu
 from tpshard.verify.layer_inputs import generator
 from tpshard.verify.layer_specs import Built
 from tpshard.verify.moe_layers import hf_config
@@ -43,6 +45,15 @@ def swiglu_numbers(config: dict) -> tuple[float, float]:
 
 def _param(s) -> str:
     return s.name.rpartition(".")[2]
+
+
+def _layout(plan: Plan) -> str:
+    """The family's gate/up layout of the fused experts: interleaved (gpt-oss) or segmented (Llama-4)."""
+    return ARCHITECTURES[plan.model.architecture].fused_experts.params["gate_up_proj"].layout
+
+
+def _experts_class(plan: Plan):
+    return SegmentedExperts if _layout(plan) == "segmented" else InterleavedExperts
 
 
 def build(lay, plan: Plan, rank: int, tensors, *, dtype: torch.dtype, device: torch.device) -> Built:
@@ -65,7 +76,7 @@ def build(lay, plan: Plan, rank: int, tensors, *, dtype: torch.dtype, device: to
     group = LogicalGroup.of(topo, "tp", rank)
     alpha, limit = swiglu_numbers(hf_config(tensors))
     per = per_rank(plan)
-    module = InterleavedExperts(
+    module = _experts_class(plan)(
         m.num_experts, m.hidden_size, m.moe_intermediate_size, group=group, alpha=alpha, limit=limit, dtype=dtype,
         name=lay.layer, per_rank=per[1] if m.expert_block else None, ep_size=topo.ep,
     ).to(device)  # fmt: skip
@@ -126,15 +137,20 @@ def rank_outputs(built: Built, x: torch.Tensor, lay, plan: Plan, *, seed: int, t
     return {"": (built.group.rank, out.double().cpu()), "partial": (built.group.rank, partial.double().cpu())}
 
 
-def _source_experts(lay, src) -> dict[str, torch.Tensor]:
+def _source_experts(lay, src, params: tuple[str, ...]) -> dict[str, torch.Tensor]:
     names = {_param(s): s.source for s in lay.specs}
     full = dequantized({p: src.raw(n) for p, n in names.items()})
-    return {p: full[p].double() for p in PARAMS if p in full}
+    return {p: full[p].double() for p in params if p in full}
 
 
 def _expert(w: dict, e: int, x: torch.Tensor, cols: slice, alpha: float, limit: float, bias: bool) -> torch.Tensor:
-    """Expert e over the intermediate range `cols` (of I) from the source, in float64."""
-    gu = x @ w["gate_up_proj"][e][:, 2 * cols.start : 2 * cols.stop] + w["gate_up_proj_bias"][e][2 * cols.start : 2 * cols.stop]
+    """Expert e over the intermediate range `cols` (of I) from the source, in float64: gpt-oss's
+    interleaved gate/up with its biases, or (no gate_up_proj_bias) Llama-4's [gate | up] halves."""
+    g = w["gate_up_proj"][e]
+    if "gate_up_proj_bias" not in w:
+        i = g.shape[-1] // 2
+        return silu_halves(torch.cat((x @ g[:, cols], x @ g[:, i + cols.start : i + cols.stop]), -1)) @ w["down_proj"][e][cols]
+    gu = x @ g[:, 2 * cols.start : 2 * cols.stop] + w["gate_up_proj_bias"][e][2 * cols.start : 2 * cols.stop]
     y = swiglu(gu, alpha, limit) @ w["down_proj"][e][cols]
     return y + w["down_proj_bias"][e] if bias else y
 
@@ -182,9 +198,10 @@ def _compare_sinks(lay, sent, src, tol, findings, problems) -> tuple[float, floa
 
 def _compare_experts(lay, plan, sent, src, *, seed, tokens, dtype, tol, findings, problems) -> tuple[float, float]:
     alpha, limit = swiglu_numbers(src.ckpt.config)
-    w = _source_experts(lay, src)
-    if set(w) != set(PARAMS):
-        problems.setdefault(f"the manifest has no {sorted(set(PARAMS) - set(w))} for {lay.layer}")
+    params = _experts_class(plan).params
+    w = _source_experts(lay, src, params)
+    if set(w) != set(params):
+        problems.setdefault(f"the manifest has no {sorted(set(params) - set(w))} for {lay.layer}")
         return 0.0, 1.0
     e_total, i = plan.model.num_experts, plan.model.moe_intermediate_size
     x, ids, weights = experts_inputs(lay, plan, seed=seed, tokens=tokens, dtype=dtype)

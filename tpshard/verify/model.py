@@ -27,8 +27,8 @@ SEQUENCES = 2  # sequences per batch
 
 
 def supported() -> tuple[str, ...]:
-    """The architectures --model runs (`Arch.verify`): the dense decoder's, then the MoE / MLA decoder's."""
-    return tuple(a.name for kind in ("dense", "moe") for a in ARCHITECTURES.values() if a.verify == kind)
+    """The architectures --model runs (`Arch.verify`): the dense decoder's, the MoE / MLA decoder's, Llama-4's."""
+    return tuple(a.name for kind in ("dense", "moe", "llama4") for a in ARCHITECTURES.values() if a.verify == kind)
 
 
 def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> str | None:
@@ -49,6 +49,10 @@ def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> s
     if moe_model.is_moe(plan):  # MoE and MLA architectures: their own decoder (verify/moe_model.py)
         return moe_model.unsupported_reason(plan, config, tokens) or transformers_problem(moe_model.MIN_TRANSFORMERS)
     arch = ARCHITECTURES.get(plan.model.architecture)
+    if arch is not None and arch.verify == "llama4":
+        from tpshard.verify.llama4_model import unsupported_reason as llama4_reason
+
+        return llama4_reason(config) or transformers_problem(moe_model.MIN_TRANSFORMERS)
     if arch is None or arch.verify != "dense":
         return f"model-level verify supports {', '.join(supported())}, not {plan.model.architecture}"
     kind = rope_config(config).get("rope_type", "default")

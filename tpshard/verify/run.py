@@ -100,7 +100,8 @@ def source_problems(job: Job, plan, recorded) -> list[str]:
     if absent or differ:
         what = f"has no {', '.join(absent[:3])}" if absent else f"{differ[0]} has another shape"
         return [f"{job.source}: {what}: not the checkpoint {job.out} was split from"]
-    linear = sorted({s.layer for s in plan.shards if s.kind == "segmented" or s.layer_class == "HeadParameter"})
+    # (fused experts' [gate | up] segments are verified: tpshard.verify.fused_layers)
+    linear = sorted({s.layer for s in plan.shards if (s.kind == "segmented" and s.layer_class != "FusedExperts") or s.layer_class == "HeadParameter"})
     if linear:  # no gated DeltaNet runtime layer (tpshard/arch/qwen_next.py): refused, not skipped
         return [
             f"{plan.model.architecture}: verify has no runtime for gated DeltaNet linear attention ({linear[0]} and"
@@ -248,7 +249,11 @@ def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
         for s in plan.rank_shards(rank)
         if s.layer_class == "Replicated"
     }
-    if is_moe(plan):
+    if arch_for(plan.model).verify == "llama4":
+        from tpshard.verify.llama4_model import Llama4Decoder
+
+        decoder = Llama4Decoder(plan, rank, layers, norms, device, hf_config(tensors))
+    elif is_moe(plan):
         decoder = MoEDecoder(plan, rank, layers, norms, device, tensors.folder, hf_config(tensors))
     else:
         # Only rank 0 reads the source: the RoPE parameters travel from there.
