@@ -59,7 +59,7 @@ class Dims(NamedTuple):
 
 SCALED = Dims(256, 16, 64, 64, 64, 256, 128, 256, 128, 8, 1024, 129280, 61, 3, 1)
 REAL = Dims(7168, 128, 128, 64, 128, 1536, 512, 256, 2048, 1, 18432, 129280, 61, 3, 1)  # DeepSeek-V3's config.json
-SIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
+SIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "I32": 4, "I64": 8, "U8": 1, "I8": 1}
 CHUNK = 64 << 20
 
 
@@ -129,10 +129,22 @@ def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
 
 def write_checkpoint(out: Path, files: int = 163, dims: Dims = SCALED) -> int:
     """DeepSeek-V3 ships 163 files; random bytes (finite bf16 / fp32 scales do not matter to a split)."""
+    items = tensors(dims)
+    write_random_checkpoint(out, items, config(dims), files)
+    return len(items)
+
+
+def write_random_checkpoint(
+    out: Path, items: list[tuple[str, str, tuple[int, ...]]], config: dict, files: int, ints: dict[str, int] | None = None
+) -> int:
+    """`items` (name, dtype, shape) in that order over `files` safetensors files with their index and
+    config.json, written as `out.partial` and renamed. Every byte is random in [0, 0x3F] (finite
+    small bf16 / fp32 / fp8), streamed in 64 MiB chunks so memory stays flat; an I32 tensor named in
+    `ints` holds values in [0, ints[name]) instead (ids the split reads, such as an expert map).
+    Returns the bytes of tensor data."""
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    items = tensors(dims)
     per = -(-len(items) // files)
     rng = np.random.default_rng(0)
     weight_map, total = {}, 0
@@ -151,15 +163,20 @@ def write_checkpoint(out: Path, files: int = 163, dims: Dims = SCALED) -> int:
         raw += b" " * (-len(raw) % 8)
         with open(tmp / name, "wb") as f:
             f.write(struct.pack("<Q", len(raw)) + raw)
-            for at in range(0, offset, CHUNK):  # small positive values, in chunks: memory stays flat
-                f.write(rng.integers(0, 0x3F, min(CHUNK, offset - at), dtype=np.uint8).tobytes())
+            for t, dtype, shape in group:
+                n = nbytes(dtype, shape)
+                if ints and t in ints:
+                    f.write(rng.integers(0, ints[t], n // 4, dtype=np.int32).tobytes())
+                    continue
+                for at in range(0, n, CHUNK):  # small positive values, in chunks: memory stays flat
+                    f.write(rng.integers(0, 0x3F, min(CHUNK, n - at), dtype=np.uint8).tobytes())
         weight_map |= {t: name for t, _, _ in group}
         total += offset
     (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    (tmp / "config.json").write_text(json.dumps(config(dims), indent=1))
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
-    return len(items)
+    return total
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -33,3 +34,88 @@ def test_what_a_benchmark_imports_from_tpshard_exists(script):
 def test_a_benchmark_answers_help(script):
     p = subprocess.run([sys.executable, str(BENCHMARKS / script), "--help"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "usage" in p.stdout.lower(), p.stderr[-500:]
+
+
+# ---- benchmarks/families_bench.py: its generated checkpoints are the families' real layout -----
+
+
+def _families_bench():
+    sys.path.insert(0, str(BENCHMARKS))
+    import families_bench
+
+    return families_bench
+
+
+def _headers(folder: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "np") as h:
+            out |= {n: tuple(h.get_slice(n).get_shape()) for n in h.keys()}
+    return out
+
+
+def _saved_by_transformers(fb, name: str, tmp_path: Path) -> dict[str, tuple[int, ...]]:
+    """What transformers' own model class writes for the case's tiny config (DeepSeek-V4: the
+    release's names, as tests/v4_checkpoint.py writes them from transformers' model)."""
+    import torch
+    import transformers
+
+    case = fb.CASES[name]
+    config = case.config(8, 256, True)
+    torch.manual_seed(0)
+    model = getattr(transformers, case.arch)(config)
+    if case.arch == "DeepseekV4ForCausalLM":
+        from v4_checkpoint import native_tensors
+
+        return {n: tuple(t.shape) for n, t in native_tensors(model, {"n_routed_experts": 8}).items()}
+    model.save_pretrained(tmp_path / "hf")
+    return _headers(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("name", ["gpt-oss", "glm", "minimax", "qwen3.5", "dsv4", "kimi"])
+def test_families_bench_writes_what_transformers_saves_and_tpshard_plans_it(name, tmp_path):
+    """The benchmark's checkpoint (meta-device model, random bits) holds exactly the names and
+    shapes transformers' save_pretrained writes for the same config, and tpshard plans every
+    topology the benchmark splits it at; tpshard's completeness check sees one expert tensor gone
+    (so the names written are the ones it checks, not ones it ignores)."""
+    from tpshard.checkpoint import open_checkpoint
+    from tpshard.errors import CheckpointError, PlanError
+    from tpshard.plan import make_plan
+    from tpshard.topology import Topology
+
+    fb = _families_bench()
+    assert set(fb.CASES) == {"gpt-oss", "glm", "minimax", "qwen3.5", "dsv4", "kimi"}
+    path, count, _ = fb.write_case(tmp_path, name, 8, 256, tiny=True)
+    written = _headers(path)
+    assert len(written) == count
+    assert written == _saved_by_transformers(fb, name, tmp_path)
+    flags = {"--tp": "tp", "--ep": "ep", "--attn-dp": "attn_dp"}
+    for topo in fb.CASES[name].topologies:
+        kw = {flags[k]: int(v) for k, v in zip(topo[::2], topo[1::2])}
+        plan = make_plan(open_checkpoint(path), Topology(**kw))
+        assert plan is not None
+    # the plan sees a missing expert tensor: the generator's names are the ones tpshard checks
+    index = path / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    victim = next(n for n in data["weight_map"] if ".experts." in n)
+    del data["weight_map"][victim]
+    index.write_text(json.dumps(data))
+    with pytest.raises((CheckpointError, PlanError), match="lacks|missing"):
+        make_plan(open_checkpoint(path), Topology(tp=8))
+
+
+@pytest.mark.slow
+def test_families_bench_runs_end_to_end(tmp_path):
+    out = tmp_path / "out.json"
+    p = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "families_bench.py"), "--tiny", "--runs", "1", "--cases", "glm",
+         "--vocab", "256", "--workdir", str(tmp_path / "work"), "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-800:]
+    (case,) = json.loads(out.read_text())["cases"]
+    assert list(case["rows"]) == ["cp -r", "split --tp 8", "split --tp 8 --ep 8 --attn-dp 2"]
+    assert all(r["time_s"] > 0 and r["maxrss_mib"] > 0 for r in case["rows"].values())
+    assert not any((tmp_path / "work").iterdir())  # the checkpoint and outputs are deleted

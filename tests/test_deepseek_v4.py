@@ -56,17 +56,18 @@ def engine_rank_tensor(name: str, t: torch.Tensor, rank: int, topo: Topology) ->
         return t if topo.attn_dp > 1 else rows(t, rank, topo.tp)
     if name == "head.weight":  # ParallelLMHead over tp
         return rows(t, rank, topo.tp)
-    if re.search(r"\.attn\.(wq_b|wo_a)\.weight$", name) and ".indexer." not in name:  # ColumnParallelLinear, attn_tp
+    # A quantized linear's scale (the FP8 release's `.scale`) is cut as its weight, in whole blocks
+    if re.search(r"\.attn\.(wq_b|wo_a)\.(weight|scale)$", name) and ".indexer." not in name:  # ColumnParallelLinear, attn_tp
         return rows(t, a, attn_tp)
-    if name.endswith(".attn.wo_b.weight"):  # RowParallelLinear, attn_tp
+    if re.search(r"\.attn\.wo_b\.(weight|scale)$", name):  # RowParallelLinear, attn_tp
         return rows(t, a, attn_tp, 1)
-    m = re.search(r"\.ffn\.experts\.(\d+)\.(w\d)\.weight$", name)
+    m = re.search(r"\.ffn\.experts\.(\d+)\.(w\d)\.(weight|scale)$", name)
     if m:  # FusedMoE: E / ep experts per EP slot, each over moe_tp
         slot, in_slot = divmod(rank, moe_tp)
         if int(m.group(1)) // (E // topo.ep) != slot:
             return None
         return rows(t, in_slot, moe_tp, 1 if m.group(2) == "w2" else 0)
-    m = re.search(r"\.ffn\.shared_experts\.(w\d)\.weight$", name)
+    m = re.search(r"\.ffn\.shared_experts\.(w\d)\.(weight|scale)$", name)
     if m:  # DeepseekV2MLP over the full tp
         return rows(t, rank, topo.tp, 1 if m.group(1) == "w2" else 0)
     return t  # everything else whole: wq_a, wkv, norms, attn_sink, compressors, indexer, mHC, router, tid2eid
@@ -144,7 +145,7 @@ def test_topology_refusals(v4, tmp_path, args, message):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}), "the quantized release"),
+        (dict(quantization_config={"quant_method": "gptq", "bits": 4}), "tpshard splits DeepSeek-V4 in bf16 or in its release's form"),
         (dict(compress_ratios=None), "no compress_ratios / num_hash_layers"),
         (dict(compress_ratios=[0, 4, 64, 4]), "must give each of the 4 layers 0, 4 or 128"),
         (dict(num_nextn_predict_layers=2), 'asserts "Only 1 nextn layer is supported"'),

@@ -189,6 +189,7 @@ def _moe_mla_info(config: dict) -> dict:
         )
     if g("o_groups"):  # DeepSeek-V4 (tpshard/arch/deepseek_v4.py): LoRA query, grouped output projection
         info.update(q_lora_rank=int(g("q_lora_rank") or 0), o_groups=int(g("o_groups")), o_lora_rank=int(g("o_lora_rank") or 0))
+        info.update(index_n_heads=int(g("index_n_heads") or 0), index_head_dim=int(g("index_head_dim") or 0))
     if experts and str((config.get("quantization_config") or {}).get("quant_method", "")).lower() == "mxfp4":
         info.update(expert_block=32)  # gpt-oss MXFP4: the fused experts in 32-value blocks
     if experts or g("kv_lora_rank"):  # DeepSeek's and GLM's MTP layers, stored as layers num_hidden_layers, ...

@@ -89,6 +89,9 @@ SHAPES: dict[str, Callable[[ModelInfo], tuple[int, ...]]] = {
     "v4_kv": lambda m: (m.head_dim, m.hidden_size),
     "v4_o_a": lambda m: (m.o_groups * m.o_lora_rank, m.num_heads * m.head_dim // max(m.o_groups, 1)),
     "v4_o_b": lambda m: (m.hidden_size, m.o_groups * m.o_lora_rank),
+    "v4_index_q_b": lambda m: (m.index_n_heads * m.index_head_dim, m.q_lora_rank or 0),
+    "v4_index_w": lambda m: (m.index_n_heads, m.hidden_size),
+    "square": lambda m: (m.hidden_size, m.hidden_size),  # DeepSeek-V4's MTP e_proj / h_proj
     "q_norm": lambda m: (m.num_heads * m.head_dim,),  # [heads * head_dim]: MiniMax-M2's norm over every head
     "k_norm": lambda m: (m.num_kv_heads * m.head_dim,),
     # Gated attention (Qwen3.5 / Qwen3-Next full-attention layers): q_proj holds per head [q_h | gate_h].

@@ -37,8 +37,11 @@ the engine layer names below are what that remap makes of them. What a rank hold
 - config.json: SGLang indexes `compress_ratios[layer_id]` (asserting 0, 4 or 128), reads
   `num_hash_layers`, and asserts num_key_value_heads == 1. transformers' own save of a V4 model
   drops those keys and renames tensors (`model.layers.N.self_attn.*`, `attn.norm` for
-  `attn.kv_norm`): refused in one line, as is the FP8 + FP4 release (its quantization_config) until
-  tpshard cuts its scales as the engine does.
+  `attn.kv_norm`): refused in one line.
+- The FP8 + FP4 release (quantization_config quant_method fp8, expert_dtype fp4): resolved by
+  tpshard.quant.config (formats dsv4_fp8 / dsv4_fp4: `<module>.scale`, which SGLang's remap reads as
+  weight_scale_inv); each scale cut with its weight in whole blocks by tpshard.quant, wo_a kept FP8
+  (SGLang dequantizes it whole at load, then cuts it: the same rows). Other quant methods refused.
 - Pipeline stages: refused (no per-stage layout on record). verify --model: refused (no V4 decoder:
   compressors, indexer, mHC); `verify` checks every layer at layer level. Export: refused.
 """
@@ -73,7 +76,8 @@ RULES: tuple[Rule, ...] = (
     Rule(A + r"((?:indexer\.)?compressor)\.wkv", "ReplicatedLinear", "replicated", SA + r"\2.wkv_gate", "wkv"),
     Rule(A + r"((?:indexer\.)?compressor)\.wgate", "ReplicatedLinear", "replicated", SA + r"\2.wkv_gate", "wgate"),
     Rule(A + r"((?:indexer\.)?compressor(?:\.norm)?)", "Replicated", "replicated", SA + r"\2"),  # ape, norm
-    Rule(A + r"indexer\.(wq_b|weights_proj)", "ReplicatedLinear", "replicated", SA + r"indexer.\2"),
+    Rule(A + r"indexer\.wq_b", "ReplicatedLinear", "replicated", SA + r"indexer.wq_b", shape="v4_index_q_b"),
+    Rule(A + r"indexer\.weights_proj", "ReplicatedLinear", "replicated", SA + r"indexer.weights_proj", shape="v4_index_w"),
     # The router: weight, fp32 bias (SGLang's e_score_correction_bias) or the hash layers' tid2eid, all
     # whole. Held as plain tensors ("Replicated": verify compares their bytes), as the router's
     # sqrtsoftplus scoring and hash routing are not tpshard.runtime.moe.route's
@@ -85,7 +89,7 @@ RULES: tuple[Rule, ...] = (
     Rule(F + r"shared_experts\.w3", "MergedColumnParallelLinear", "shared_expert", MLP + "shared_experts.gate_up_proj", "up", "shared_up", moe=True),
     Rule(F + r"shared_experts\.w2", "RowParallelLinear", "shared_expert", MLP + "shared_experts.down_proj", shape="shared_down", moe=True),
     # The MTP layer's own (deepseek_v4_nextn.py DeepseekV4ModelNextN)
-    Rule(r"(mtp\.\d+)\.(e_proj|h_proj)", "ReplicatedLinear", "replicated", r"model.\1.\2"),
+    Rule(r"(mtp\.\d+)\.(e_proj|h_proj)", "ReplicatedLinear", "replicated", r"model.\1.\2", shape="square"),
     Rule(r"(mtp\.\d+)\.(enorm|hnorm|norm)", "Replicated", "replicated", r"model.\1.\2"),
     Rule(r"(mtp\.\d+)\.emb\.tok_emb", "VocabParallelEmbedding", "embed", r"model.\1.embed_tokens", shape="vocab"),
     Rule(r"(mtp\.\d+)\.head", "ParallelLMHead", "lm_head", r"model.\1.shared_head.head", shape="vocab"),
@@ -95,7 +99,7 @@ RULES: tuple[Rule, ...] = (
 # one of V4's bare parameters (mHC, the sink, a compressor's ape, the router's bias and tid2eid).
 NAMES = (
     r"hc_head_(?:fn|base|scale)|(?:layers|mtp)\.\d+\.(?:hc_(?:attn|ffn|head)_(?:fn|base|scale)|attn\.attn_sink"
-    r"|attn\.(?:indexer\.)?compressor\.ape|ffn\.gate\.(?:bias|tid2eid))|.+\.weight"
+    r"|attn\.(?:indexer\.)?compressor\.ape|ffn\.gate\.(?:bias|tid2eid))|.+\.weight|.+\.scale"
 )
 HC = ("fn", "base", "scale")
 COMPRESSOR = ("wkv.weight", "wgate.weight", "ape", "norm.weight")
@@ -146,12 +150,14 @@ def expected(model: ModelInfo, config: dict):
 
 
 def refuse_config(config: dict, model: ModelInfo) -> None:
-    """What SGLang's DeepseekV4 classes read or assert of config.json, and what tpshard does not cut yet."""
+    """What SGLang's DeepseekV4 classes read or assert of config.json, and quant methods other than the release's."""
     name = model.architecture
-    if config_value(config, "quantization_config") is not None:
+    quant = config_value(config, "quantization_config")
+    if quant is not None and (not isinstance(quant, dict) or str(quant.get("quant_method", "")).lower() != "fp8"):
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
         raise PlanError(
-            f"{name}: the quantized release (FP8 dense weights with 128x128 ue8m0 block scales, FP4 routed"
-            " experts) is not supported yet; tpshard splits the bf16 checkpoint in the release's native names"
+            f"{name}: quantization_config quant_method {method!r}; tpshard splits DeepSeek-V4 in bf16 or in its"
+            " release's form (quant_method fp8: FP8 linears with 128x128 ue8m0 block scales, FP4 routed experts)"
         )
     ratios = config_value(config, "compress_ratios")
     if ratios is None or config_value(config, "num_hash_layers") is None:

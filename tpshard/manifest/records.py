@@ -89,6 +89,8 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # DeepSeek-V4: the grouped output projection (wo_a [o_groups * o_lora_rank, heads * head_dim / o_groups])
     o_groups: int = 0
     o_lora_rank: int = 0
+    index_n_heads: int = 0  # its ratio-4 layers' indexer (wq_b [index_n_heads * index_head_dim, q_lora_rank])
+    index_head_dim: int = 0
     # Routed experts stored in blocks of this many intermediate values (gpt-oss MXFP4: 32), cut in
     # whole blocks, ceil(blocks / moe_tp) per rank; 0: not block-quantized.
     expert_block: int = 0

@@ -12,6 +12,8 @@ model dtype. Resolution follows the producing tools and the engines:
 - AWQ (`version: gemm` only): every decoder linear except `modules_to_not_convert` (substrings).
 - FP8 (`quant_method: fp8`): block (`weight_block_size`) or per-tensor; every decoder linear except
   lm_head and `modules_to_not_convert` / `ignored_layers` (substrings).
+- DeepSeek-V4's release (`quant_method: fp8` in a `model_type: deepseek_v4` config): every linear
+  dsv4_fp8 (`<module>.scale`), the routed experts dsv4_fp4 per the config's `expert_dtype`.
 - auto-round (`quant_method: auto-round`): `packing_format` auto_round:auto_gptq (GPTQ v1) or
   auto_round:auto_awq (AWQ GEMM), `extra_config` per module, `block_name_to_quantize`; others refused.
 - compressed-tensors: `config_groups[*].targets` (a class name such as `Linear`, `re:<regex>`, or
@@ -65,8 +67,11 @@ def read_quant_config(folder: str | Path, config: dict) -> QuantConfig | None:
     if not isinstance(raw, dict):
         raise CheckpointError(f"quantization_config is {type(raw).__name__}, not an object")
     method = str(raw.get("quant_method", "")).lower()
+    v4 = method == "fp8" and config.get("model_type") == "deepseek_v4"
+    if v4:  # its scales are `<module>.scale`, its experts FP4 per config.json's top-level expert_dtype
+        raw = {**raw, "expert_dtype": config.get("expert_dtype")}
     try:
-        parser = _PARSERS[method]
+        parser = _deepseek_v4 if v4 else _PARSERS[method]
     except KeyError:
         said = f"quant_method {method!r} is not supported" if raw.get("quant_method") is not None else "names no quant_method"
         raise CheckpointError(f"quantization_config {said}; supported: {', '.join(sorted(_PARSERS))}") from None
@@ -188,14 +193,21 @@ def _strings(value: object, key: str) -> list[str]:
 # ---- FP8 (DeepSeek-V3 block, AutoFP8 per-tensor) ------------------------------------------------
 
 
-def _fp8(raw: dict):
+def _block(raw: dict) -> tuple[int, int] | None:
     block = raw.get("weight_block_size")
+    if not block:
+        return None
+    if not (isinstance(block, list) and len(block) == 2):
+        raise ValueError(f"weight_block_size = {block!r} is not [block_n, block_k]")
+    bn, bk = (_int({"weight_block_size": b}, "weight_block_size", default=128, lo=1) for b in block)
+    return bn, bk
+
+
+def _fp8(raw: dict):
+    block = _block(raw)
     static = raw.get("activation_scheme", "dynamic") == "static"
     if block:
-        if not (isinstance(block, list) and len(block) == 2):
-            raise ValueError(f"weight_block_size = {block!r} is not [block_n, block_k]")
-        bn, bk = (_int({"weight_block_size": b}, "weight_block_size", default=128, lo=1) for b in block)
-        spec = _spec(format="fp8_block", bits=8, block=(bn, bk), static_input=static)
+        spec = _spec(format="fp8_block", bits=8, block=block, static_input=static)
     else:
         spec = _spec(format="fp8_tensor", bits=8, static_input=static)
     skip = _strings(raw.get("modules_to_not_convert"), "modules_to_not_convert") + _strings(raw.get("ignored_layers"), "ignored_layers")
@@ -206,6 +218,26 @@ def _fp8(raw: dict):
         return spec
 
     return resolve
+
+
+_V4_EXPERT = re.compile(r"(?:layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]")
+
+
+def _deepseek_v4(raw: dict):
+    """DeepSeek-V4's release (quant_method fp8, 128x128 blocks, scale_fmt ue8m0): every linear FP8
+    with its block scale in `<module>.scale`, the routed experts FP4 (config.json expert_dtype "fp4",
+    SGLang's and vLLM's default; "fp8": FP8 blocks like the rest). A replicated linear the checkpoint
+    keeps in bf16 (no .scale) stays dense (tpshard.plan.make); so do the router and the embedding."""
+    block = _block(raw)
+    if block is None or raw.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError("DeepSeek-V4's FP8 release has weight_block_size and a dynamic activation_scheme")
+    expert = raw.get("expert_dtype") or "fp4"
+    if expert not in ("fp4", "fp8"):
+        raise ValueError(f"expert_dtype {expert!r}: DeepSeek-V4's routed experts are fp4 or fp8")
+    dense = _spec(format="dsv4_fp8", bits=8, block=block)
+    experts = _spec(format="dsv4_fp4", bits=4, group_size=32, block=block) if expert == "fp4" else dense
+    skip = _strings(raw.get("modules_to_not_convert"), "modules_to_not_convert")
+    return lambda module: None if any(s in module for s in skip) else experts if _V4_EXPERT.fullmatch(module) else dense
 
 
 # ---- auto-round --------------------------------------------------------------------------------

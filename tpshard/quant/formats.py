@@ -53,6 +53,8 @@ FormatName = Literal[
     "ct_nvfp4",  # compressed-tensors "nvfp4-pack-quantized"
     "ct_int8_channel",  # compressed-tensors "int-quantized" (W8A8 int8), strategy channel: weight_scale [N, 1]
     "ct_int8_tensor",  # ... strategy tensor: weight_scale [1]
+    "dsv4_fp8",  # DeepSeek-V4's release: FP8 weight + `scale` [ceil(N/128), ceil(K/128)] (ue8m0: F8_E8M0)
+    "dsv4_fp4",  # DeepSeek-V4's routed experts: I8 [N, K/2] e2m1 pairs + `scale` E8M0 [N, K/32]
 ]
 
 # How one logical index along N or K maps onto a physical dim (physical = logical * ratio):
@@ -164,13 +166,24 @@ LAYOUTS: dict[str, FormatLayout] = {
         _r("weight_scale", None, None, None),  # [1]
         _STATIC_INPUT,
     )),
+    # DeepSeek-V4: `<module>.scale` (SGLang's deepseek_v4.py reads it as weight_scale_inv), F8_E8M0 or F32
+    "dsv4_fp8": FormatLayout(name="dsv4_fp8", int_bits=False, roles=(
+        _FP8_WEIGHT,
+        _r("scale", None, *_FP8_BLOCK_SCALE),
+    )),
+    # Routed experts: two e2m1 codes a byte (low nibble = even k) stored as I8, one E8M0 scale per 32
+    # inputs (SGLang fp8.py Fp8MoEMethod with is_fp4_experts; its DSV4_DEQUANT_FP4_TABLE)
+    "dsv4_fp4": FormatLayout(name="dsv4_fp4", int_bits=False, roles=(
+        _r("weight", "I8", Axis(0, "value"), Axis(1, "packed")),  # [N, K/2]
+        _r("scale", None, Axis(0, "value"), Axis(1, "group")),  # [N, K/32]
+    )),
 }
 
 # The suffix of the tensor holding a quantized linear's codes in some format (each layout lists it
 # first): weight, qweight, B, weight_packed. A routed expert counts as present when it is.
 CODES_SUFFIXES = frozenset(layout.roles[0].suffix for layout in LAYOUTS.values())
 
-_WORD_BITS = {"I32": 32, "U8": 8}
+_WORD_BITS = {"I32": 32, "U8": 8, "I8": 8}
 _MARLIN_CHANNELWISE_PERM = 32
 
 
@@ -196,6 +209,8 @@ class QuantSpec(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"{self.format} is 8-bit only, got bits={self.bits}")
         if self.format == "ct_nvfp4" and self.group_size != 16:
             raise ValueError(f"ct_nvfp4 has group_size 16, got {self.group_size}")
+        if self.format == "dsv4_fp4" and (self.bits, self.group_size) != (4, 32):
+            raise ValueError(f"dsv4_fp4 is 4-bit with group_size 32, got bits={self.bits} group_size={self.group_size}")
         if self.format == "marlin" and (self.desc_act or not self.sym):
             raise ValueError("legacy Marlin is symmetric without act order (desc_act=False, sym=True)")
         if self.group_size != -1 and self.group_size < 1:
@@ -333,6 +348,8 @@ def alignment(spec: QuantSpec, n: int, k: int) -> tuple[int, int]:
 
 # ---- dequantize ---------------------------------------------------------------------------------
 
+_BLOCK_SCALE_SUFFIX = {"fp8_block": "weight_scale_inv", "ct_fp8_block": "weight_scale", "dsv4_fp8": "scale"}
+
 
 def _group_index(spec: QuantSpec, k: int, g_idx: torch.Tensor | None) -> torch.Tensor:
     """Group of each of the `k` input features: g_idx (act order, global ids) or k // G (local)."""
@@ -407,10 +424,13 @@ def dequantize(spec: QuantSpec, tensors: Mapping[str, torch.Tensor], *, k: int |
         else:
             zeros = packing.unpack_int32(t["weight_zero_point"], b, dim=0, length=n)  # [N, K/G]
         return _int_weight(codes, zeros, scales, _group_index(spec, k, t.get("weight_g_idx")))
-    if f in ("fp8_block", "ct_fp8_block"):
+    if f in ("fp8_block", "ct_fp8_block", "dsv4_fp8"):
         w = t["weight"]
-        scale = t["weight_scale_inv" if f == "fp8_block" else "weight_scale"]
+        scale = t[_BLOCK_SCALE_SUFFIX[f]]
         return w.to(torch.float32) * _block_scale(scale, *w.shape, spec.block)
+    if f == "dsv4_fp4":
+        values = packing.fp4_to_float(packing.unpack_fp4(t["weight"].view(torch.uint8), dim=1))  # [N, K]
+        return values * t["scale"].to(torch.float32).repeat_interleave(32, 1)[:, : values.shape[1]]
     if f in ("fp8_tensor", "ct_fp8_tensor", "ct_fp8_channel", "ct_int8_channel", "ct_int8_tensor"):
         scale = t["weight_scale"].to(torch.float32)  # [], [1] or [N, 1]
         return t["weight"].to(torch.float32) * (scale.reshape(-1, 1) if scale.ndim == 2 else scale.reshape(()))
@@ -483,8 +503,10 @@ def pack_layer(
         if spec.desc_act:
             out["weight_g_idx"] = g_idx.to(torch.int32)
         return out
-    if f in ("fp8_block", "fp8_tensor", "ct_fp8_tensor", "ct_fp8_channel", "ct_fp8_block", "ct_int8_channel", "ct_int8_tensor"):
-        name = "weight_scale_inv" if f == "fp8_block" else "weight_scale"
+    if f == "dsv4_fp4":
+        return {"weight": packing.pack_fp4(codes, dim=1).view(torch.int8), "scale": scales}  # [N, K/2], [N, K/32]
+    if f in ("fp8_block", "fp8_tensor", "ct_fp8_tensor", "ct_fp8_channel", "ct_fp8_block", "ct_int8_channel", "ct_int8_tensor", "dsv4_fp8"):
+        name = _BLOCK_SCALE_SUFFIX.get(f, "weight_scale")
         out = {"weight": codes.to(torch.int8 if f.startswith("ct_int8_") else torch.float8_e4m3fn), name: scales}
         if spec.static_input:
             out["input_scale"] = input_scale if input_scale is not None else torch.ones(1)
@@ -550,14 +572,21 @@ def random_layer(
                              input_scale=torch.tensor([1.5]) if spec.static_input else None)
         expected = packing.fp4_to_float(codes) * (scales.float() / global_scale).repeat_interleave(16, 1)
         return tensors, expected
+    if f == "dsv4_fp4":
+        codes = torch.randint(0, 16, (n, k), generator=gen)
+        scales = (2.0 ** torch.randint(-8, 3, (n, -(-k // 32)), generator=gen).float()).to(torch.float8_e8m0fnu)
+        expected = packing.fp4_to_float(codes) * scales.float().repeat_interleave(32, 1)[:, :k]
+        return pack_layer(spec, codes, scales), expected
     if f.startswith("ct_int8_"):
         w = torch.randint(-128, 128, (n, k), generator=gen).to(torch.int8)
     else:
         w = _random_fp8((n, k), gen)
-    if f in ("fp8_block", "ct_fp8_block"):
+    if f in ("fp8_block", "ct_fp8_block", "dsv4_fp8"):
         bn, bk = spec.block
         scale = torch.rand(-(-n // bn), -(-k // bk), generator=gen, dtype=torch.float32) * 1e-3
         scale = scale.to(scale_dtype if f == "ct_fp8_block" else torch.float32)
+        if f == "dsv4_fp8":  # ue8m0: powers of two
+            scale = torch.exp2(torch.round(torch.log2(scale))).to(torch.float8_e8m0fnu)
         expected = w.float() * scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
     elif f in ("ct_fp8_channel", "ct_int8_channel"):
         scale = (torch.rand(n, 1, generator=gen) * 1e-3).to(scale_dtype)

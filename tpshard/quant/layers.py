@@ -29,8 +29,8 @@ from tpshard.cuts import Cutting, even_cuts
 from tpshard.errors import PlanError
 from tpshard.quant.formats import QuantSpec, alignment
 from tpshard.quant.shards import (
-    ENGINE_MULTIPLES, PAD_BLOCK_FORMATS, engine_warnings, expected_physical_shape, group_findings, misalignment_message,
-    misalignments, moe_engine_note, pad_blocks_per, physical_cut,
+    ENGINE_MULTIPLES, PAD_BLOCK_FORMATS, engine_warnings, expected_physical_shape, fp4_expert_blocks, group_findings,
+    misalignment_message, misalignments, moe_engine_note, pad_blocks_per, physical_cut,
 )  # fmt: skip
 from tpshard.safetensors_format import TensorInfo
 from tpshard.topology import GroupName, Topology
@@ -119,6 +119,8 @@ class QuantLayers(Generic[K]):
             full = (n, k)[cutting.dim]
             roles = qspec.roles()
             bad = misalignments(qspec, roles, cutting.dim, full, cutting.cuts)
+            if not bad and qspec.format == "dsv4_fp4" and layer.layer_class == "FusedMoE":
+                bad = fp4_expert_blocks(qspec, cutting.dim, cutting.cuts)
             if bad and qspec.format in PAD_BLOCK_FORMATS and layer.padded:
                 atom = alignment(qspec, n, k)[cutting.dim]
                 per = pad_blocks_per(qspec, full, cutting.group_size, atom)

@@ -31,6 +31,7 @@ _UNIT = {
     "tile": "Marlin {atom}-row tile",
     "marlin_n": "Marlin {atom}-column permutation unit (shards need multiples of 64 output columns)",
     "perm64": "Marlin {atom}-column scale permutation",
+    "fp4_moe": "{atom}-multiple of the expert intermediate size per rank that SGLang's Fp8MoEMethod asks of FP4 experts (weight_block_size)",
 }
 PAD_BLOCK_FORMATS = ("fp8_block", "ct_fp8_block")
 
@@ -55,6 +56,17 @@ def moe_engine_note(spec: QuantSpec) -> str | None:
         return ("int-quantized (W8A8 int8) experts: SGLang's compressed-tensors MoE scheme for them is Ascend NPU"
                 " only, with channel weights and dynamic per-token activations (compressed_tensors_w8a8_int8_moe.py)")
     return None
+
+
+def fp4_expert_blocks(spec: QuantSpec, dim: int, cuts: list[Cut]) -> list[tuple[TensorRole, Cut, str, int]]:
+    """DeepSeek-V4's FP4 experts, exact at any 32-multiple, are allocated by SGLang's Fp8MoEMethod
+    (fp8.py create_fp8_moe_weight_) under the block check of quantization_config's weight_block_size:
+    each moe_tp rank's intermediate size a multiple of block_n (gate / up) and of block_k (down), or
+    it raises ValueError (down's only when moe_tp > 1). The same refusal, as (role, cut, step, atom)."""
+    if dim == 1 and len(cuts) < 2:
+        return []
+    atom = spec.block[0 if dim == 0 else 1]
+    return [(spec.roles()[0], c, "fp4_moe", atom) for c in cuts if c.start % atom or c.length % atom]
 
 
 def side_of(dim: int) -> str:
