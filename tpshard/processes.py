@@ -1,4 +1,4 @@
-"""Copy jobs on forked worker processes, for the writer (docs/performance.md, "Processes").
+"""Copy jobs on forked worker processes, for split's writer and check's reassembly (docs/performance.md, "Processes").
 
 Why processes: a copy of many small tensors is Python per tensor and per shard, and two threads
 share one interpreter lock (a second thread gained 14 % on 9k tensors; a second process nearly
