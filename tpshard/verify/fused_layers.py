@@ -31,7 +31,7 @@ from tpshard.runtime import LogicalGroup
 from tpshard.runtime.fused_moe import InterleavedExperts, SegmentedExperts, mxfp4_dequantize, silu_halves, swiglu
 from tpshard.verify.layer_inputs import generator
 from tpshard.verify.layer_specs import Built
-from tpshard.verify.moe_layers import hf_config
+from tpshard.verify.moe_layers import hf_config, judge_routed
 from tpshard.verify.report import LayerResult
 
 FUSED_CLASSES = ("FusedExperts", "AttentionSinks")
@@ -207,20 +207,8 @@ def _compare_experts(lay, plan, sent, src, *, seed, tokens, dtype, tol, findings
     x, ids, weights = experts_inputs(lay, plan, seed=seed, tokens=tokens, dtype=dtype)
     x = x.double()
     full = slice(0, i)
-    ref = torch.zeros_like(x)
-    for j in range(ids.shape[1]):
-        for e in range(e_total):
-            rows = ids[:, j] == e
-            ref[rows] += weights[rows, j, None].double() * _expert(w, e, x[rows], full, alpha, limit, True)
-    scale = ref.abs().max().item() or 1.0
-    max_abs = 0.0
-    for rank, msg in sent.items():
-        if "" not in msg["outputs"]:
-            continue
-        err = (msg["outputs"][""][1] - ref).abs().max().item()
-        max_abs = max(max_abs, err)
-        if err / scale > tol:
-            findings["routed output differs from the source's"].append(rank)
+    routed = lambda e, rows: _expert(w, e, x[rows], full, alpha, limit, True)  # noqa: E731
+    max_abs, scale = judge_routed(sent, x, ids, weights, e_total, routed, tol, findings)
     moe_tp, local = plan.topology.moe_tp, e_total // plan.topology.ep
     ranges = [slice(r.start, r.stop) for r in per_rank(plan)[0]]
     for rank, msg in sent.items():

@@ -359,6 +359,27 @@ def _compare_replicated(lay, plan, sent, src, *, seed, tokens, dtype, tol, findi
     return max_abs, scale
 
 
+def judge_routed(sent, x, ids, w, e_total: int, expert_out, tol: float, findings) -> tuple[float, float]:
+    """The routed run of an experts layer judged: each rank's all-reduced output against
+    sum_k w_k expert_k(x) in float64, where expert_out(e, rows) is expert e of the source on
+    x[rows]. Returns (the largest error, the reference's scale)."""
+    ref = torch.zeros_like(x)
+    for j in range(ids.shape[1]):
+        for e in range(e_total):
+            rows = ids[:, j] == e
+            ref[rows] += w[rows, j, None].double() * expert_out(e, rows)
+    scale = ref.abs().max().item() or 1.0
+    max_abs = 0.0
+    for rank, msg in sent.items():
+        if "" not in msg["outputs"]:
+            continue
+        err = (msg["outputs"][""][1] - ref).abs().max().item()
+        max_abs = max(max_abs, err)
+        if err / scale > tol:
+            findings["routed output differs from the source's"].append(rank)
+    return max_abs, scale
+
+
 def _compare_experts(lay, plan, sent, src, *, seed, tokens, dtype, tol, findings, problems) -> tuple[float, float]:
     topo = plan.topology
     e_total, i_e, _ = _experts_numbers(lay, plan)
@@ -374,20 +395,7 @@ def _compare_experts(lay, plan, sent, src, *, seed, tokens, dtype, tol, findings
     x = x.double()
     full = {e: [_source_weight(lay, plan, src, by_expert[(e, p)]) for p in ("gate", "up", "down")] for e in range(e_total)}
     per_expert = {e: _expert_out(x, *full[e]) for e in range(e_total)}  # [T, H] each, unweighted
-    ref = torch.zeros_like(x)
-    for j in range(ids.shape[1]):
-        for e in range(e_total):
-            rows = ids[:, j] == e
-            ref[rows] += w[rows, j, None].double() * per_expert[e][rows]
-    scale = ref.abs().max().item() or 1.0
-    max_abs = 0.0
-    for rank, msg in sent.items():
-        if "" not in msg["outputs"]:
-            continue
-        err = (msg["outputs"][""][1] - ref).abs().max().item()
-        max_abs = max(max_abs, err)
-        if err / scale > tol:
-            findings["routed output differs from the source's"].append(rank)
+    max_abs, scale = judge_routed(sent, x, ids, w, e_total, lambda e, rows: per_expert[e][rows], tol, findings)
 
     # One expert per token, unreduced: which expert on which rank, and what it holds instead.
     moe_tp, per_slot = topo.moe_tp, e_total // topo.ep
