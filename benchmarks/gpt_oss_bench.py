@@ -23,21 +23,17 @@ import argparse
 import json
 import os
 import shutil
-import struct
 import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from moe_bench import write_random_checkpoint  # noqa: E402
 from split_bench import drop, measure, median, warm  # noqa: E402
 
 H, NH, KV, HD, E, I, VOCAB, K = 2880, 64, 8, 64, 128, 2880, 201088, 4
-SIZE = {"BF16": 2, "U8": 1}
-CHUNK = 64 << 20
 
 
 def config(layers: int, mxfp4: bool) -> dict:
@@ -78,35 +74,7 @@ def tensors(layers: int, mxfp4: bool) -> list[tuple[str, str, tuple[int, ...]]]:
 
 
 def write_checkpoint(out: Path, layers: int, mxfp4: bool, files: int = 3) -> int:
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    items = tensors(layers, mxfp4)
-    per = -(-len(items) // files)
-    rng = np.random.default_rng(0)
-    weight_map, total = {}, 0
-    for k in range(files):
-        group = items[k * per : (k + 1) * per]
-        name = f"model-{k + 1:05d}-of-{files:05d}.safetensors"
-        header: dict = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for t, dtype, shape in group:
-            n = SIZE[dtype] * int(np.prod(shape, dtype=np.int64))
-            header[t] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
-            offset += n
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        with open(tmp / name, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            for at in range(0, offset, CHUNK):
-                f.write(rng.integers(0, 0x3F, min(CHUNK, offset - at), dtype=np.uint8).tobytes())
-        weight_map |= {t: name for t, _, _ in group}
-        total += offset
-    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    (tmp / "config.json").write_text(json.dumps(config(layers, mxfp4), indent=1))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return total
+    return write_random_checkpoint(out, tensors(layers, mxfp4), config(layers, mxfp4), files)
 
 
 def main(argv: list[str] | None = None) -> int:

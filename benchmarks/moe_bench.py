@@ -135,12 +135,14 @@ def write_checkpoint(out: Path, files: int = 163, dims: Dims = SCALED) -> int:
 
 
 def write_random_checkpoint(
-    out: Path, items: list[tuple[str, str, tuple[int, ...]]], config: dict, files: int, ints: dict[str, int] | None = None
-) -> int:
+    out: Path, items: list[tuple[str, str, tuple[int, ...]]], config: dict, files: int, ints: dict[str, int] | None = None,
+    sparse: bool = False,
+) -> int:  # fmt: skip
     """`items` (name, dtype, shape) in that order over `files` safetensors files with their index and
     config.json, written as `out.partial` and renamed. Every byte is random in [0, 0x3F] (finite
     small bf16 / fp32 / fp8), streamed in 64 MiB chunks so memory stays flat; an I32 tensor named in
     `ints` holds values in [0, ints[name]) instead (ids the split reads, such as an expert map).
+    `sparse`: headers and holes only (zeros, no disk written), enough for `tpshard plan`.
     Returns the bytes of tensor data."""
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -163,7 +165,9 @@ def write_random_checkpoint(
         raw += b" " * (-len(raw) % 8)
         with open(tmp / name, "wb") as f:
             f.write(struct.pack("<Q", len(raw)) + raw)
-            for t, dtype, shape in group:
+            if sparse:
+                f.truncate(8 + len(raw) + offset)
+            for t, dtype, shape in () if sparse else group:
                 n = nbytes(dtype, shape)
                 if ints and t in ints:
                     f.write(rng.integers(0, ints[t], n // 4, dtype=np.int32).tobytes())

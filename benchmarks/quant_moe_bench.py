@@ -24,17 +24,13 @@ two blocks per rank). `--sparse` writes headers and holes only, for `tpshard pla
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
-import struct
 import sys
 from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "I32": 4, "I64": 8}
-CHUNK = 64 << 20
+from moe_bench import write_random_checkpoint  # noqa: E402
+
 VOCAB = 2048
 
 
@@ -118,38 +114,9 @@ def glm() -> tuple[dict, list]:
 
 
 def write(out: Path, config: dict, items: list, files: int = 4, sparse: bool = False) -> int:
-    """The checkpoint in `files` files of random small bytes (finite in every dtype), streamed in chunks;
-    `sparse`: headers and holes only (zeros, no disk written), enough for `tpshard plan`."""
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    per = -(-len(items) // files)
-    rng = np.random.default_rng(0)
-    weight_map, total = {}, 0
-    for f in range(files):
-        group = items[f * per : (f + 1) * per]
-        name = f"model-{f + 1:05d}-of-{files:05d}.safetensors"
-        header: dict = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for t, dtype, shape in group:
-            n = SIZE[dtype] * int(np.prod(shape, dtype=np.int64))
-            header[t] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
-            offset += n
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        with open(tmp / name, "wb") as fh:
-            fh.write(struct.pack("<Q", len(raw)) + raw)
-            if sparse:
-                fh.truncate(8 + len(raw) + offset)
-            for at in range(0, 0 if sparse else offset, CHUNK):
-                fh.write(rng.integers(0, 0x3F, min(CHUNK, offset - at), dtype=np.uint8).tobytes())
-        weight_map |= {t: name for t, _, _ in group}
-        total += offset
-    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return total
+    """The checkpoint in `files` files of random small bytes (moe_bench.write_random_checkpoint);
+    `sparse`: headers and holes only, enough for `tpshard plan`."""
+    return write_random_checkpoint(out, items, config, files, sparse=sparse)
 
 
 def main(argv: list[str] | None = None) -> int:
