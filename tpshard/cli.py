@@ -48,7 +48,7 @@ Pp = Annotated[Optional[int], typer.Option("--pp", help="Pipeline stages (world 
 PpLayers = Annotated[Optional[str], typer.Option("--pp-layers", help="Decoder layers per pipeline stage, e.g. 26,27,27 (give the server the same SGLANG_ or VLLM_PP_LAYER_PARTITION).")]
 EngineOpt = Annotated[Optional[str], typer.Option("--engine", help="Pipeline stages as this engine builds them: sglang (default) or vllm (its default partition; lm_head on the last stage; a tied model's last stage holds the embedding).")]
 PadBlocks = Annotated[bool, typer.Option("--pad-blocks", help="FP8 block formats: zero-pad each rank's MLP shard to whole 128-blocks instead of refusing.")]
-Workers = Annotated[Optional[int], typer.Option("--workers", help="I/O threads (default: from the CPU count).")]
+Workers = Annotated[Optional[int], typer.Option("--workers", help="Copy workers: processes for split and check --source, threads elsewhere (default: from the CPU count).")]
 EngineFormat = Annotated[Optional[str], typer.Option("--format", help="Engine sharded_state export: vllm or sglang (docs/deploy.md).")]
 Checksum = Annotated[str, typer.Option("--checksum", help="Tensor digests in the manifest: crc32 (fast) or sha256.")]
 Ranks = Annotated[Optional[str], typer.Option("--ranks", help="Write only these ranks, e.g. 0-3 or 0,2,4.")]

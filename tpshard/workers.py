@@ -1,4 +1,5 @@
-"""I/O thread counts: the default from the CPU count, and a --workers value checked.
+"""Copy worker counts (processes for split and check --source, tpshard.processes; threads elsewhere):
+the default from the CPU count, and a --workers value checked.
 
 Apart from the writer so that `check` without a source, which needs only this of it, does not
 import the writer (and numpy, and the planner with it)."""
@@ -17,7 +18,7 @@ def default_workers() -> int:
 
 
 def check_workers(workers: int | None) -> int:
-    """The I/O thread count to use: `workers` if given (1..MAX_WORKERS), else from the CPU count."""
+    """The worker count to use: `workers` if given (1..MAX_WORKERS), else from the CPU count."""
     if workers is None:
         return default_workers()
     if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
