@@ -38,7 +38,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent / "tests"))  # v4_checkpoint: the release's V4 names
 
 from moe_bench import nbytes, write_random_checkpoint  # noqa: E402
-from split_bench import drop, measure, median, warm  # noqa: E402
+from split_bench import against_cp, alternate, drop, warm  # noqa: E402
 
 Item = tuple[str, str, tuple[int, ...]]
 TP8, EP8 = ["--tp", "8"], ["--tp", "8", "--ep", "8"]
@@ -270,16 +270,8 @@ def run_case(name: str, args, work: Path, py: list[str], log) -> dict:
     out = work / "out"
     cases = {"cp -r": ["cp", "-r", str(model), str(out)]}
     cases |= {"split " + " ".join(t): [*py, "split", str(model), "-o", str(out), *t] for t in case.topologies}
-    samples: dict[str, list] = {k: [] for k in cases}
     try:
-        for run in range(args.runs):
-            for label, cmd in cases.items():
-                s = measure(cmd, out)
-                drop(out)
-                if not s.ok:
-                    raise RuntimeError(f"{name}: {label}: {s.error}")
-                samples[label].append(s)
-            log(f"{name}: round {run + 1}/{args.runs} done")
+        samples = alternate(cases, out, args.runs, lambda line: log(f"{name}: {line}"))
         if args.profile:
             for label, cmd in cases.items():
                 if label.startswith("split"):
@@ -287,15 +279,7 @@ def run_case(name: str, args, work: Path, py: list[str], log) -> dict:
     finally:
         drop(out)
         shutil.rmtree(model, ignore_errors=True)
-    cp = median([s.total_s for s in samples["cp -r"]])
-    rows = {}
-    for label, ss in samples.items():
-        t = median([s.total_s for s in ss])
-        rows[label] = dict(
-            time_s=round(t, 2), x_cp=round(t / cp, 2), cpu_s=round(median([s.cpu_s for s in ss]), 2),
-            maxrss_mib=round(max(s.maxrss_mib for s in ss)), anon_mib=round(max(s.anon_mib for s in ss)),
-            loadavg=round(median([s.loadavg for s in ss]), 1),
-        )  # fmt: skip
+    rows = against_cp(samples)
     return {"case": name, "arch": case.arch, "experts": experts, "real_experts": REAL_EXPERTS[name], "vocab": args.vocab,
             "tensors": count, "bytes": total, "header": head, "rows": rows}  # fmt: skip
 

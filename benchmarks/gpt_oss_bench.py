@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from moe_bench import write_random_checkpoint  # noqa: E402
-from split_bench import drop, measure, median, warm  # noqa: E402
+from split_bench import against_cp, alternate, warm  # noqa: E402
 
 H, NH, KV, HD, E, I, VOCAB, K = 2880, 64, 8, 64, 128, 2880, 201088, 4
 
@@ -94,28 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     warm(model)
     out = work / "out"
     cases = {
-        "cp -r": (["cp", "-r", str(model), str(out)], out),
-        f"split --tp {args.tp}": ([sys.executable, "-m", "tpshard", "split", str(model), "-o", str(out), "--tp", str(args.tp)], out),
+        "cp -r": ["cp", "-r", str(model), str(out)],
+        f"split --tp {args.tp}": [sys.executable, "-m", "tpshard", "split", str(model), "-o", str(out), "--tp", str(args.tp)],
     }
-    samples: dict[str, list] = {k: [] for k in cases}
-    for run in range(args.runs):
-        for name, (cmd, target) in cases.items():
-            s = measure(cmd, target)
-            if not s.ok:
-                print(f"{name}: {s.error}", file=sys.stderr)
-                return 1
-            samples[name].append(s)
-            drop(target)
-        print(f"round {run + 1}/{args.runs} done", file=sys.stderr)
-    cp = median([s.total_s for s in samples["cp -r"]])
-    rows = {}
-    for name, ss in samples.items():
-        t = median([s.total_s for s in ss])
-        rows[name] = dict(
-            time_s=round(t, 2), x_cp=round(t / cp, 2), gib_s=round(size / 2**30 / t, 2), cpu_s=round(median([s.cpu_s for s in ss]), 2),
-            maxrss_mib=round(max(s.maxrss_mib for s in ss)), anon_mib=round(max(s.anon_mib for s in ss)),
-            loadavg=round(median([s.loadavg for s in ss]), 1),
-        )  # fmt: skip
+    try:
+        rows = against_cp(alternate(cases, out, args.runs, lambda line: print(line, file=sys.stderr)))
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
+    for r in rows.values():
+        r["gib_s"] = round(size / 2**30 / r["time_s"], 2)
     print(f"{'case':14} {'time s':>8} {'x cp':>6} {'GiB/s':>6} {'cpu s':>7} {'maxrss MiB':>11} {'anon MiB':>9} {'load':>5}")
     for name, r in rows.items():
         print(f"{name:14} {r['time_s']:8.2f} {r['x_cp']:6.2f} {r['gib_s']:6.2f} {r['cpu_s']:7.2f} {r['maxrss_mib']:11d} {r['anon_mib']:9d} {r['loadavg']:5.1f}")

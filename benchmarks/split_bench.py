@@ -539,6 +539,36 @@ class Bench:
                         log(f"  round {r + 1}/{runs} {n:16s} {state} {s.total_s:7.2f}s (sync {s.sync_s:.2f}s){extra} maxrss {s.maxrss_mib:8.0f} MiB anon {s.anon_mib:8.0f} MiB")
 
 
+def alternate(cases: dict[str, list[str]], out: Path, runs: int, log) -> dict[str, list[Sample]]:
+    """Each command of `cases` (label -> argv, writing `out`) once per round, in order, for `runs`
+    rounds, `out` dropped after each; the samples by label. A failed run raises RuntimeError."""
+    samples: dict[str, list[Sample]] = {k: [] for k in cases}
+    for run in range(runs):
+        for label, cmd in cases.items():
+            s = measure(cmd, out)
+            drop(out)
+            if not s.ok:
+                raise RuntimeError(f"{label}: {s.error}")
+            samples[label].append(s)
+        log(f"round {run + 1}/{runs} done")
+    return samples
+
+
+def against_cp(samples: dict[str, list[Sample]]) -> dict[str, dict]:
+    """Per label the medians (time, CPU, load) and peaks (RSS) of its samples, the time over the
+    median of label "cp -r" (times to the millisecond: a tiny case's cp takes a few)."""
+    cp = median([s.total_s for s in samples["cp -r"]])
+    rows = {}
+    for label, ss in samples.items():
+        t = median([s.total_s for s in ss])
+        rows[label] = dict(
+            time_s=round(t, 3), x_cp=round(t / cp, 2), cpu_s=round(median([s.cpu_s for s in ss]), 2),
+            maxrss_mib=round(max(s.maxrss_mib for s in ss)), anon_mib=round(max(s.anon_mib for s in ss)),
+            loadavg=round(median([s.loadavg for s in ss]), 1),
+        )  # fmt: skip
+    return rows
+
+
 def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
