@@ -29,7 +29,7 @@ one must have ep == tp; and the families that build their shared experts replica
 
 Decode context parallelism (`dcp`, SGLang --dcp-size / --decode-context-parallel-size): SGLang
 builds DCP groups of `dcp` consecutive ranks inside each TP group (sglang/srt/distributed/
-parallel_state.py, dcp_group_ranks; dcp_rank = tp_rank % dcp, runtime_context.py L1592-1594), so
+parallel_state.py L2716-2727; dcp_rank = tp_rank % dcp, runtime_context.py L1592-1594), so
 `dcp` must divide attn_tp: a group that crossed attention-DP replicas would gather queries of other
 requests. What it changes in a rank's weights is the family's (Arch.dcp; tpshard.plan.dense):
 Qwen3.5's K/V replicated over each DCP group. `dcp_replicate_q_proj` (--dcp-replicate-q-proj, only
@@ -210,7 +210,7 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
                     f"{name('dcp', dcp)} does not divide attn_tp {self.attn_tp} = {name('tp', self.tp)} / ({name('attn_dp', self.attn_dp)}"
                     f" x {name('attn_cp', self.attn_cp)}):"
                     " SGLang's decode-context-parallel groups are dcp consecutive ranks of one attention group"
-                    " (sglang/srt/distributed/parallel_state.py, dcp_group_ranks; Qwen3.5's K/V: layers/linear.py,"
+                    " (sglang/srt/distributed/parallel_state.py L2716-2727; Qwen3.5's K/V: layers/linear.py L95-100,"
                     " _ReplicatedGroup divides attn_tp by dcp)"
                 )
         if qrep is not UNSET:
