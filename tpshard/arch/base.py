@@ -222,6 +222,9 @@ class Arch:
     a2a_shared: frozenset[str] | None = None
     # Tensors the family refuses by name before any cut (Llama-4's vision tower): one line, or None.
     refuse_tensors: Callable[[Iterable[str]], None] | None = None
+    # SGLang --dcp-size: "kv", the attention's K/V over ReplicatedParallelGroup("attn_tp", dcp) (Qwen3.5);
+    # "neutral", the class reads it but every weight keeps its attn_tp cut (DeepSeek MLA); None: refused.
+    dcp: Literal["kv", "neutral"] | None = None
 
     def table(self, model: ModelInfo) -> tuple[Rule, ...]:
         return self.rules + (self.variant(model) if self.variant else ())

@@ -1,6 +1,6 @@
 """Topologies and pipelines the engine refuses, refused before any tensor is cut.
 
-What this file is: `refuse_topology` (attention DP, --dp-lm-head, --moe-dense-tp against the
+What this file is: `refuse_topology` (attention DP, --dp-lm-head, --moe-dense-tp, --dcp against the
 architecture and config.json: a one-line PlanError each, else warnings), `refuse_experts` (expert
 parallelism, --moe-a2a-backend, the experts' sizes) and `refuse_pipeline` (at pp > 1: the stages holding each tensor and the engine's placement).
 
@@ -57,6 +57,7 @@ def refuse_topology(ctx: Layout, config: dict) -> list[str]:
         )
     if t.moe_dense_tp is not None and not any(r.role == "dense_mlp" for r in a.rules):
         raise PlanError(f"--moe-dense-tp applies to DeepSeek's dense MLP layers; {m.architecture} has none")
+    refuse_dcp(ctx)
     return warnings
 
 
@@ -99,6 +100,24 @@ def refuse_a2a(ctx: Layout) -> None:
         raise PlanError(
             f"{flag}: where SGLang {a.engine} keeps the {m.architecture} shared experts under an all-to-all backend"
             " is not established in tpshard; split without it"
+        )
+
+
+def refuse_dcp(ctx: Layout) -> None:
+    """--dcp only for a family whose SGLang class reads it (Arch.dcp); --dcp-replicate-q-proj only for
+    DeepSeek's MLA, the one attention model_runner.py's _prepare_replicated_q_proj touches (L1143-1145)."""
+    t, m, a = ctx.topology, ctx.model, ctx.arch
+    if t.dcp is UNSET:
+        return
+    if a.dcp is None:
+        raise PlanError(
+            f"--dcp {t.dcp}: SGLang's {a.engine} never reads the decode-context-parallel size for {m.architecture}, so"
+            " tpshard has no dcp layout on record for it (its class loads the layout of a split without --dcp)"
+        )
+    if t.dcp_replicate_q_proj and not any(r.shape in ("mla_q_b", "mla_q") for r in a.rules):
+        raise PlanError(
+            f"--dcp-replicate-q-proj: SGLang replicates only DeepSeek MLA's q projection (model_executor/model_runner.py"
+            f" _prepare_replicated_q_proj); {m.architecture} has none, so the flag would do nothing; split without it"
         )
 
 
