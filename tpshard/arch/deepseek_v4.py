@@ -194,7 +194,7 @@ def refuse_topology(t: Topology, model: ModelInfo) -> None:
 ARCHS = (
     Arch(
         "DeepseekV4ForCausalLM", RULES, "deepseek_v4.py", attn_group="attn_tp", embed_group="replicated",
-        model_type="deepseek_v4", expected=expected, exports=EngineNames(vllm=None, sglang=None), verify=None,
+        model_type="deepseek_v4", expected=expected, exports=EngineNames(vllm=None, sglang=None), verify="deepseek_v4",
         router=None, sparse=sparse, experts_limit="tp", check=refuse_config,
         check_topology=refuse_topology, names=NAMES,
     ),

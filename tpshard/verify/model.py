@@ -28,7 +28,7 @@ SEQUENCES = 2  # sequences per batch
 
 def supported() -> tuple[str, ...]:
     """The architectures --model runs (`Arch.verify`): the dense decoder's, the MoE / MLA decoder's, Llama-4's."""
-    return tuple(a.name for kind in ("dense", "moe", "llama4") for a in ARCHITECTURES.values() if a.verify == kind)
+    return tuple(a.name for kind in ("dense", "moe", "llama4", "deepseek_v4") for a in ARCHITECTURES.values() if a.verify == kind)
 
 
 def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> str | None:
@@ -53,6 +53,10 @@ def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> s
         from tpshard.verify.llama4_model import unsupported_reason as llama4_reason
 
         return llama4_reason(config) or transformers_problem(moe_model.MIN_TRANSFORMERS)
+    if arch is not None and arch.verify == "deepseek_v4":  # its own decoder (verify/v4_model.py)
+        from tpshard.verify.v4_model import unsupported_reason as v4_reason
+
+        return transformers_problem(moe_model.MIN_TRANSFORMERS) or v4_reason(config, tokens)
     if arch is None or arch.verify != "dense":
         return f"model-level verify supports {', '.join(supported())}, not {plan.model.architecture}"
     kind = rope_config(config).get("rope_type", "default")
