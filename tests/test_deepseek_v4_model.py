@@ -12,6 +12,7 @@ the indexer's choice, the clamp, hash routing, the shared expert) disagrees with
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -135,6 +136,29 @@ def test_verify_model_dp4_ep4_and_broken_layouts(v4, tmp_path):
         assert not model_of(r).ok, (label, r.model)
 
 
+# ---- the released FP8 + FP4 form, dequantized ----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_verify_model_fp8_fp4_release_dequantized(tmp_path):
+    """tests/v4_quant.py's release form (FP8 linears with ue8m0 128-blocks, FP4 experts; index_head_dim
+    64 so that transformers' indexer can rotate its heads): each rank dequantizes its own shards, rank 0
+    runs transformers on the source dequantized by transformers' Fp8Dequantize. An FP4 expert holding
+    another expert's scales fails the model."""
+    from v4_quant import make_v4_quant
+
+    model = make_v4_quant(tmp_path / "q", index_head_dim=64)
+    good = split(model, tmp_path / "tp4", Topology(tp=4, attn_dp=2, ep=2))
+    bad = copy(good, "scales")
+    name = "layers.3.ffn.experts.1.w1.scale"
+    overwrite_tensor(bad, 0, name, tpshard.open_rank(bad, 0)["layers.3.ffn.experts.2.w1.scale"].clone())
+    rewrite_checksums(bad)
+    ok, broken = verify_many([good, bad], [model] * 2, model=True, tokens=TOKENS)
+    assert ok.ok, ok.failures()
+    assert model_of(ok).max_rel < 1e-5 and model_of(ok).top1 == 1.0, ok.model
+    assert not model_of(broken).ok, broken.model
+
+
 # ---- refusals --------------------------------------------------------------------------------------
 
 
@@ -149,6 +173,16 @@ def test_too_few_tokens_is_refused_in_one_line(v4, tp1_out):
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert "--tokens 127 leaves the ratio-128 compressor of DeepSeek-V4 idle" in p.stderr, p.stderr
     assert "--tokens 128 or more" in p.stderr, p.stderr
+
+
+def test_a_config_transformers_cannot_run_is_refused(v4, tp1_out):
+    """index_head_dim below the rope dims: transformers' indexer cannot rotate its heads (no reference)."""
+    from tpshard.verify.model import unsupported_reason
+
+    config = json.loads((v4 / "config.json").read_text()) | {"index_head_dim": 4}  # 8 rope dims
+    reason = unsupported_reason(read_manifest(tp1_out).plan, config, TOKENS)
+    assert reason and "index_head_dim 4 is smaller than the 8 rope dims" in reason, reason
+    assert unsupported_reason(read_manifest(tp1_out).plan, json.loads((v4 / "config.json").read_text()), TOKENS) is None
 
 
 # ---- a forward that drops one piece disagrees with transformers (one rank, in process) --------------

@@ -33,6 +33,10 @@ def supported() -> tuple[str, ...]:
 
 def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> str | None:
     """Why --model cannot run on this output, or None."""
+    if plan.model.architecture in ARCHITECTURES and ARCHITECTURES[plan.model.architecture].verify == "deepseek_v4":
+        from tpshard.verify.v4_model import unsupported_reason as v4_reason  # bf16 and its release dequantized
+
+        return transformers_problem(moe_model.MIN_TRANSFORMERS) or v4_reason(plan, config, tokens)
     if plan.quant_layers:
         formats = sorted({str(q.get("format")) for q in plan.quant_layers.values()})
         return (
@@ -53,10 +57,6 @@ def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> s
         from tpshard.verify.llama4_model import unsupported_reason as llama4_reason
 
         return llama4_reason(config) or transformers_problem(moe_model.MIN_TRANSFORMERS)
-    if arch is not None and arch.verify == "deepseek_v4":  # its own decoder (verify/v4_model.py)
-        from tpshard.verify.v4_model import unsupported_reason as v4_reason
-
-        return transformers_problem(moe_model.MIN_TRANSFORMERS) or v4_reason(config, tokens)
     if arch is None or arch.verify != "dense":
         return f"model-level verify supports {', '.join(supported())}, not {plan.model.architecture}"
     kind = rope_config(config).get("rope_type", "default")

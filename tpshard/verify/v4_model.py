@@ -19,11 +19,16 @@ one closed window of every compressor (128 tokens for a ratio-128 layer), and mo
 than index_topk, so the indexer chooses (`tokens_needed`); fewer is refused in one line. Not run:
 the MTP layer (transformers' forward skips mtp.*; its weights are verified at layer level) and the
 decode path's cached compressor state (buffers and the overlap carried between calls).
+
+The release's FP8 + FP4 form: the ranks' layers are built dequantized (tpshard.quant, as at layer
+level) and the reference is transformers on the source dequantized by transformers' own
+Fp8Dequantize (`dequantized_logits`), not by tpshard's code.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import torch
 
@@ -32,6 +37,7 @@ from tpshard.runtime.v4_attention import Compressor, V4Attention, V4AttentionCon
 from tpshard.runtime.v4_moe import SCORING, V4MoEConfig, v4_moe
 from tpshard.verify.decoder import EMBED, LM_HEAD, TPDecoder
 
+RELEASE = ("dsv4_fp8", "dsv4_fp4")  # tpshard.quant's formats of the release (FP8 linears, FP4 routed experts)
 P, N = "model.layers.{i}", "layers.{i}"  # engine layer prefix, native tensor prefix
 HC = ("fn", "base", "scale")
 
@@ -55,14 +61,26 @@ def tokens_needed(c) -> dict[str, int]:
     return need
 
 
-def unsupported_reason(config: dict, tokens: int | None) -> str | None:
+def unsupported_reason(plan, config: dict, tokens: int | None) -> str | None:
     """Why --model cannot run on this V4 output, or None."""
     if importlib.util.find_spec("transformers.models.deepseek_v4") is None:
         return "model-level verify of DeepSeek-V4 needs transformers with DeepseekV4ForCausalLM (5.x; pip install -U transformers)"
+    if plan.topology.attn_cp > 1:
+        return "model-level verify does not model context-parallel attention (attn_cp > 1); use layer-level verify"
+    formats = sorted({str(q.get("format")) for q in plan.quant_layers.values()} - set(RELEASE))
+    if formats:
+        return f"model-level verify of DeepSeek-V4 runs bf16 or the release's FP8 + FP4 form, not {', '.join(formats)}"
+    if plan.quant_layers and importlib.util.find_spec("transformers.integrations.finegrained_fp8") is None:
+        return "model-level verify of DeepSeek-V4's FP8 + FP4 release needs transformers' Fp8Dequantize (transformers 5.x)"
     try:
         c = hf_v4_config(config)
     except (TypeError, ValueError) as e:
         return f"transformers cannot read this DeepSeek-V4 config.json: {e}"
+    if c.index_head_dim < c.qk_rope_head_dim and "compressed_sparse_attention" in c.layer_types:
+        return (
+            f"index_head_dim {c.index_head_dim} is smaller than the {c.qk_rope_head_dim} rope dims: transformers'"
+            " DeepseekV4Indexer cannot rotate its heads, so there is no reference forward"
+        )
     if c.scoring_func not in SCORING:
         return f"the DeepSeek-V4 decoder implements router scoring {', '.join(SCORING)}, not {c.scoring_func!r}"
     short = {piece: n for piece, n in tokens_needed(c).items() if tokens is not None and tokens < n}
@@ -177,3 +195,32 @@ class V4Decoder(TPDecoder):
         out = v4_moe(self.mcfg, flat, experts.module, self.norms[f"{n}.gate.weight"], shared, **route)
         return self._scatter(out.reshape(xs.shape), attn_group, experts.group, b)
 
+
+
+def dequantized_logits(source: str, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    """transformers' float32 forward on the release's FP8 + FP4 source, dequantized by transformers'
+    own Fp8Dequantize (the op its FP8 loader runs with dequantize=True: FP8 with 128 x 128 ue8m0
+    block scales, FP4 e2m1 pairs with per-32 scales), not by tpshard.quant (the code the ranks run):
+    logits [B, S, V] per batch, float64."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, DeepseekV4ForCausalLM
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # stderr belongs to the report
+    full: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(source).glob("*.safetensors")):
+        full |= load_file(f)
+    dequantize = Fp8Dequantize(None)._dequantize_one
+    state = {}
+    for name, t in full.items():
+        scale = name.removesuffix("weight") + "scale"  # the release's `<module>.scale` beside `<module>.weight`
+        if name.endswith(".scale") and name.removesuffix("scale") + "weight" in full:
+            continue
+        state[name] = dequantize(t, full[scale], output_dtype=torch.float32) if name.endswith(".weight") and scale in full else t
+    config = AutoConfig.from_pretrained(source)
+    del config.quantization_config  # a dense model: the state dict is dequantized already
+    model = DeepseekV4ForCausalLM.from_pretrained(None, config=config, state_dict=state, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        return [model(input_ids=ids).logits.double() for ids in batches]
