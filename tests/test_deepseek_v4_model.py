@@ -63,8 +63,8 @@ def model_of(report):
 
 
 def sinks_of_the_other_heads(out: Path) -> None:
-    """Every rank's attn_sink of layer 1 with the two halves swapped: attention rank 0 slices heads
-    0..3 and reads the sinks of heads 4..7 (a tool that cut the sinks like heads, then padded)."""
+    """Every rank's attn_sink of layer 1 with its two halves swapped: attention rank 0 slices heads
+    0..3 in the forward and reads the sinks of heads 4..7."""
     name = "layers.1.attn.attn_sink"
     t = tpshard.open_rank(out, 0)[name]
     for rank in range(4):
@@ -171,7 +171,7 @@ def test_too_few_tokens_is_refused_in_one_line(v4, tp1_out):
     """127 tokens: the ratio-128 compressor would be idle, which a pass must not hide."""
     p = tpshard_cli("verify", tp1_out, "--source", v4, "--model", "--tokens", "127")
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
-    assert "--tokens 127 leaves the ratio-128 compressor of DeepSeek-V4 idle" in p.stderr, p.stderr
+    assert "--tokens 127 leaves DeepSeek-V4's ratio-128 compressor (acts from 128 tokens) idle" in p.stderr, p.stderr
     assert "--tokens 128 or more" in p.stderr, p.stderr
 
 

@@ -52,12 +52,12 @@ def hf_v4_config(config: dict):
 
 def tokens_needed(c) -> dict[str, int]:
     """What each piece needs of --tokens to act (piece -> tokens)."""
-    need = {"the sliding window": c.sliding_window + 1}
+    need = {"sliding window": c.sliding_window + 1}
     for kind, ratio in c.compress_rates.items():
         if kind in c.layer_types:
-            need[f"the ratio-{ratio} compressor"] = ratio
+            need[f"ratio-{ratio} compressor"] = ratio
             if kind == "compressed_sparse_attention":  # the indexer chooses among more entries than its top-k
-                need["the indexer's top-k"] = ratio * (c.index_topk + 1)
+                need["indexer's top-k"] = ratio * (c.index_topk + 1)
     return need
 
 
@@ -83,12 +83,11 @@ def unsupported_reason(plan, config: dict, tokens: int | None) -> str | None:
         )
     if c.scoring_func not in SCORING:
         return f"the DeepSeek-V4 decoder implements router scoring {', '.join(SCORING)}, not {c.scoring_func!r}"
-    short = {piece: n for piece, n in tokens_needed(c).items() if tokens is not None and tokens < n}
+    short = [f"{piece} (acts from {n} tokens)" for piece, n in tokens_needed(c).items() if tokens is not None and tokens < n]
     if short:
-        most = max(tokens_needed(c).values())
         return (
-            f"--tokens {tokens} leaves {', '.join(short)} of DeepSeek-V4 idle (it acts from {min(short.values())} tokens);"
-            f" run verify --model with --tokens {most} or more"
+            f"--tokens {tokens} leaves DeepSeek-V4's {', '.join(short)} idle;"
+            f" run verify --model with --tokens {max(tokens_needed(c).values())} or more"
         )
     return None
 
