@@ -60,12 +60,13 @@ def test_every_arch_declares_its_exports_verify_and_router(name):
     for engine in ENGINES:
         table = getattr(arch.exports, engine)
         assert table is None or isinstance(table, EngineTable), (engine, table)
-    assert arch.verify in ("dense", "moe", "llama4", None)
+    assert arch.verify in ("dense", "moe", "llama4", "deepseek_v4", None)
     assert arch.model_type and isinstance(arch.model_type, str)
     # Routed experts and a router go together: the MoE decoder and layer-level verify route with it.
-    # DeepSeek-V4's router (sqrtsoftplus scores, hash-routed layers) is not tpshard's: no decoder runs
-    # it and its gate is held as plain whole tensors, never a ReplicatedLinear `gate` that verify routes.
-    routes = arch.verify is not None or any(r.layer_class == "ReplicatedLinear" and r.layer.endswith(".gate") for r in arch.rules)
+    # DeepSeek-V4's router (sqrtsoftplus scores, hash-routed layers) is not tpshard's RouterConfig: its
+    # own decoder (tpshard.verify.v4_model) routes it, and its gate is held as plain whole tensors, never
+    # a ReplicatedLinear `gate` that layer-level verify routes.
+    routes = arch.verify not in (None, "deepseek_v4") or any(r.layer_class == "ReplicatedLinear" and r.layer.endswith(".gate") for r in arch.rules)
     assert (arch.router is not None) == (arch.sparse is not None and routes)
 
 

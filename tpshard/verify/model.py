@@ -28,11 +28,15 @@ SEQUENCES = 2  # sequences per batch
 
 def supported() -> tuple[str, ...]:
     """The architectures --model runs (`Arch.verify`): the dense decoder's, the MoE / MLA decoder's, Llama-4's."""
-    return tuple(a.name for kind in ("dense", "moe", "llama4") for a in ARCHITECTURES.values() if a.verify == kind)
+    return tuple(a.name for kind in ("dense", "moe", "llama4", "deepseek_v4") for a in ARCHITECTURES.values() if a.verify == kind)
 
 
 def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> str | None:
     """Why --model cannot run on this output, or None."""
+    if plan.model.architecture in ARCHITECTURES and ARCHITECTURES[plan.model.architecture].verify == "deepseek_v4":
+        from tpshard.verify.v4_model import unsupported_reason as v4_reason  # bf16 and its release dequantized
+
+        return transformers_problem(moe_model.MIN_TRANSFORMERS) or v4_reason(plan, config, tokens)
     if plan.quant_layers:
         formats = sorted({str(q.get("format")) for q in plan.quant_layers.values()})
         return (
