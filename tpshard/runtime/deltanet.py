@@ -92,6 +92,11 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * F.silu(z)
 
 
+def _heads(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """[B, S, heads * dim] (or grouped [B, S, groups, k * dim]) -> [B, S, heads, dim]."""
+    return t.reshape(*t.shape[:2], -1, dim)
+
+
 class GatedDeltaNet(nn.Module):
     """One rank's gated DeltaNet: key heads key_heads / size, value heads value_heads / size of the group.
 
@@ -153,9 +158,8 @@ class GatedDeltaNet(nn.Module):
             groups = qkvz.unflatten(-1, (nk, -1))
             q, k, v, z = groups.split([c.key_dim, c.key_dim, per * c.value_dim, per * c.value_dim], -1)
             b, a = ba.unflatten(-1, (nk, -1)).split([per, per], -1)
-        heads = lambda t, d: t.reshape(*t.shape[:2], -1, d)  # noqa: E731
         return (
-            heads(q, c.key_dim), heads(k, c.key_dim), heads(v, c.value_dim), heads(z, c.value_dim),
+            _heads(q, c.key_dim), _heads(k, c.key_dim), _heads(v, c.value_dim), _heads(z, c.value_dim),
             b.reshape(*b.shape[:2], nv), a.reshape(*a.shape[:2], nv),
         )  # fmt: skip
 
