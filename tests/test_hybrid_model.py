@@ -165,15 +165,16 @@ def test_verify_model_tp2_and_another_ranks_pieces(models, tmp_path):
 
 @pytest.mark.slow
 def test_verify_model_tp4_attention_dp_and_ep(models, tmp_path, monkeypatch):
-    """tp 4 with attention DP 2 and EP 2, and tp 4 with EP 4 (kv heads replicated over attn_tp 4), for
-    both families in one launch; and Qwen3.5's in_proj_qkv cut as one contiguous block (its conv1d
+    """tp 4 with attention DP 2 and EP 2, tp 4 with EP 4 (kv heads replicated over attn_tp 4), and
+    attention DP 2 with --dp-lm-head (lm_head over attn_tp), for both families in one launch; and Qwen3.5's in_proj_qkv cut as one contiguous block (its conv1d
     still segmented) fails the logits as well as the layer."""
-    topos = {"dp2ep2": Topology(tp=4, attn_dp=2, ep=2), "ep4": Topology(tp=4, ep=4)}
+    dp2 = Topology(tp=4, attn_dp=2, ep=2)
+    topos = {"dp2ep2": (dp2, None), "ep4": (Topology(tp=4, ep=4), None), "dp2lmhead": (dp2, tpshard.Options(dp_lm_head=True))}
     outs, sources = [], []
     for family in (Q35, NEXT):
-        for name, topo in topos.items():
+        for name, (topo, options) in topos.items():
             out = tmp_path / f"{family}-{name}"
-            tpshard.split(models[family], out, topo)
+            tpshard.split(models[family], out, topo, options)
             outs.append(out)
             sources.append(models[family])
     contiguous = tmp_path / "contiguous"
@@ -181,13 +182,24 @@ def test_verify_model_tp4_attention_dp_and_ep(models, tmp_path, monkeypatch):
     rules = tuple(r._replace(segments="") if r.module.endswith("in_proj_qkv") else r for r in good.rules)
     with monkeypatch.context() as m:
         m.setitem(arch.ARCHITECTURES, Q35, dataclasses.replace(good, rules=rules))
-        tpshard.split(models[Q35], contiguous, topos["dp2ep2"])
+        tpshard.split(models[Q35], contiguous, dp2)
     reports = verify_many([*outs, contiguous], [*sources, models[Q35]], model=True)
     for out, report in zip(outs, reports):
         assert_model_ok(report)
         assert report.model.batches == (2 if "dp2" in out.name else 1), out
     assert_model_fails(reports[-1])
     assert {x.layer for x in reports[-1].layers if not x.ok} == {f"model.layers.{i}.linear_attn.in_proj_qkvz" for i in range(3)}
+
+
+@pytest.mark.slow
+def test_verify_model_tp8(models, tmp_path):
+    """tp 8: one key head and two value heads per rank (Qwen3.5, EP 4, kv heads replicated x4); Qwen3-Next
+    under attention DP 2 with EP 8."""
+    outs = [tmp_path / "q35", tmp_path / "next"]
+    tpshard.split(models[Q35], outs[0], Topology(tp=8, ep=4))
+    tpshard.split(models[NEXT], outs[1], Topology(tp=8, attn_dp=2, ep=8))
+    for report in verify_many(outs, [models[Q35], models[NEXT]], model=True):
+        assert_model_ok(report)
 
 
 # ---- forwards that leave out one piece of the math: in this process (world of one), so a patch applies
