@@ -173,8 +173,9 @@ ENGINES: tuple[str, ...] = EngineNames._fields  # ("vllm", "sglang"), the order 
 # (ModelInfo, config.json) -> the tensor names a complete checkpoint holds, in a fixed order.
 Expected = Callable[[ModelInfo, dict], Iterable[str]]
 # The tensor-parallel decoder `verify --model` runs: tpshard.verify.decoder's dense one,
-# tpshard.verify.moe_model's MoE / MLA one, tpshard.verify.llama4_model's, or tpshard.verify.v4_model's.
-VerifyKind = Literal["dense", "moe", "llama4", "deepseek_v4"]
+# tpshard.verify.moe_model's MoE / MLA one, tpshard.verify.llama4_model's, tpshard.verify.v4_model's, or
+# tpshard.verify.hybrid_model's (gated DeltaNet and gated attention layers).
+VerifyKind = Literal["dense", "moe", "llama4", "deepseek_v4", "hybrid"]
 
 
 @dataclass(frozen=True)

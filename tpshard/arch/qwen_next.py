@@ -32,9 +32,11 @@ What rank r holds (attn_tp = tp / attn_dp, moe_tp = tp / ep) is what SGLang 0.5.
 - Router (transformers' Qwen3_5MoeTopKRouter, Qwen3NextTopKRouter): softmax, top-k; Qwen3.5 always
   renormalises, Qwen3-Next as norm_topk_prob says.
 - verify: the projections at layer level (tpshard.verify.layers_check.rank_major orders the
-  segmented piece's reference as SEGMENTS says), conv1d / A_log / dt_bias by their bytes.
+  segmented piece's reference as SEGMENTS says), conv1d / A_log / dt_bias by their bytes;
+  `--model` runs tpshard.verify.hybrid_model's decoder (tpshard.runtime.deltanet's GatedDeltaNet
+  on each rank's heads, the gated attention, the MoE with the shared expert's gate).
 - Refused: pipeline stages (no per-stage layout on record for these classes), export to either
-  engine (no name table measured), verify --model (no gated DeltaNet runtime), dense MLP layers
+  engine (no name table measured), dense MLP layers
   (mlp_only_layers, decoder_sparse_step). Not declared, so refused by name: MTP tensors (mtp.*),
   experts stored fused ([E, 2I, H] `experts.gate_up_proj`, which qwen3_5.py's loader also reads),
   and the multimodal Qwen3_5MoeForConditionalGeneration (model.language_model.*, the vision tower).
@@ -148,11 +150,11 @@ ARCHS = (
     Arch(
         "Qwen3_5MoeForCausalLM", COMMON + QWEN3_5_LINEAR, "qwen3_5_text.py", attn_group="attn_tp", embed_group="replicated",
         model_type="qwen3_5_moe_text", expected=expected(fused=False), exports=EngineNames(vllm=None, sglang=None),
-        verify=None, router=renormalised_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config, dcp="kv",
+        verify="hybrid", router=renormalised_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config, dcp="kv",
     ),
     Arch(
         "Qwen3NextForCausalLM", COMMON + QWEN3_NEXT_LINEAR, "qwen3_next.py", attn_group="attn_tp", embed_group="attn_tp",
         model_type="qwen3_next", expected=expected(fused=True), exports=EngineNames(vllm=None, sglang=None),
-        verify=None, router=next_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config,
+        verify="hybrid", router=next_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config,
     ),
 )  # fmt: skip

@@ -10,10 +10,13 @@ compares logits: max abs (and relative to max |logit|) difference, top-1 agreeme
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
 import tpshard.verify.moe_model as moe_model
 from tpshard.arch import ARCHITECTURES
+from tpshard.arch.base import VerifyKind
 from tpshard.errors import TpshardError
 from tpshard.manifest import Plan
 from tpshard.verify.decoder import rope_config
@@ -27,8 +30,9 @@ SEQUENCES = 2  # sequences per batch
 
 
 def supported() -> tuple[str, ...]:
-    """The architectures --model runs (`Arch.verify`): the dense decoder's, the MoE / MLA decoder's, Llama-4's."""
-    return tuple(a.name for kind in ("dense", "moe", "llama4", "deepseek_v4") for a in ARCHITECTURES.values() if a.verify == kind)
+    """The architectures --model runs (`Arch.verify`): the dense decoder's, the MoE / MLA decoder's, Llama-4's,
+    DeepSeek-V4's, the hybrids'."""
+    return tuple(a.name for kind in get_args(VerifyKind) for a in ARCHITECTURES.values() if a.verify == kind)
 
 
 def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> str | None:
@@ -57,6 +61,10 @@ def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> s
         from tpshard.verify.llama4_model import unsupported_reason as llama4_reason
 
         return llama4_reason(config) or transformers_problem(moe_model.MIN_TRANSFORMERS)
+    if arch is not None and arch.verify == "hybrid":  # Qwen3-Next, Qwen3.5-MoE (verify/hybrid_model.py)
+        from tpshard.verify.hybrid_model import unsupported_reason as hybrid_reason
+
+        return hybrid_reason(plan, config, tokens) or transformers_problem(moe_model.MIN_TRANSFORMERS)
     if arch is None or arch.verify != "dense":
         return f"model-level verify supports {', '.join(supported())}, not {plan.model.architecture}"
     kind = rope_config(config).get("rope_type", "default")
@@ -110,8 +118,13 @@ def hf_logits(source: str, batches: list[torch.Tensor]) -> list[torch.Tensor]:
     dtype_kw = "dtype" if _version(transformers_version() or "0.0") >= (4, 56) else "torch_dtype"
     model = AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager", **{dtype_kw: torch.float32})
     model.eval()
-    with torch.no_grad():
-        return [model(input_ids=ids).logits.double() for ids in batches]
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the forward's notes on slow kernels (the gated DeltaNet's "falling back to ... PyTorch")
+    try:
+        with torch.no_grad():
+            return [model(input_ids=ids).logits.double() for ids in batches]
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def compare_logits(plan: Plan, sent: dict[int, dict], ref: list[torch.Tensor], *, tokens: int) -> ModelResult:

@@ -250,6 +250,10 @@ def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
         from tpshard.verify.v4_model import V4Decoder
 
         decoder = V4Decoder(plan, rank, layers, norms, device, hf_config(tensors))
+    elif arch_for(plan.model).verify == "hybrid":
+        from tpshard.verify.hybrid_model import HybridDecoder
+
+        decoder = HybridDecoder(plan, rank, layers, norms, device, tensors)
     elif is_moe(plan):
         decoder = MoEDecoder(plan, rank, layers, norms, device, tensors.folder, hf_config(tensors))
     else:
