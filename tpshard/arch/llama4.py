@@ -100,13 +100,10 @@ FUSED = FusedExperts(
         "gate_up_proj": FusedParam("w13", "segmented", 2, per_i=2, shape="e_h_2i"),
         "down_proj": FusedParam("w2", "single", 1, shape="e_i_h"),
     },
-    # SGLang's loader would slice the experts by EP slot ("always"), but a cut of dims 0 and 2 of one
-    # tensor is not in the manifest's vocabulary yet: --ep > 1 is refused (tpshard.plan.fused).
-    ep_loads="never",
-    ep_refusal=(
-        "SGLang's Llama-4 loader (models/mllama4.py, _handle_expert_weight_params) would give each EP rank its block"
-        " of experts, but tpshard does not cut a fused [E, ...] tensor by EP slot yet; split with --ep 1"
-    ),
+    # mllama4.py _handle_expert_weight_params feeds each expert by its global id to FusedMoE.weight_loader,
+    # which keeps those of the rank's EP block (_map_global_expert_id_to_local_expert_id) and narrows
+    # each to its moe_tp rows: at ep < tp a cut of dims 0 and 2 (tpshard.plan.fused).
+    ep_loads="always",
 )
 
 

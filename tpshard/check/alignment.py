@@ -95,19 +95,32 @@ def _tensor_findings(plan: Plan, t, stages: tuple[int, ...] | None, memo: dict) 
             unit = s.source_shape[s.dim] // (sum(s.segments) or 1)
             expected[s.dim] = (s.length + s.pad) * (sum(s.segments) or 1)
             ok = 0 <= s.start and s.start + s.length <= unit and unit * (sum(s.segments) or 1) == s.source_shape[s.dim]
+            if s.lead_length:  # taken from a leading-dim range of dim 0 (ShardSpec.lead_start)
+                expected[0] = s.lead_length
+                ok = ok and s.dim > 0 and s.lead_start + s.lead_length <= s.source_shape[0]
         if not ok or tuple(expected) != tuple(s.shape):
-            found.append(("sizes", f"{shard_text(s)}: shape {list(s.shape)} is not source {list(s.source_shape)} cut at dim {s.dim} [{s.start}, +{s.length}) plus {s.pad} padding"))
+            lead = f" of dim 0 [{s.lead_start}, +{s.lead_length})" if s.lead_length else ""
+            found.append(("sizes", f"{shard_text(s)}: shape {list(s.shape)} is not source {list(s.source_shape)}{lead} cut at dim {s.dim} [{s.start}, +{s.length}) plus {s.pad} padding"))
 
     first = specs[0] if specs else None
-    # 2. global vs per-rank: the pieces tile the source dim exactly, in group-rank order.
+    # 2. global vs per-rank: the pieces tile the source dim exactly, in group-rank order; with
+    # leading-dim ranges, those tile dim 0 and the pieces of each range tile the cut dim.
     if first is not None and first.dim is not None:
-        covered = 0
+        blocks: dict[tuple[int, int], list[ShardSpec]] = defaultdict(list)
         for s in sorted(specs, key=lambda s: s.group_rank):
-            if s.length and s.start != covered:
-                found.append(("sizes", f"{shard_text(s)}: starts at {s.start}, but group ranks before it end at {covered}"))
-            covered = max(covered, s.start + s.length)
-        if covered != first.source_shape[first.dim] // (sum(first.segments) or 1) or len({s.shape for s in specs}) != 1:
-            found.append(("sizes", f"{t.name}: per-rank pieces cover {covered} of {first.source_shape[first.dim]} along dim {first.dim} with shapes {sorted({s.shape for s in specs})}"))
+            blocks[(s.lead_start, s.lead_length)].append(s)
+        if first.lead_length or len(blocks) > 1:
+            ends = [(a, n) for a, n in blocks]  # in group-rank order of their first piece
+            if any(not n for _, n in ends) or [a for a, _ in ends] != [sum(n for _, n in ends[:k]) for k in range(len(ends))] or sum(n for _, n in ends) != first.source_shape[0]:
+                found.append(("sizes", f"{t.name}: leading-dim ranges {[[a, a + n] for a, n in ends]} do not tile dim 0 of {first.source_shape[0]} in group-rank order"))
+        for block in blocks.values():
+            covered = 0
+            for s in block:
+                if s.length and s.start != covered:
+                    found.append(("sizes", f"{shard_text(s)}: starts at {s.start}, but group ranks before it end at {covered}"))
+                covered = max(covered, s.start + s.length)
+            if covered != first.source_shape[first.dim] // (sum(first.segments) or 1) or len({s.shape for s in specs}) != 1:
+                found.append(("sizes", f"{t.name}: per-rank pieces cover {covered} of {first.source_shape[first.dim]} along dim {first.dim} with shapes {sorted({s.shape for s in specs})}"))
     # 4. replicas: every rank holds exactly one piece of every tensor (of a routed expert: every
     # rank of its EP slot, and no other; at pp > 1, of the stages holding the tensor).
     holders: dict[int, int] = defaultdict(int)
