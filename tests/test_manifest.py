@@ -154,7 +154,7 @@ CRAFTED = {
     "string for a number": (_set("files.0.size", "12"), "files[0].size"),
     "version 1": (_set("version", 1), "older tpshard"),
     "version 2": (lambda d: [d.update(version=2), *(f.update(digests=[f["digests"][:8]]) for f in d["files"])], "older tpshard"),
-    "future version": (_set("version", 4), "newer tpshard"),
+    "future version": (_set("version", 5), "newer tpshard"),
     "no version": (lambda d: d.pop("version"), "no manifest version; not a tpshard split manifest this tpshard can read"),
     "no format": (lambda d: d.pop("format"), "format None is not 'tpshard-manifest'"),
     "another format": (_set("format", "safetensors-index"), "not 'tpshard-manifest'"),

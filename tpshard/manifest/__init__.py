@@ -1,4 +1,4 @@
-"""The plan and the manifest: the parallel and load contracts as data (manifest version 3).
+"""The plan and the manifest: the parallel and load contracts as data (manifest versions 3 and 4).
 
 A `Plan` is what `tpshard plan` prints and `tpshard split` executes: one `TensorPlan` per source
 tensor kept, holding what all of its cuts share (layer, kind, group, dim, quantized layout), and one

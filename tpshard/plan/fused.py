@@ -41,8 +41,6 @@ def fused_cut(name: str, shape: tuple[int, ...], param: str, arch: Arch, model: 
     want = FUSED_SHAPES[spec.shape](e, h, i)
     if tuple(shape) != want:
         raise PlanError(f"{name}: shape {list(shape)} on disk, but config.json implies {list(want)} ([E, ...] of {e} experts)")
-    if ep > 1 and e % ep:
-        raise PlanError(f"{name}: {e} experts do not divide over --ep {ep}; SGLang's FusedMoE asserts it")
     if ep > 1 and topology.moe_tp == 1:  # each rank its EP slot's block of experts, every parameter whole inside it
         return Cutting("column", 0, 1, ep, even_cuts(e, ep, e // ep))
     inner = _moe_tp_cut(name, shape, spec, model, topology)
