@@ -78,7 +78,7 @@ def test_encoding_splices_cuts_only_where_the_keys_are(good):
     data = json.loads(json.dumps(msgspec.to_builtins(m)))
 
     def trim(cut: list) -> list:  # [group_rank, start, length, pad, file] + trailing non-defaults
-        while len(cut) > 5 and cut[-1] == [0, 0, 0, None][len(cut) - 6]:
+        while len(cut) > 5 and cut[-1] == [0, 0, 0, None, 0, 0][len(cut) - 6]:
             cut = cut[:-1]
         return cut
 
