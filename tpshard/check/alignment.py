@@ -110,9 +110,7 @@ def _tensor_findings(plan: Plan, t, stages: tuple[int, ...] | None, memo: dict) 
         for s in sorted(specs, key=lambda s: s.group_rank):
             blocks[(s.lead_start, s.lead_length)].append(s)
         if first.lead_length or len(blocks) > 1:
-            ends = [(a, n) for a, n in blocks]  # in group-rank order of their first piece
-            if any(not n for _, n in ends) or [a for a, _ in ends] != [sum(n for _, n in ends[:k]) for k in range(len(ends))] or sum(n for _, n in ends) != first.source_shape[0]:
-                found.append(("sizes", f"{t.name}: leading-dim ranges {[[a, a + n] for a, n in ends]} do not tile dim 0 of {first.source_shape[0]} in group-rank order"))
+            found += _lead_findings(t.name, list(blocks), first.source_shape[0])
         for block in blocks.values():
             covered = 0
             for s in block:
@@ -136,6 +134,20 @@ def _tensor_findings(plan: Plan, t, stages: tuple[int, ...] | None, memo: dict) 
         found.append(("replicas", f"{t.name}: ranks {wrong} hold {[holders[r] for r in wrong]} pieces instead of {[int(r in owners) for r in wrong]}"))
     found += _logical_findings(t.name, specs)
     return found
+
+
+def _lead_findings(name: str, ranges: list[tuple[int, int]], rows: int) -> list[tuple[str, str]]:
+    """A tensor's leading-dim ranges (start, length), in group-rank order of their first piece,
+    must tile dim 0 of `rows` back to back (ShardSpec.lead_start)."""
+    at = 0
+    for start, length in ranges:
+        if not length or start != at:
+            break
+        at += length
+    else:
+        if at == rows:
+            return []
+    return [("sizes", f"{name}: leading-dim ranges {[[a, a + n] for a, n in ranges]} do not tile dim 0 of {rows} in group-rank order")]
 
 
 def _logical_findings(name: str, specs: list[ShardSpec]) -> list[tuple[str, str]]:
