@@ -147,8 +147,8 @@ def test_reshard_matches_a_split(models, tmp_path):
 @pytest.mark.parametrize(
     "family, args, message",
     [
-        (Q35, ("--tp", "16", "--ep", "2"), "tp size 16 is greater than the 8 routed experts of Qwen3_5MoeForCausalLM"),
-        (NEXT, ("--tp", "16", "--ep", "2"), "tp size 16 is greater than the 8 routed experts of Qwen3NextForCausalLM"),
+        (Q35, ("--tp", "16", "--ep", "2", "--attn-dp", "2"), "tp size 16 is greater than the 8 routed experts of Qwen3_5MoeForCausalLM"),
+        (NEXT, ("--tp", "16", "--ep", "2", "--attn-dp", "2"), "tp size 16 is greater than the 8 routed experts of Qwen3NextForCausalLM"),
         (Q35, ("--tp", "2", "--pp", "2"), "--pp 2: no pipeline layout of Qwen3_5MoeForCausalLM is on record"),
         (NEXT, ("--tp", "2", "--pp", "2"), "--pp 2: no pipeline layout of Qwen3NextForCausalLM is on record"),
     ],

@@ -239,7 +239,11 @@ def split(
         from tpshard.export import split_and_export
 
         options = _options(pad, dp_lm_head, pad_blocks)  # the checksum is checked as the split starts, after export's refusals
-        manifest = split_and_export(ckpt, out, topology, format, options, max_part_bytes=max_bytes, workers=workers, force=force, checksum=checksum)
+        with byte_progress(f"splitting for {format}", 0, quiet=json) as advance:
+            manifest = split_and_export(
+                ckpt, out, topology, format, options, max_part_bytes=max_bytes, workers=workers, force=force, checksum=checksum,
+                on_bytes=advance, on_total=lambda n: advance(0, n),
+            )  # fmt: skip
         return _export_summary(manifest, out, time.perf_counter() - start, json)
     total = sum(t.nbytes for t in ckpt.tensors.values())
     with byte_progress("splitting", total, quiet=json) as advance:

@@ -38,6 +38,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from tpshard.errors import TopologyError
+from tpshard.public_struct import PublicStruct
 
 GroupName = Literal["tp", "attn_tp", "moe_tp", "replicated"]
 MAX_WORLD = 1 << 16  # ranks; beyond any deployment, and keeps a plan's size bounded
@@ -64,7 +65,7 @@ def _field(field: str, value: object = None) -> str:
     return field if value is None else f"{field}={value}"
 
 
-class Topology(msgspec.Struct, frozen=True, kw_only=True):
+class Topology(PublicStruct, frozen=True, kw_only=True):
     """
     The parallel layout an output is split for: which ranks hold which shard (SGLang dp_attention.py).
 

@@ -1,8 +1,8 @@
 """Topologies and pipelines the engine refuses, refused before any tensor is cut.
 
-What this file is: `refuse_topology` (attention DP, --dp-lm-head, expert parallelism, --moe-dense-tp,
---moe-a2a-backend against the architecture and config.json: a one-line PlanError each, else warnings) and
-`refuse_pipeline` (at pp > 1: the stages holding each tensor and the engine's placement).
+What this file is: `refuse_topology` (attention DP, --dp-lm-head, --moe-dense-tp against the
+architecture and config.json: a one-line PlanError each, else warnings), `refuse_experts` (expert
+parallelism, --moe-a2a-backend, the experts' sizes) and `refuse_pipeline` (at pp > 1: the stages holding each tensor and the engine's placement).
 
 What it is not: no per-tensor cut (tpshard.plan.dense), no check of the experts a checkpoint holds
 (tpshard.plan.experts).
@@ -55,6 +55,17 @@ def refuse_topology(ctx: Layout, config: dict) -> list[str]:
             f"{m.architecture}: {engine} cuts attention over the full tp group also under attention DP;"
             f" only the embedding follows --attn-dp {t.attn_dp}"
         )
+    if t.moe_dense_tp is not None and not any(r.role == "dense_mlp" for r in a.rules):
+        raise PlanError(f"--moe-dense-tp applies to DeepSeek's dense MLP layers; {m.architecture} has none")
+    return warnings
+
+
+def refuse_experts(ctx: Layout) -> None:
+    """--moe-a2a-backend, --ep and the experts' sizes against the routed experts. After the head
+    counts (tpshard.plan.make.refuse_attention): SGLang builds a layer's attention before its MoE, and
+    `--tp 3` on 8 heads and 32-wide experts is about the heads first."""
+    t, m, a = ctx.topology, ctx.model, ctx.arch
+    engine = f"SGLang {a.engine}"
     refuse_a2a(ctx)  # before --ep: the CLI set ep to tp for the backend
     if not m.num_experts or a.sparse is None:
         if t.ep > 1:
@@ -73,9 +84,6 @@ def refuse_topology(ctx: Layout, config: dict) -> list[str]:
                 f"expert intermediate size {m.moe_intermediate_size} does not divide over moe_tp {t.moe_tp}"
                 f" (tp {t.tp} / ep {t.ep}); SGLang's FusedMoE asserts it. Choose --ep so that tp / ep divides it"
             )
-    if t.moe_dense_tp is not None and not any(r.role == "dense_mlp" for r in a.rules):
-        raise PlanError(f"--moe-dense-tp applies to DeepSeek's dense MLP layers; {m.architecture} has none")
-    return warnings
 
 
 def refuse_a2a(ctx: Layout) -> None:
