@@ -116,8 +116,8 @@ def test_refusals(gpt_oss, tmp_path, args, message):
     p = tpshard_cli("split", gpt_oss, "-o", tmp_path / "out", *args)
     assert p.returncode == 2 and "Traceback" not in p.stderr and message in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
-    if args[-1] == "2":
-        assert "copies all experts of a bf16 gpt-oss checkpoint into every EP rank" in p.stderr
+    if args[-1] == "2":  # SGLang's bf16 loader, not tpshard, is what cannot do it
+        assert "weight_loader_fused" in p.stderr and "cannot load --ep > 1" in p.stderr
 
 
 def test_vllm_export_refused(tp4_dp2, tmp_path):
@@ -267,9 +267,9 @@ def test_mxfp4_per_rank_as_sglang_loads(gpt_oss_mxfp4, tmp_path):
     "args, message",
     [
         (("--tp", "4"), "3 MXFP4 blocks of the expert intermediate size over moe_tp 4: 1 per rank leaves moe_tp rank 3 none"),
-        (("--tp", "4", "--ep", "2"), "which the engine's loader cuts on two dims at ep < tp"),
+        (("--tp", "8", "--ep", "2"), "3 MXFP4 blocks of the expert intermediate size over moe_tp 4"),
     ],
-    ids=["empty-rank", "ep"],
+    ids=["empty-rank", "empty-rank-ep"],
 )
 def test_mxfp4_refusals(gpt_oss_mxfp4, tmp_path, args, message):
     p = tpshard_cli("split", gpt_oss_mxfp4, "-o", tmp_path / "out", *args)

@@ -23,7 +23,7 @@ REDUCTION = {
     "Replicated": "none",
     "RMSNormTP": "all-reduce the sum of squares over {g}; the weight stays with the rank's heads",
     "AttentionSinks": "none (one extra logit per local head in the softmax)",
-    "FusedExperts": "each rank runs every expert on its I_e slice of the fused [E, ...] tensors; all-reduce over tp, down bias added once",
+    "FusedExperts": "each rank runs its EP slot's experts (every expert at ep 1) on its I_e slice of the fused [E, ...] tensors; all-reduce over tp, down bias added once",
     "HeadParameter": "none (each rank applies its heads' values)",
 }
 
@@ -31,9 +31,11 @@ REDUCTION = {
 def slice_text(s: ShardSpec) -> str:
     if s.dim is None:
         return "whole"
+    # a leading-dim range first (ShardSpec.lead_start: a fused expert tensor's EP block), then the cut
+    lead = f"dim 0 [{s.lead_start}, {s.lead_start + s.lead_length}) x " if s.lead_length else ""
     if s.segments:  # its slice of each segment: [a, b) + [c, d) + ...
-        return f"dim {s.dim} " + " + ".join(f"[{a}, {a + n})" for a, n, _ in runs(s.segments, s.source_shape[s.dim], s))
-    text = f"dim {s.dim} [{s.start}, {s.start + s.length})"
+        return lead + f"dim {s.dim} " + " + ".join(f"[{a}, {a + n})" for a, n, _ in runs(s.segments, s.source_shape[s.dim], s))
+    text = lead + f"dim {s.dim} [{s.start}, {s.start + s.length})"
     if s.pad:
         text += f" + {s.pad} zero"
     return text

@@ -95,7 +95,7 @@ class Plan(PublicStruct, frozen=True, kw_only=True, dict=True):
             group_size=t.group_size, ranks=f.ranks, file=f.name, quant=t.quant, step=t.step,
             ratio=t.ratio, atom=t.atom, logical_dim=t.logical_dim, logical_size=t.logical_size,
             logical_start=c.logical_start, logical_length=c.logical_length, logical_pad=c.logical_pad, value=c.value,
-            ep_slot=t.ep_slot, expert=t.expert, segments=t.segments,
+            ep_slot=t.ep_slot, expert=t.expert, segments=t.segments, lead_start=c.lead_start, lead_length=c.lead_length,
         )  # fmt: skip
 
     @cached_property

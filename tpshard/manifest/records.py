@@ -1,4 +1,4 @@
-"""The records of a plan and a manifest (version 3): each field, its meaning and its bounds.
+"""The records of a plan and a manifest (versions 3 and 4): each field, its meaning and its bounds.
 
 What this file holds: the manifest's file name, format and version; the bounds on numbers read from
 a manifest (MAX_*); ModelInfo and Options (what the rules were given); ShardSpec, one per-rank
@@ -26,7 +26,11 @@ from tpshard.topology import GroupName
 
 MANIFEST_NAME = "tpshard-manifest.json"
 MANIFEST_FORMAT = "tpshard-manifest"
-MANIFEST_VERSION = 3
+# Version 4 added a cut's leading-dim range (Cut.lead_start / lead_length); a manifest without one
+# is written as version 3, byte for byte what the tpshard before it wrote, so that older readers
+# read every manifest they can understand and refuse, as another version, those they cannot.
+MANIFEST_VERSION = 4  # the newest this tpshard writes
+MANIFEST_VERSIONS = (3, 4)  # what it reads
 
 # Bounds on numbers read from a manifest (docs/format.md): no command may hang or allocate without
 # limit on a crafted one.
@@ -170,12 +174,17 @@ class ShardSpec(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     # the rank holds segment i's [segments[i] * start, + segments[i] * length) (+ its padding), the
     # segments' pieces concatenated in order. () = one contiguous run.
     segments: tuple[int, ...] = ()
+    # A leading-dim range (manifest version 4; lead_length 0 = none, dim 0 whole): the piece is cut
+    # from source[lead_start : lead_start + lead_length] (dim 0) as above, along `dim` > 0. A fused
+    # [E, ...] expert tensor under ep < tp: the rank's EP block of experts x its moe_tp slice.
+    lead_start: int = 0
+    lead_length: int = 0
 
 
 class Cut(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """One group rank's piece of a tensor, a JSON array:
-    [group_rank, start, length, pad, file, logical_start, logical_length, logical_pad, value],
-    trailing defaults left out. `file` indexes `Manifest.files`."""
+    [group_rank, start, length, pad, file, logical_start, logical_length, logical_pad, value,
+    lead_start, lead_length], trailing defaults left out. `file` indexes `Manifest.files`."""
 
     group_rank: Rank
     start: Count
@@ -186,6 +195,8 @@ class Cut(msgspec.Struct, frozen=True, array_like=True, gc=False):
     logical_length: Count = 0
     logical_pad: Count = 0
     value: tuple[int, ...] | None = None
+    lead_start: Count = 0  # ShardSpec.lead_start / lead_length (manifest version 4)
+    lead_length: Count = 0
 
 
 class TensorPlan(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
@@ -252,14 +263,28 @@ def differing(digests: bytes, recorded: str, algorithm: str) -> list[int]:
 TENSOR_FIELDS = ("layer", "layer_class", "piece", "kind", "dtype", "group", "factor", "group_size", "dim",
            "quant", "step", "ratio", "atom", "logical_dim", "logical_size", "ep_slot", "expert", "segments")  # fmt: skip
 _PER_CUT = ("group_rank", "start", "length", "pad")
-_LOGICAL = ("logical_start", "logical_length", "logical_pad", "value")
+_LOGICAL = ("logical_start", "logical_length", "logical_pad", "value", "lead_start", "lead_length")
 
 
 def shard_shape(t: TensorPlan, c: Cut) -> tuple[int, ...]:
-    """A shard's shape: the source shape with the cut dim replaced by length + pad."""
+    """A shard's shape: the source shape with the cut dim replaced by length + pad (and dim 0 by
+    the leading-dim range's length, where the cut has one)."""
     if t.dim is None:
         return t.shape
-    return _resized(t.shape, t.dim, (c.length + c.pad) * (sum(t.segments) or 1))
+    shape = _resized(t.shape, t.dim, (c.length + c.pad) * (sum(t.segments) or 1))
+    return _resized(shape, 0, c.lead_length) if c.lead_length else shape
+
+
+def manifest_version(tensors: Iterable[TensorPlan]) -> int:
+    """The version a manifest of these tensors is written as: 4 where a cut has a leading-dim
+    range, else 3 (MANIFEST_VERSION's note). Each distinct cuts tuple is looked at once."""
+    seen: set[int] = set()
+    for t in tensors:
+        if id(t.cuts) not in seen:
+            seen.add(id(t.cuts))
+            if any(c.lead_length for c in t.cuts):
+                return 4
+    return 3
 
 
 @lru_cache(maxsize=4096)

@@ -226,12 +226,15 @@ def dense_kind(
             shape = list(info.shape)
             if cutting.dim is not None:
                 shape[cutting.dim] = (cut.length + cut.pad) * (sum(cutting.segments) or 1)
+            if cut.lead_length:  # a leading-dim range too (ShardSpec.lead_start): a fused expert tensor's EP block
+                shape[0] = cut.lead_length
             records.append(
                 dict(
                     layer_class=rule.layer_class, piece=rule.piece, kind=cutting.kind, dtype=info.dtype,
                     source_shape=info.shape, shape=tuple(shape), dim=cutting.dim, start=cut.start, length=cut.length,
                     pad=cut.pad, group=group, factor=cutting.factor, group_rank=cut.group_rank,
                     group_size=cutting.group_size, ep_slot=ep_slot, segments=cutting.segments,
+                    lead_start=cut.lead_start, lead_length=cut.lead_length,
                     ranks=ctx.topology.ranks_of(group, cut.group_rank, cutting.factor, ep_slot, stages),
                 )  # fmt: skip
             )
