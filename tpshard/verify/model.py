@@ -5,7 +5,8 @@ The tensor-parallel decoders are tpshard.verify.decoder's (dense) and tpshard.ve
 compared, not one per replica.
 
 Rank 0 runs AutoModelForCausalLM on the source checkpoint in float32 on the same token batches and
-compares logits: max abs (and relative to max |logit|) difference, top-1 agreement, mean KL.
+compares logits: max abs (and relative to max |logit|) difference, top-1 agreement, mean KL. A
+quantized source runs dequantized by other projects' code (tpshard.verify.source_dequant).
 """
 
 from __future__ import annotations

@@ -137,8 +137,9 @@ def _ct_config(config: dict):
         raise ImportError("compressed-tensors (pip install compressed-tensors)") from None
     try:
         return QuantizationConfig.model_validate(config.get("quantization_config") or {})
-    except Exception as e:  # noqa: BLE001 - pydantic's ValidationError, one line of it
-        raise ValueError(str(e).splitlines()[-1].strip() if str(e) else type(e).__name__) from None
+    except Exception as e:  # noqa: BLE001 - pydantic's ValidationError: its first "Value error" line
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        raise ValueError(next((x for x in lines if x.startswith("Value error")), lines[0] if lines else type(e).__name__)) from None
 
 
 def _ct_decompress(ct, module: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
