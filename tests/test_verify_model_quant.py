@@ -218,3 +218,20 @@ def test_fp8_block_reference_keeps_the_checkpoint_block():
     assert w[100, 0] == 2.0 and w[130, 0] == 3.0 and w[127].eq(2.0).all() and w[128:].eq(3.0).all()
     with pytest.raises(ValueError, match="not one per 128x128 block"):
         _fp8_block(weight, torch.ones(1, 1), (128, 128))
+
+
+def test_reference_never_runs_with_a_weight_transformers_did_not_load(sources, monkeypatch):
+    """A dequantized weight missing from the state dict would leave transformers' random init in the
+    reference: the reference refuses to exist instead, naming the weight."""
+    import tpshard.verify.source_dequant as source_dequant
+
+    full = source_dequant.dense_state_dict
+
+    def lacking(ckpt, read):
+        state = full(ckpt, read)
+        del state["model.layers.0.mlp.down_proj.weight"]
+        return state
+
+    monkeypatch.setattr(source_dequant, "dense_state_dict", lacking)
+    with pytest.raises(TpshardError, match="did not load 1 dequantized weights, first model.layers.0.mlp.down_proj.weight"):
+        source_dequant.dense_model(str(sources("ct_w4a16")), dtype=torch.float32)
