@@ -9,7 +9,7 @@ from tpshard.cuts import runs
 from tpshard.manifest import Plan, ShardSpec, TensorPlan, shard_shape
 from tpshard.render import human_bytes, plural, ranges  # noqa: F401 (human_bytes: callers take it from here too)
 from tpshard.safetensors_format import nbytes_of
-from tpshard.stages import layer_of, stage_ranges
+from tpshard.stages import launch_hint, layer_of, stage_ranges
 
 REDUCTION = {
     "VocabParallelEmbedding": "mask ids outside the rank's rows, all-reduce over {g}",
@@ -86,6 +86,17 @@ def topology_text(plan: Plan, parts: bool = True) -> str:
         text = text.replace(f" (attn_tp={t.attn_tp})", "")
     groups = ", ".join(f"{part} over {g} ({plural(t.span(g), 'rank')})" for part, g in part_groups(plan).items()) if parts else ""
     return f"{text}; {groups}" if groups else text
+
+
+def server_hints(t) -> list[str]:
+    """split and reshard: how the server must be started for this topology's layout (a Topology)."""
+    hints = [launch_hint(t.placed_for, t.pp_layers)] if t.pp > 1 else []
+    if t.moe_a2a_backend:  # UNSET (none) is falsy
+        hints.append(f"start SGLang with --moe-a2a-backend {t.moe_a2a_backend} --ep-size {t.tp}: the layout of the experts and shared experts this output holds")
+    if t.dcp:  # UNSET (1) is falsy
+        flags = f"--dcp-size {t.dcp}" + (" --dcp-replicate-q-proj" if t.dcp_replicate_q_proj else "")
+        hints.append(f"start SGLang with {flags}: the decode-context-parallel layout this output was split for")
+    return hints
 
 
 def attn_coordinates_used(plan: Plan) -> bool:

@@ -21,6 +21,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from tpshard.digest import DIGEST_SIZE
+from tpshard.public_struct import PublicStruct
 from tpshard.topology import GroupName
 
 MANIFEST_NAME = "tpshard-manifest.json"
@@ -96,13 +97,25 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     expert_block: int = 0
 
 
-class Options(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    pad: bool = True  # pad dims the group does not divide (MLP intermediate) instead of refusing
-    dp_lm_head: bool = False  # lm_head over attn_tp instead of tp (SGLang --enable-dp-lm-head)
-    vocab_multiple: int = 64  # vocab padded to this multiple before the split (vLLM/SGLang)
-    max_file_bytes: int = 5 << 30  # a rank's tensors for one group go to parts of at most this size
-    checksum: Literal["crc32", "sha256"] = "crc32"  # tensor digests in the manifest (tpshard.digest)
-    pad_blocks: bool = False  # FP8 block formats: pad each rank's MLP shard up to whole 128-blocks instead of refusing
+class Options(PublicStruct, frozen=True, kw_only=True, omit_defaults=True):
+    """
+    How a split treats what the topology alone does not decide (the `split` options of the same names).
+
+    Args:
+        pad (`bool`, defaults to True): pad dims the group does not divide (an MLP intermediate) instead of refusing.
+        dp_lm_head (`bool`): lm_head over attn_tp instead of tp (SGLang `--enable-dp-lm-head`).
+        vocab_multiple (`int`, defaults to 64): the vocab padded to this multiple before the split, as the engines pad it.
+        max_file_bytes (`int`, defaults to 5 GiB): a rank's tensors of one group go to files of at most this size.
+        checksum (`"crc32"` or `"sha256"`): the tensors' digests in the manifest.
+        pad_blocks (`bool`): FP8 block formats: pad each rank's MLP shard to whole 128-blocks instead of refusing.
+    """
+
+    pad: bool = True
+    dp_lm_head: bool = False
+    vocab_multiple: int = 64
+    max_file_bytes: int = 5 << 30
+    checksum: Literal["crc32", "sha256"] = "crc32"
+    pad_blocks: bool = False
 
     def __post_init__(self) -> None:
         from tpshard.errors import PlanError

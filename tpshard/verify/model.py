@@ -11,10 +11,13 @@ quantized source runs dequantized by other projects' code (tpshard.verify.source
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
 import tpshard.verify.moe_model as moe_model
 from tpshard.arch import ARCHITECTURES
+from tpshard.arch.base import VerifyKind
 from tpshard.errors import TpshardError
 from tpshard.manifest import Plan
 from tpshard.verify.decoder import rope_config
@@ -28,12 +31,17 @@ SEQUENCES = 2  # sequences per batch
 
 
 def supported() -> tuple[str, ...]:
-    """The architectures --model runs (`Arch.verify`): the dense decoder's, the MoE / MLA decoder's, Llama-4's."""
-    return tuple(a.name for kind in ("dense", "moe", "llama4") for a in ARCHITECTURES.values() if a.verify == kind)
+    """The architectures --model runs (`Arch.verify`): the dense decoder's, the MoE / MLA decoder's, Llama-4's,
+    DeepSeek-V4's, the hybrids'."""
+    return tuple(a.name for kind in get_args(VerifyKind) for a in ARCHITECTURES.values() if a.verify == kind)
 
 
 def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> str | None:
     """Why --model cannot run on this output, or None."""
+    if plan.model.architecture in ARCHITECTURES and ARCHITECTURES[plan.model.architecture].verify == "deepseek_v4":
+        from tpshard.verify.v4_model import unsupported_reason as v4_reason  # bf16 and its release dequantized
+
+        return transformers_problem(moe_model.MIN_TRANSFORMERS) or v4_reason(plan, config, tokens)
     if is_quantized(plan):  # transformers runs the source dequantized by other projects' code (verify/source_dequant.py)
         from tpshard.verify.source_dequant import unsupported_reason as dequant_reason
 
@@ -49,6 +57,10 @@ def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> s
         from tpshard.verify.llama4_model import unsupported_reason as llama4_reason
 
         return llama4_reason(config) or transformers_problem(moe_model.MIN_TRANSFORMERS)
+    if arch is not None and arch.verify == "hybrid":  # Qwen3-Next, Qwen3.5-MoE (verify/hybrid_model.py)
+        from tpshard.verify.hybrid_model import unsupported_reason as hybrid_reason
+
+        return hybrid_reason(plan, config, tokens) or transformers_problem(moe_model.MIN_TRANSFORMERS)
     if arch is None or arch.verify != "dense":
         return f"model-level verify supports {', '.join(supported())}, not {plan.model.architecture}"
     kind = rope_config(config).get("rope_type", "default")
@@ -114,8 +126,13 @@ def hf_logits(source: str, batches: list[torch.Tensor], *, dequantized: bool = F
     else:
         model = AutoModelForCausalLM.from_pretrained(source, **kw)
     model.eval()
-    with torch.no_grad():
-        return [model(input_ids=ids).logits.double() for ids in batches]
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the forward's notes on slow kernels (the gated DeltaNet's "falling back to ... PyTorch")
+    try:
+        with torch.no_grad():
+            return [model(input_ids=ids).logits.double() for ids in batches]
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def compare_logits(plan: Plan, sent: dict[int, dict], ref: list[torch.Tensor], *, tokens: int) -> ModelResult:

@@ -250,6 +250,14 @@ def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
         from tpshard.verify.llama4_model import Llama4Decoder
 
         decoder = Llama4Decoder(plan, rank, layers, norms, device, hf_config(tensors))
+    elif arch_for(plan.model).verify == "deepseek_v4":
+        from tpshard.verify.v4_model import V4Decoder
+
+        decoder = V4Decoder(plan, rank, layers, norms, device, hf_config(tensors))
+    elif arch_for(plan.model).verify == "hybrid":
+        from tpshard.verify.hybrid_model import HybridDecoder
+
+        decoder = HybridDecoder(plan, rank, layers, norms, device, tensors)
     elif is_moe(plan):
         decoder = MoEDecoder(plan, rank, layers, norms, device, tensors.folder, hf_config(tensors))
     else:
@@ -283,7 +291,12 @@ def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
         return None
     nbatch = topo.tp // span
     batches = [model_tokens(plan, b, seed=job.seed, tokens=job.tokens) for b in range(nbatch)]
-    ref = hf_logits(job.source, batches, dequantized=is_quantized(plan))
+    if arch_for(plan.model).verify == "deepseek_v4" and plan.quant_layers:  # the FP8 + FP4 release, dequantized
+        from tpshard.verify.v4_model import dequantized_logits
+
+        ref = dequantized_logits(job.source, batches)
+    else:
+        ref = hf_logits(job.source, batches, dequantized=is_quantized(plan))
     return compare_logits(plan, dict(enumerate(gathered)), ref, tokens=job.tokens)
 
 
