@@ -60,10 +60,15 @@ def sources(tmp_path_factory):
                 from moe_configs import make_moe_checkpoint
 
                 make_moe_checkpoint(path, "deepseek_v3", moe_intermediate_size=128, max_shard_size="200KB")
-            else:
+            else:  # the sizes of tests/test_quant_experts.py: whole groups / 128-blocks per MoE-TP rank
                 from checkpoints import make_checkpoint
 
-                make_checkpoint(path, family, max_shard_size="200KB", moe_intermediate_size=128)
+                sizes = dict(moe_intermediate_size=128)
+                if scheme == "fp8_block":
+                    sizes = dict(hidden_size=128, moe_intermediate_size=256, intermediate_size=256, head_dim=16)
+                if family == "mixtral":  # its experts are intermediate_size wide
+                    sizes = {"intermediate_size": sizes["moe_intermediate_size"]}
+                make_checkpoint(path, family, max_shard_size="200KB", **sizes)
             quantize_linears(path, scheme, experts_only=not every)
         made[name] = path
         return path
@@ -186,8 +191,9 @@ def test_other_dense_formats_tp2(sources, tmp_path):
 @pytest.mark.slow
 def test_moe_families_and_formats(sources, tmp_path):
     """tp 4: Kimi-K2-style INT4 experts in DeepSeek-V3 (ep 4, attention DP 2), NVFP4 and W8A8 int8
-    Qwen3-MoE experts (ep 2), every linear W8A8 in Qwen2-MoE (ep 2); tp 2: DeepSeek-V3 FP8 block as
-    it ships (every linear but the router) with ep 2, gpt-oss MXFP4 with ep 2."""
+    Qwen3-MoE experts (ep 2), every linear W8A8 in Qwen2-MoE (ep 2); tp 2 ep 2: DeepSeek-V3 FP8 block
+    as it ships (every linear but the router), GLM-4.5 FP8 block experts, Mixtral NVFP4 experts,
+    gpt-oss MXFP4."""
     from gpt_oss_fixtures import make_gpt_oss, make_gpt_oss_mxfp4
     from moe_configs import make_fp8_deepseek
 
@@ -200,8 +206,10 @@ def test_moe_families_and_formats(sources, tmp_path):
         assert_model_passes(r, name)
     fp8 = make_fp8_deepseek(tmp_path / "deepseek_fp8")
     mxfp4 = make_gpt_oss_mxfp4(tmp_path / "gpt_oss_mxfp4", make_gpt_oss(tmp_path / "gpt_oss"))
-    two = [split(fp8, tmp_path / "fp8-out", Topology(tp=2, ep=2)), split(mxfp4, tmp_path / "mxfp4-out", Topology(tp=2, ep=2))]
-    for name, r in zip(("deepseek_v3 fp8_block", "gpt_oss mxfp4"), verify_many(two, [fp8, mxfp4], model=True)):
+    two = {"deepseek_v3 fp8_block": fp8, "gpt_oss mxfp4": mxfp4, "glm4_moe-fp8_block": None, "mixtral-nvfp4": None}
+    two = {name: src or sources(name) for name, src in two.items()}
+    outs = [split(src, tmp_path / f"{i}-out", Topology(tp=2, ep=2)) for i, src in enumerate(two.values())]
+    for name, r in zip(two, verify_many(outs, list(two.values()), model=True)):
         assert_model_passes(r, name)
 
 
