@@ -224,7 +224,7 @@ def _verify_job(info: DistInfo, job: Job) -> VerifyReport:
 def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
     from tpshard.arch import arch_for
     from tpshard.verify.decoder import TPDecoder, rope_config
-    from tpshard.verify.model import compare_logits, hf_logits, model_tokens
+    from tpshard.verify.model import compare_logits, hf_logits, is_quantized, model_tokens
     from tpshard.verify.moe_layers import hf_config
     from tpshard.verify.moe_model import MoEDecoder, is_moe
 
@@ -237,6 +237,10 @@ def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
         for lay in sharded_layers(plan)
         if stage in lay.stages(topo)
     }
+    if is_quantized(plan):  # the reference is the dequantized source, without activation quantization
+        from tpshard.verify.source_dequant import weights_only
+
+        weights_only(layers)
     norms = {
         s.name: tensors[s.name].to(device=device, dtype=torch.float32)
         for s in plan.rank_shards(rank)
@@ -292,7 +296,7 @@ def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
 
         ref = dequantized_logits(job.source, batches)
     else:
-        ref = hf_logits(job.source, batches)
+        ref = hf_logits(job.source, batches, dequantized=is_quantized(plan))
     return compare_logits(plan, dict(enumerate(gathered)), ref, tokens=job.tokens)
 
 
