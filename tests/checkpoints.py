@@ -180,3 +180,27 @@ def make_fp8_deepseek(path: Path, **overrides) -> Path:
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
+
+
+# A one-block vision tower for Qwen3_5MoeForConditionalGeneration (tiny; tpshard does not write it).
+QWEN3_5_VISION = dict(
+    depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4, spatial_merge_size=2,
+    temporal_patch_size=2, num_position_embeddings=16,
+)  # fmt: skip
+
+
+def make_qwen3_5_wrapper(path: Path, text: Path, **overrides) -> tuple[Path, Path]:
+    """Qwen3_5MoeForConditionalGeneration at `path` (the published checkpoints' class: the text model under
+    model.language_model., a vision tower under model.visual.) and Qwen3_5MoeForCausalLM at `text`, holding
+    the same text weights: the text checkpoint is made first and the wrapper's language model loaded from it."""
+    import transformers
+
+    make_checkpoint(text, "qwen3_5_moe", **overrides)
+    lm = transformers.Qwen3_5MoeForCausalLM.from_pretrained(text, dtype=torch.bfloat16)
+    config = transformers.Qwen3_5MoeConfig(text_config=lm.config.to_dict(), vision_config=QWEN3_5_VISION)
+    torch.manual_seed(1)
+    model = transformers.Qwen3_5MoeForConditionalGeneration(config).to(torch.bfloat16)
+    model.model.language_model.load_state_dict(lm.model.state_dict())
+    model.lm_head.load_state_dict(lm.lm_head.state_dict())
+    model.save_pretrained(path, max_shard_size="200KB")
+    return path, text

@@ -274,7 +274,7 @@ def _report_written(manifest, summary: dict, json: bool, headline: str) -> None:
         err.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
     from tpshard.report import server_hints
 
-    for line in server_hints(manifest.plan.topology):  # the server options this layout needs
+    for line in server_hints(manifest.plan.topology, manifest.plan.model.architecture):  # the server options this layout needs
         show(line, markup=False, soft_wrap=True)
 
 

@@ -90,9 +90,15 @@ def topology_text(plan: Plan, parts: bool = True) -> str:
     return f"{text}; {groups}" if groups else text
 
 
-def server_hints(t) -> list[str]:
-    """split and reshard: how the server must be started for this topology's layout (a Topology)."""
+def server_hints(t, architecture: str = "") -> list[str]:
+    """split and reshard: how the server must be started for this topology's layout (a Topology),
+    and for any output of `architecture` (Arch.server_hint)."""
+    from tpshard.arch import ARCHITECTURES
+
     hints = [launch_hint(t.placed_for, t.pp_layers)] if t.pp > 1 else []
+    arch = ARCHITECTURES.get(architecture)
+    if arch is not None and arch.server_hint:
+        hints.append(arch.server_hint)
     if t.moe_a2a_backend:  # UNSET (none) is falsy
         hints.append(f"start SGLang with --moe-a2a-backend {t.moe_a2a_backend} --ep-size {t.tp}: the layout of the experts and shared experts this output holds")
     if t.dcp:  # UNSET (1) is falsy

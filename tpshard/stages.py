@@ -174,7 +174,7 @@ def refuse_engine_layout(engine: Engine, topology, dp_lm_head: bool) -> None:
         )
 
 
-_LAYER = re.compile(r"(?:language_model\.)?model\.layers\.(\d+)\.")  # Llama-4 nests the text model
+_LAYER = re.compile(r"(?:language_model\.)?model\.(?:language_model\.)?layers\.(\d+)\.")  # Llama-4, Qwen3.5 nest the text model
 
 
 def layer_of(name: str) -> int | None:

@@ -226,6 +226,10 @@ class Arch:
     # SGLang --dcp-size: "kv", the attention's K/V over ReplicatedParallelGroup("attn_tp", dcp) (Qwen3.5);
     # "neutral", the class reads it but every weight keeps its attn_tp cut (DeepSeek MLA); None: refused.
     dcp: Literal["kv", "neutral"] | None = None
+    # Tensors not written (a regex matched in full) and the plan's warning saying so, given whether or not
+    # the checkpoint holds any (a reshard reads the output back without them): a wrapper's vision tower.
+    dropped: tuple[str, str] | None = None
+    server_hint: str = ""  # how the engine must be started for any output of this class (split prints it)
 
     def table(self, model: ModelInfo) -> tuple[Rule, ...]:
         return self.rules + (self.variant(model) if self.variant else ())

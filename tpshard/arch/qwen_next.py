@@ -39,7 +39,22 @@ What rank r holds (attn_tp = tp / attn_dp, moe_tp = tp / ep) is what SGLang 0.5.
   engine (no name table measured), dense MLP layers
   (mlp_only_layers, decoder_sparse_step). Not declared, so refused by name: MTP tensors (mtp.*),
   experts stored fused ([E, 2I, H] `experts.gate_up_proj`, which qwen3_5.py's loader also reads),
-  and the multimodal Qwen3_5MoeForConditionalGeneration (model.language_model.*, the vision tower).
+  (Qwen3_5MoeForConditionalGeneration's loader reads them too; transformers 5 saves experts one by one).
+- Qwen3_5MoeForConditionalGeneration (the published checkpoints: transformers' multimodal wrapper,
+  the text model under `model.language_model.`, `lm_head` at the top, the vision tower under
+  `model.visual.`): in SGLang's language-model-only mode. Its class (qwen3_5.py L2586, built by
+  Qwen3VLForConditionalGeneration.__init__, qwen3_vl.py L1328) builds the same text body
+  (qwen3_5.py's Qwen3_5MoeForCausalLM, over the text_config, lm_head a ParallelLMHead as the text
+  class's), and its load_weights renames `model.language_model.` to `model.`: every text tensor is
+  cut as the text class cuts it (the text rules over the wrapper's names, `wrapped`). The vision
+  tower is NOT written: with `language_model_only` in the model's config SGLang builds no tower
+  (`self.visual = None`), and the server flag --language-model-only refuses this class
+  (LANGUAGE_MODEL_ONLY_ARCHITECTURES, server_args.py L335; arg_groups/model_hook.py L1079), so the
+  launch line carries --json-model-override-args (applied to the config before ModelConfig reads
+  language_model_only, configs/model_config.py L674, utils/hf_transformers/config.py L405).
+  MTP tensors and fused experts are refused as for the text class. `verify --model` runs the hybrid
+  decoder on the wrapper's names against transformers' AutoModelForCausalLM, which loads the
+  wrapper's text model as Qwen3_5MoeForCausalLM.
 """
 
 from tpshard.arch.base import NORMS, QK_NORM, VOCAB, Arch, EngineNames, L, Rule
@@ -146,11 +161,47 @@ def every_layer_sparse(model: ModelInfo, layer: int) -> bool:
     return True
 
 
+# Qwen3_5MoeForConditionalGeneration: the text model's `model.` is the wrapper's `model.language_model.`
+TEXT, WRAPPED, WRAPPER = "model.", "model.language_model.", "Qwen3_5MoeForConditionalGeneration"
+
+
+def wrapped(rule: Rule) -> Rule:
+    """A text rule over the wrapper's names (lm_head stays at the top, as the wrapper saves it)."""
+    for old, new in ((r"model\.", r"model\.language_model\."), (r"(model\.", r"(model\.language_model\.")):
+        if rule.module.startswith(old):
+            return rule._replace(module=new + rule.module[len(old) :], layer=wrapped_name(rule.layer))
+    return rule
+
+
+def wrapped_name(name: str) -> str:
+    """A text class's tensor or module name as the wrapper saves it."""
+    return WRAPPED + name.removeprefix(TEXT) if name.startswith(TEXT) else name
+
+
+def wrapped_expected(model: ModelInfo, config: dict):
+    """The text class's tensors under the wrapper's names (the vision tower is not written)."""
+    return map(wrapped_name, expected(fused=False)(model, config))
+
+
+LANGUAGE_ONLY = """--json-model-override-args '{"language_model_only": true}'"""
+VISION_DROPPED = (
+    r"model\.visual\..*",
+    "the vision tower (model.visual.*) is not written: SGLang builds none with language_model_only in the model's config"
+    f" (qwen3_vl.py Qwen3VLForConditionalGeneration.__init__); start it with {LANGUAGE_ONLY}, text requests only",
+)
+
+
 ARCHS = (
     Arch(
         "Qwen3_5MoeForCausalLM", COMMON + QWEN3_5_LINEAR, "qwen3_5_text.py", attn_group="attn_tp", embed_group="replicated",
         model_type="qwen3_5_moe_text", expected=expected(fused=False), exports=EngineNames(vllm=None, sglang=None),
         verify="hybrid", router=renormalised_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config, dcp="kv",
+    ),
+    Arch(
+        WRAPPER, tuple(map(wrapped, COMMON + QWEN3_5_LINEAR)), "qwen3_5.py", attn_group="attn_tp",
+        embed_group="replicated", model_type="qwen3_5_moe", expected=wrapped_expected, exports=EngineNames(vllm=None, sglang=None),
+        verify="hybrid", router=renormalised_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config, dcp="kv",
+        dropped=VISION_DROPPED, server_hint=f"start SGLang with {LANGUAGE_ONLY}: this output holds no vision tower",
     ),
     Arch(
         "Qwen3NextForCausalLM", COMMON + QWEN3_NEXT_LINEAR, "qwen3_next.py", attn_group="attn_tp", embed_group="attn_tp",

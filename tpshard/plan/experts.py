@@ -16,10 +16,11 @@ from tpshard.errors import PlanError
 from tpshard.plan.dense import Layout
 from tpshard.quant.formats import CODES_SUFFIXES
 
-# model.layers.N (HF names; Llama-4 nests the text model under language_model.); DeepSeek-V4's native
+# model.layers.N (HF names; Llama-4 nests the text model under language_model., Qwen3.5's wrapper under
+# model.language_model.); DeepSeek-V4's native
 # layers.N, and its MTP layers mtp.K, which SGLang's NextN loader reads as layer num_hidden_layers + K
 # (deepseek_v4.py remap_weight_name_to_dpsk_hf_format)
-_LAYER_INDEX = re.compile(r"(?:language_model\.)?(model\.)?(layers|mtp)\.(\d+)\.")
+_LAYER_INDEX = re.compile(r"(?:language_model\.)?(model\.)?(?:language_model\.)?(layers|mtp)\.(\d+)\.")
 
 
 class Experts:

@@ -70,10 +70,15 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
     qlayers = QuantLayers(topology, options.pad_blocks, logical_layers(ctx), lambda records: TensorKind(records, topology))
     experts = Experts(ctx)
     names = re.compile(arch.names) if arch.names else None
+    dropped = re.compile(arch.dropped[0]) if arch.dropped else None
+    if arch.dropped:
+        warnings.append(arch.dropped[1])
     # Source order by (file, offset): the writer then reads each file front to back.
     for name, info in sorted(ckpt.tensors.items(), key=lambda kv: (kv[1].file, kv[1].begin)):
         if name.endswith("inv_freq") and DROPPED.fullmatch(name):  # the test alone: a regex a tensor costs 5 % of a plan
             warnings.append(f"{name}: dropped (engines recompute it)")
+            continue
+        if dropped is not None and dropped.fullmatch(name):
             continue
         module, _, param = name.rpartition(".")
         found = matcher.match(module)

@@ -105,6 +105,10 @@ class TPDecoder:
 
     prefix = ""  # of every module name: Llama-4 nests the text model under language_model.
 
+    def named(self, name: str) -> str:
+        """A text model's module or tensor name (model.embed_tokens, lm_head, model.layers.N) as the plan names it."""
+        return self.prefix + name
+
     def __init__(
         self, plan: Plan, rank: int, layers: dict[str, Built], norms: dict[str, torch.Tensor], device,
         rope: dict | None = None,
@@ -114,10 +118,10 @@ class TPDecoder:
         self.eps, self.head_dim = m.rms_norm_eps, m.head_dim
         self.stage, self.last = topo.pp_rank(rank), topo.pp_rank(rank) == topo.pp - 1
         self.first_layer, self.end_layer = stage_layers(plan)[self.stage]
-        self.lm_head = layers.get(self.prefix + LM_HEAD) if self.last else None  # a tied head is named lm_head too
+        self.lm_head = layers.get(self.named(LM_HEAD)) if self.last else None  # a tied head is named lm_head too
         # The attention-DP replica of the token batch: the embedding's group (held on the first stage
         # only, but every stage's replicas are laid out alike).
-        embed_group = next(t.group for t in plan.tensors if t.layer == self.prefix + EMBED)
+        embed_group = next(t.group for t in plan.tensors if t.layer == self.named(EMBED))
         self.replica = LogicalGroup.of(topo, embed_group, rank)
         self.inv_freq = rope_inv_freq(m.head_dim, m.rope_theta, rope or {}).to(device)  # [hd/2]
         self.disagree: dict[int, float] = {}  # world rank -> rel difference of its copy from the one used
@@ -128,9 +132,9 @@ class TPDecoder:
         of its layers' engine layers and norms as the plan names them, the final norm and lm_head
         (last stage). The forward would fail half-way (between collectives) without them."""
         topo = self.plan.topology
-        want = {self.prefix + EMBED} if self.stage == 0 else set()
+        want = {self.named(EMBED)} if self.stage == 0 else set()
         if self.last:
-            want |= {self.prefix + LM_HEAD, self.prefix + NORM}
+            want |= {self.named(LM_HEAD), self.named(NORM)}
         for t in self.plan.tensors:
             i = layer_of(t.name)
             if i is not None and self.first_layer <= i < self.end_layer:
@@ -176,13 +180,13 @@ class TPDecoder:
         h = self._enter(ids)  # [B, S, H]
         cos, sin = self._rope(s)
         for i in range(self.first_layer, self.end_layer):
-            h = self._layer(self.prefix + LAYER.format(i=i), h, cos, sin, b)
+            h = self._layer(self.named(LAYER.format(i=i)), h, cos, sin, b)
         return self._leave(h, b)
 
     def _enter(self, ids: torch.Tensor) -> torch.Tensor:
         """The hidden states [B, S, H] this stage starts from: embedded, or received from the stage before."""
         if self.stage == 0:
-            return self.layers[self.prefix + EMBED].module(ids.to(self.device))  # reduced over the embedding's group
+            return self.layers[self.named(EMBED)].module(ids.to(self.device))  # reduced over the embedding's group
         shape = (*ids.shape, self.plan.model.hidden_size)
         return recv_forward(shape, torch.float32, self.rank - self.plan.topology.tp, self.device)
 
@@ -190,7 +194,7 @@ class TPDecoder:
         if not self.last:
             send_forward(h, self.rank + self.plan.topology.tp)
             return None
-        h = rms_norm(h, self.norms[self.prefix + NORM], self.eps)
+        h = rms_norm(h, self.norms[self.named(NORM)], self.eps)
         x = self._gather(h, self.replica, self.lm_head.group)
         logits = self.lm_head.module(x)  # [n*B, S, V]
         return self._scatter(logits, self.replica, self.lm_head.group, b)

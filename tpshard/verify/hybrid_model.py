@@ -1,5 +1,5 @@
 """The hybrid decoders' `verify --model`: Qwen3-Next (Qwen3NextForCausalLM) and Qwen3.5-MoE
-(Qwen3_5MoeForCausalLM), each rank on its own shards, against transformers' forward on the source.
+(Qwen3_5MoeForCausalLM, and its multimodal wrapper's text model), each rank on its own shards, against transformers' forward on the source.
 
 tpshard.verify.moe_model's MoEDecoder (embedding, MoE with the shared expert and its sigmoid gate,
 lm_head, the attention-DP gather and scatter) with the two token mixers config.json's layer_types
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import tpshard.verify.moe_model as moe_model
+from tpshard.arch.qwen_next import WRAPPER, wrapped_name
 from tpshard.manifest import Plan
 from tpshard.runtime import LogicalGroup
 from tpshard.runtime.deltanet import DeltaNetConfig, GatedDeltaNet
@@ -45,7 +46,7 @@ def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> s
 
 
 def zero_centred(name: str) -> bool:
-    return name == NORM or name.endswith(tuple("." + n for n in ZERO_CENTRED))
+    return name in (NORM, wrapped_name(NORM)) or name.endswith(tuple("." + n for n in ZERO_CENTRED))
 
 
 class HybridDecoder(moe_model.MoEDecoder):
@@ -53,6 +54,7 @@ class HybridDecoder(moe_model.MoEDecoder):
 
     def __init__(self, plan: Plan, rank: int, layers: dict, norms: dict[str, torch.Tensor], device, tensors):
         config = hf_config(tensors)
+        config = config.get("text_config") or config  # the wrapper's text model
         norms = {n: (1.0 + w if zero_centred(n) else w) for n, w in norms.items()}
         super().__init__(plan, rank, layers, norms, device, tensors.folder, config)
         self.delta_cfg = DeltaNetConfig.from_hf(config)
@@ -60,9 +62,13 @@ class HybridDecoder(moe_model.MoEDecoder):
         self.linear: dict[str, GatedDeltaNet] = {}  # decoder layer prefix -> its DeltaNet
         held = {s.name: s for s in plan.rank_shards(rank)}
         for i in range(self.first_layer, self.end_layer):
-            p = LAYER.format(i=i)
+            p = self.named(LAYER.format(i=i))
             if f"{p}.{LINEAR}.in_proj_qkvz" in layers:
                 self._deltanet(p, tensors, held)
+
+    def named(self, name: str) -> str:
+        """Qwen3_5MoeForConditionalGeneration's checkpoint names the text model model.language_model."""
+        return wrapped_name(name) if self.plan.model.architecture == WRAPPER else name
 
     def _deltanet(self, p: str, tensors, held: dict) -> None:
         la = f"{p}.{LINEAR}"

@@ -60,7 +60,7 @@ def rope_tables(folder: Path, seq: int, device) -> tuple[torch.Tensor, torch.Ten
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    config = AutoConfig.from_pretrained(folder)
+    config = AutoConfig.from_pretrained(folder).get_text_config()  # a multimodal wrapper's text model (Qwen3.5)
     rope = dict(config.rope_parameters or {})
     kind = rope.get("rope_type", "default")
     if kind == "default":  # as every transformers model computes its default rope
