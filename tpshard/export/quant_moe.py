@@ -120,8 +120,8 @@ def _refuse_expert_format(plan, fmt: str, spec: dict) -> str | None:
     bits, group = spec.get("bits", 4), spec.get("group_size", -1)
     if fmt == "ct_int" and bits not in (4, 8):
         return (
-            f"compressed-tensors {bits}-bit experts: vLLM 0.33.0's CompressedTensorsWNA16MoEMethod loads 4- and 8-bit"
-            ' pack-quantized only (compressed_tensors_moe.py "For Fused MoE layers, only format: pack-quantized")'
+            f"compressed-tensors {bits}-bit experts: their CompressedTensorsWNA16MoEMethod layout (a pack word not a"
+            " multiple of the bits) is not mapped for a vLLM export (4- and 8-bit are); serve the HF checkpoint"
         )
     if fmt == "awq" and bits != 4:
         return f'AWQ {bits}-bit experts: vLLM 0.33.0 refuses them (auto_awq.py AutoAWQMoEMethod: "only supports 4bit now")'
