@@ -25,6 +25,7 @@ What vLLM builds with another method, or cannot load, is refused in one line (`r
 
 from __future__ import annotations
 
+import math
 import re
 from typing import NamedTuple
 
@@ -153,7 +154,7 @@ def stacked_tensors(engine: str, param: Param, by_expert: dict, model_dtype: str
         raise ValueError(f"{engine}: pieces of dtypes {sorted({p.dtype for p in parts})} do not stack")
     dtype = param.dtype or first.dtype
     if param.slots:  # one value per slot: [E, 2] for w13, [E] for w2
-        if any(_numel(p.shape) != 1 for p in parts):
+        if any(math.prod(p.shape) != 1 for p in parts):
             raise ValueError(f"{engine}: per-tensor scales of shapes {sorted({p.shape for p in parts})}, not one value each")
         return [(engine, dtype, (len(groups), count) if count > 1 else (len(groups),), parts, None, 0)]
     if any(len(p.shape) != 2 or p.shape[1 - param.axis] != first.shape[1 - param.axis] for p in parts):
@@ -173,13 +174,6 @@ def stacked_tensors(engine: str, param: Param, by_expert: dict, model_dtype: str
     if rides and engine.endswith("_" + rides):
         tensors.append((engine.removesuffix(rides) + zeros, model_dtype, (shape[0], shape[-1]), (), 0.0, 0))
     return tensors
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _exact(engine: str, values: list[float], dtype: str) -> None:
