@@ -21,7 +21,6 @@ for vLLM (`split --engine vllm`) is exported: SGLang places lm_head and tied hea
 
 from __future__ import annotations
 
-import math
 import re
 import struct
 from array import array
@@ -285,11 +284,12 @@ def refuse_quantized(plan: Plan, engine: str, quant: list[str], table) -> None:
             " its quant methods' process_weights_after_loading (srt/model_loader/loader.py ShardedStateLoader), i.e."
             f" kernel- and platform-specific layouts an offline export cannot know; {instead}"
         )
-    if (plan.model.num_experts or table.q_lora or table.drop_mtp) and quant != ["fp8_block"]:
-        raise ExportError(
-            f"--format vllm: the checkpoint is quantized ({', '.join(quant)}) and has routed experts or MLA attention;"
-            " tpshard maps those for vLLM in FP8 block format only (docs/deploy.md); serve the HF checkpoint with vLLM's own loader"
-        )
+    if plan.model.num_experts or table.q_lora or table.drop_mtp:  # routed experts, MLA (tpshard.export.quant_moe)
+        from tpshard.export.quant_moe import refuse_experts
+
+        why = refuse_experts(plan, table)
+        if why:
+            raise ExportError(f"--format vllm: the checkpoint is quantized ({', '.join(quant)}): {why}")
     for fmt in quant:
         why = refuse_method(fmt, [q for q in plan.quant_layers.values() if q.get("format") == fmt])
         if why:
@@ -345,11 +345,12 @@ def _route(plan: Plan, names: NameMap, anchor: re.Pattern, t: TensorPlan) -> tup
         return held, names.piece(name), m.group(1) if m else None, param
     # A quantized module's tensors go where its `.weight` would, under the method's parameter names.
     from tpshard.export.quant import engine_param
+    from tpshard.export.quant_moe import expert_param
 
     module, _, suffix = name.rpartition(".")
     m = anchor.fullmatch(module + ".weight")
     base = names.piece(module + ".weight")
-    found = engine_param(base.engine, suffix, t.quant, base.stacked) if base is not None and base.engine else None
+    found = (expert_param if base.stacked else engine_param)(base.engine, suffix, t.quant) if base is not None and base.engine else None
     if found is None:
         return held, None, None, None
     return held, base._replace(engine=found[0]), m.group(1) if m else None, found[1]
@@ -489,8 +490,15 @@ def rank_tensors(plan: Plan, rank: int, shards: list[Part], known: _Known) -> li
             rows = n
             parts += slots
         param = params.get(engine)
-        if param is not None and not stacked:
-            out.append(_quantized(rank, engine, param, parts))
+        if param is not None:  # vLLM's create_weights layout (tpshard.export.quant, quant_moe)
+            from tpshard.export.quant import fused_tensor
+            from tpshard.export.quant_moe import stacked_tensors
+
+            try:
+                made = stacked_tensors(engine, param, by_expert, plan.model.dtype) if stacked else [fused_tensor(engine, param, parts)]
+            except ValueError as e:
+                raise ExportError(f"rank {rank}: {e}") from None
+            out += [EngineTensor(*t) for t in made]
             continue
         first = parts[0]
         if len(parts) > 1 and any(s.dtype != first.dtype or s.shape[1:] != first.shape[1:] or not s.shape for s in parts[1:]):
@@ -499,39 +507,11 @@ def rank_tensors(plan: Plan, rank: int, shards: list[Part], known: _Known) -> li
             shape = (len(by_expert), rows, *first.shape[1:])
         else:
             shape = (rows, *first.shape[1:]) if len(parts) > 1 else first.shape
-        out.append(EngineTensor(engine, param.dtype or first.dtype if param else first.dtype, shape, tuple(parts)))
+        out.append(EngineTensor(engine, first.dtype, shape, tuple(parts)))
     for layer in layers:
         out += known.layer_buffers(layer)
     out.sort(key=lambda t: _order(t.name))
     return out
-
-
-def _quantized(rank: int, engine: str, param, parts: list[Part]) -> EngineTensor:
-    """A quantized parameter of vLLM's create_weights layout from its slots (tpshard.export.quant.Param)."""
-    first = parts[0]
-    dtype = param.dtype or first.dtype
-    if param.source_shape:  # the source's [N, K] of the last slot: vLLM's loader keeps the last shard's value
-        last = parts[-1]
-        value = last.cut.value
-        if value is None or last.tensor.logical_dim is None:
-            raise ExportError(f"rank {rank}: {last.name}: no per-rank [N, K] value in the tpshard output")
-        full = list(value)
-        full[last.tensor.logical_dim] = last.tensor.logical_size
-        return EngineTensor(engine, "I64", (2,), (), tuple(float(v) for v in full))
-    if any(s.dtype != first.dtype for s in parts):
-        raise ExportError(f"rank {rank}: {engine}: pieces of dtypes {sorted({s.dtype for s in parts})} do not fuse")
-    if param.slots:  # one slot per fused matrix: PerTensorScaleParameter [len(output_partition_sizes)]
-        if any(math.prod(s.shape) != 1 for s in parts):
-            raise ExportError(f"rank {rank}: {engine}: per-tensor scales of shapes {[list(s.shape) for s in parts]}, not one value each")
-        return EngineTensor(engine, dtype, (len(parts),), tuple(parts))
-    if param.axis == 1:
-        if any(len(s.shape) != 2 or s.shape[0] != first.shape[0] for s in parts):
-            raise ExportError(f"rank {rank}: {engine}: pieces {[(s.name, list(s.shape)) for s in parts]} do not fuse along dim 1")
-        return EngineTensor(engine, dtype, (first.shape[0], sum(s.shape[1] for s in parts)), tuple(parts), axis=1)
-    if len(parts) > 1 and any(len(s.shape) < 1 or s.shape[1:] != first.shape[1:] for s in parts):
-        raise ExportError(f"rank {rank}: {engine}: pieces {[(s.name, list(s.shape)) for s in parts]} do not concatenate along dim 0")
-    shape = (sum(s.shape[0] for s in parts), *first.shape[1:]) if len(parts) > 1 else first.shape
-    return EngineTensor(engine, dtype, shape, tuple(parts))
 
 
 def split_parts(rank: int, tensors: list[EngineTensor], max_part_bytes: int, topology: Topology | None = None) -> list[PartFile]:
