@@ -136,6 +136,9 @@ class Piece(NamedTuple):
     # each expert's `count` pieces along its rows; its bytes are the dim-0 concatenation of those 2-D
     # pieces, expert by expert.
     stacked: bool = False
+    # vLLM's dtype where its model builds the parameter in another dtype than the checkpoint's
+    # (routers in float32): the export writes it cast (bf16 -> float32 is exact); "" = the checkpoint's.
+    dtype: str = ""
 
 
 class Buffer(NamedTuple):
@@ -155,6 +158,9 @@ class EngineTable(NamedTuple):
     ep: str = ""  # "" = no routed experts; "vllm": vLLM's expert placement (tpshard.export.layout)
     q_lora: tuple = ()  # (pieces with q_lora_rank, pieces without): MLA's kv_a_proj_with_mqa
     drop_mtp: bool = False  # decoder layers >= num_hidden_layers (DeepSeek's MTP) are not in the engine's state
+    # (plan, config.json) -> why the engine would build other keys than the table's for this
+    # checkpoint, or None: the family's own refusals, called before anything is written.
+    refuse: Callable[..., str | None] | None = None
 
 
 class EngineNames(NamedTuple):

@@ -302,19 +302,6 @@ def _order(name: str) -> tuple:
     return (0 if name.startswith("model.embed_tokens") else 2 if name.startswith("model.norm") else 3, 0, name)
 
 
-def refuse_router_bias(plan: Plan, engine: str, config: dict) -> None:
-    """vLLM's DeepSeek gate has e_score_correction_bias only for topk_method "noaux_tc"
-    (models/deepseek_v2.py L327-332): otherwise the key would be unknown to it (KeyError on load)."""
-    method = config.get("topk_method")
-    biased = any(t.name.endswith(".e_score_correction_bias") and t.cuts for t in plan.tensors)
-    if biased and method != "noaux_tc":
-        raise ExportError(
-            f"--format {engine}: the checkpoint has mlp.gate.e_score_correction_bias but config.json"
-            + (f" says topk_method {method!r}" if method is not None else " names no topk_method")
-            + f"; {engine} builds that parameter only for \"noaux_tc\", so its load would fail; fix config.json"
-        )
-
-
 def _layer_index(name: str) -> int:
     m = re.match(r"model\.layers\.(\d+)\.", name)
     return int(m.group(1)) if m else -1
@@ -336,10 +323,13 @@ def _route(plan: Plan, names: NameMap, anchor: re.Pattern, t: TensorPlan) -> tup
             raise ExportError(f"{name}: no pipeline stage of vLLM's {plan.model.architecture} holds it")
     if not t.quant:
         m = anchor.fullmatch(name)
+        piece = names.piece(name)
         param = None
-        if names.table.ep == "vllm" and name.endswith(".e_score_correction_bias"):
-            from tpshard.export.quant import ROUTER_BIAS as param
-        return held, names.piece(name), m.group(1) if m else None, param
+        if piece is not None and piece.dtype:  # built in another dtype by the engine: cast on export
+            from tpshard.export.quant import Param
+
+            param = Param(piece.engine.rpartition(".")[2], dtype=piece.dtype)
+        return held, piece, m.group(1) if m else None, param
     # A quantized module's tensors go where its `.weight` would, under the method's parameter names.
     from tpshard.export.quant import engine_param
 
@@ -555,8 +545,9 @@ def rank_layouts(
     at that rank (a writer discards what it wrote). One rank's tensors are held at a time: every
     rank's were ~300 MB at 90k tensors and tp 8."""
     names = refuse_unexportable(plan, engine, config_tied)
-    if config is not None and names.table.drop_mtp:
-        refuse_router_bias(plan, engine, config)
+    why = names.table.refuse(plan, config) if config is not None and names.table.refuse else None
+    if why:
+        raise ExportError(f"--format {engine}: {why}")
     if max_part_bytes < 1:
         raise ExportError(f"--max-part-size {max_part_bytes}: must be positive")
     return _rank_layouts(plan, names, max_part_bytes)

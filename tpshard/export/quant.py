@@ -161,11 +161,6 @@ def engine_param(piece_engine: str, suffix: str, fmt: str, stacked: bool = False
     return piece_engine.removesuffix(".weight") + "." + param.name, param
 
 
-# vLLM's DeepSeek gate builds e_score_correction_bias in float32 (models/deepseek_v2.py, DeepseekV2MoE):
-# written as such, not cast by the loader with a warning.
-ROUTER_BIAS = Param("e_score_correction_bias", dtype="F32")
-
-
 # ---- bytes ------------------------------------------------------------------------------------
 
 _NUMPY = {"F32": "<f4", "F64": "<f8", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1", "BOOL": "u1"}

@@ -1,0 +1,181 @@
+"""vLLM exports of the 2026 MoE families (bf16): names, shapes and dtypes per rank against tables
+worked by hand from vLLM 0.33.0's model classes (and its CPU build, docs/deploy.md), the bytes against
+slices cut here with torch from the source (not from tpshard's plan), check --source on the export,
+the export broken on purpose (two ranks swapped, gate and up read the wrong way, another expert's
+rows) caught by check --source, and the refusals."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tpshard
+from tpshard.check import check
+from tpshard.export import ExportError, export
+from test_export import VLLM_BUFFERS, _source, headers
+from test_export_quant import _broken, _bytes, _findings, _replace
+
+BF, F32 = "BF16", "F32"
+NORMS = {"input_layernorm.weight": (BF, (64,)), "post_attention_layernorm.weight": (BF, (64,))}
+GLOBAL = {"model.embed_tokens.weight": (BF, (128, 64)), "lm_head.weight": (BF, (128, 64)), "model.norm.weight": (BF, (64,))}
+
+# GLM-4.5 in small (tests/checkpoints.py) at tp 2: 8 heads of 16 over 2 kv heads -> qkv 4 q + 1 k + 1 v
+# heads = 96 rows with biases, o_proj 4 heads = 64 columns, q/k norms [head_dim]; layer 0 a dense MLP of
+# 96 (48 per rank); layers 1-2 the float32 router [8, 64] and correction bias [8], one shared expert
+# of 32 (16 per rank) and 8 experts of 32 (w13: 16 gate + 16 up rows each). Layer 3 (MTP) is not built.
+GLM_ATTENTION = {
+    **NORMS, **VLLM_BUFFERS,
+    "self_attn.qkv_proj.weight": (BF, (96, 64)), "self_attn.qkv_proj.bias": (BF, (96,)), "self_attn.o_proj.weight": (BF, (64, 64)),
+    "self_attn.q_norm.weight": (BF, (16,)), "self_attn.k_norm.weight": (BF, (16,)),
+}
+GLM_TP2 = {
+    0: {**GLM_ATTENTION, "mlp.gate_up_proj.weight": (BF, (96, 64)), "mlp.down_proj.weight": (BF, (64, 48))},
+    1: {
+        **GLM_ATTENTION,
+        "mlp.gate.weight": (F32, (8, 64)), "mlp.experts.routed_experts.e_score_correction_bias": (F32, (8,)),
+        "mlp.experts._shared_experts._layer.gate_up_proj.weight": (BF, (32, 64)),
+        "mlp.experts._shared_experts._layer.down_proj.weight": (BF, (64, 16)),
+        "mlp.experts.routed_experts.w13_weight": (BF, (8, 32, 64)), "mlp.experts.routed_experts.w2_weight": (BF, (8, 64, 16)),
+    },
+}  # fmt: skip
+
+
+def worked(per_layer: dict, layers: int = 3) -> dict:
+    table = dict(GLOBAL)
+    for i in range(layers):
+        table.update({f"model.layers.{i}.{k}": v for k, v in per_layer[min(i, max(per_layer))].items()})
+    return table
+
+
+def split_export(src: Path, root: Path, **topo) -> Path:
+    tpshard.split(src, root / "out", tpshard.Topology(**topo))
+    export(root / "out", root / "vllm", "vllm")
+    return root / "vllm"
+
+
+@pytest.fixture(scope="module")
+def glm_vllm(glm4_moe, tmp_path_factory) -> Path:
+    return split_export(glm4_moe, tmp_path_factory.mktemp("glm-vllm"), tp=2)
+
+
+def stacked(w: dict, at: str, experts, rows: slice, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's w13 [E, 2 I_r, H] (each expert's gate rows, then its up rows) and w2 [E, H, I_r], from the HF experts."""
+    w13 = torch.stack([torch.cat([w[f"{at}{e}.gate_proj.weight"][rows], w[f"{at}{e}.up_proj.weight"][rows]]) for e in experts])
+    return w13, torch.stack([w[f"{at}{e}.down_proj.weight"][:, cols] for e in experts])
+
+
+def test_glm_every_rank_holds_vllms_keys_and_bytes_tp2(glm_vllm, glm4_moe):
+    assert headers(glm_vllm, 0) == headers(glm_vllm, 1) == worked(GLM_TP2)
+    w = _source(glm4_moe)
+    assert any(k.startswith("model.layers.3.") for k in w)  # the MTP layer is in the checkpoint, not in vLLM's model
+    for r in (0, 1):
+        got = load_file(glm_vllm / f"model-rank-{r}-part-0.safetensors")
+        half = slice(16 * r, 16 * r + 16)
+        for layer in (1, 2):
+            p = f"model.layers.{layer}.mlp."
+            w13, w2 = stacked(w, p + "experts.", range(8), half, half)
+            assert torch.equal(got[p + "experts.routed_experts.w13_weight"], w13)
+            assert torch.equal(got[p + "experts.routed_experts.w2_weight"], w2)
+            shared = p + "experts._shared_experts._layer."
+            gate_up = torch.cat([w[p + "shared_experts.gate_proj.weight"][half], w[p + "shared_experts.up_proj.weight"][half]])
+            assert torch.equal(got[shared + "gate_up_proj.weight"], gate_up)
+            assert torch.equal(got[shared + "down_proj.weight"], w[p + "shared_experts.down_proj.weight"][:, half])
+            assert got[p + "gate.weight"].dtype == torch.float32 and torch.equal(got[p + "gate.weight"], w[p + "gate.weight"])
+            bias = got[p + "experts.routed_experts.e_score_correction_bias"]
+            assert torch.equal(bias, w[p + "gate.e_score_correction_bias"].float())
+        a = "model.layers.0.self_attn."
+        qkv = torch.cat([w[a + "q_proj.bias"][64 * r : 64 * r + 64], w[a + "k_proj.bias"][16 * r : 16 * r + 16], w[a + "v_proj.bias"][16 * r : 16 * r + 16]])
+        assert torch.equal(got[a + "qkv_proj.bias"], qkv)
+    report = check(glm_vllm, glm4_moe)
+    assert report.ok, report.problems
+
+
+def test_glm_bf16_router_is_written_in_float32(glm4_moe, copy_of, tmp_path):
+    """A checkpoint whose router is bf16: vLLM's GateLinear is float32 and its loader casts; the
+    export writes the exact cast, and check --source proves it against the bf16 source."""
+    src = copy_of(glm4_moe)
+    for f in src.glob("*.safetensors"):
+        t = load_file(f)
+        if any(k.endswith(".mlp.gate.weight") for k in t):
+            from safetensors.torch import save_file
+
+            save_file({k: v.bfloat16() if k.endswith(".mlp.gate.weight") else v for k, v in t.items()}, f, metadata={"format": "pt"})
+    dest = split_export(src, tmp_path, tp=2)
+    got = load_file(dest / "model-rank-1-part-0.safetensors")["model.layers.2.mlp.gate.weight"]
+    assert got.dtype == torch.float32 and torch.equal(got, _source(src)["model.layers.2.mlp.gate.weight"].float())
+    assert check(dest, src).ok
+
+
+def test_glm_ep_equals_tp_is_vllm_expert_parallel(glm4_moe, tmp_path):
+    """--ep 2 at tp 2 = vLLM's --enable-expert-parallel: rank 1 holds experts 4-7 whole; the shared
+    expert stays cut over tp, as vLLM's Glm4MoeMLP is."""
+    dest = split_export(glm4_moe, tmp_path, tp=2, ep=2)
+    want = worked(GLM_TP2)
+    for layer in (1, 2):
+        at = f"model.layers.{layer}.mlp.experts.routed_experts."
+        want[at + "w13_weight"], want[at + "w2_weight"] = (BF, (4, 64, 64)), (BF, (4, 64, 32))
+    assert headers(dest, 0) == headers(dest, 1) == want
+    w = _source(glm4_moe)
+    got = load_file(dest / "model-rank-1-part-0.safetensors")
+    w13, w2 = stacked(w, "model.layers.2.mlp.experts.", range(4, 8), slice(None), slice(None))
+    assert torch.equal(got["model.layers.2.mlp.experts.routed_experts.w13_weight"], w13)
+    assert torch.equal(got["model.layers.2.mlp.experts.routed_experts.w2_weight"], w2)
+    shared = got["model.layers.2.mlp.experts._shared_experts._layer.down_proj.weight"]
+    assert torch.equal(shared, w["model.layers.2.mlp.shared_experts.down_proj.weight"][:, 16:])
+    assert check(dest, glm4_moe).ok
+
+
+def _w13(d: Path, rank: int, layer: int) -> tuple[Path, str, torch.Tensor]:
+    path, key = d / f"model-rank-{rank}-part-0.safetensors", f"model.layers.{layer}.mlp.experts.routed_experts.w13_weight"
+    return path, key, torch.frombuffer(bytearray(_bytes(path, key)), dtype=torch.bfloat16).reshape(8, 32, 64)
+
+
+def swap_ranks(d: Path) -> None:
+    a, b, tmp = d / "model-rank-0-part-0.safetensors", d / "model-rank-1-part-0.safetensors", d / "swap"
+    shutil.move(a, tmp)
+    shutil.move(b, a)
+    shutil.move(tmp, b)
+
+
+def gate_up_swapped(d: Path) -> None:
+    """Each expert's up rows first in rank 1's layer-1 w13: gate and up read the wrong way."""
+    path, key, w13 = _w13(d, 1, 1)
+    _replace(path, key, torch.cat([w13[:, 16:], w13[:, :16]], dim=1).contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def another_expert(d: Path) -> None:
+    """Expert 5's slot of rank 0's layer-2 w13 holds expert 4's rows."""
+    path, key, w13 = _w13(d, 0, 2)
+    w13[5] = w13[4]
+    _replace(path, key, w13.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+@pytest.mark.parametrize(
+    "breaking, named, not_named",
+    [
+        (swap_ranks, ["model.layers.1.mlp.experts.0.gate_proj.weight (group moe_tp rank 0/2, ranks [0]): holds the slice of group rank 1"], []),
+        (gate_up_swapped, ["model.layers.1.mlp.experts.0.gate_proj.weight (group moe_tp rank 1/2", "model.layers.1.mlp.experts.7.up_proj.weight"], ["rank 0/2"]),
+        (another_expert, ["model.layers.2.mlp.experts.5.gate_proj.weight (group moe_tp rank 0/2", "model.layers.2.mlp.experts.5.up_proj.weight"], ["experts.4.", "rank 1/2"]),
+    ],
+)
+def test_glm_broken_exports_are_caught_by_check_source(glm_vllm, glm4_moe, copy_of, breaking, named, not_named):
+    report = check(_broken(copy_of, glm_vllm, breaking), glm4_moe)
+    text = _findings(report)
+    assert not report.ok
+    assert all(n in text for n in named) and not any(n in text for n in not_named), text
+
+
+def test_glm_vllm_refusals(glm4_moe, tmp_path):
+    tpshard.split(glm4_moe, tmp_path / "dp", tpshard.Topology(tp=2, attn_dp=2))
+    with pytest.raises(ExportError, match=r"--format vllm: split with --attn-dp 2"):
+        export(tmp_path / "dp", tmp_path / "x", "vllm")
+    tpshard.split(glm4_moe, tmp_path / "ep", tpshard.Topology(tp=4, ep=2))
+    with pytest.raises(ExportError, match=r"--ep 2 \(moe_tp 2\) at tp 4; vLLM builds either"):
+        export(tmp_path / "ep", tmp_path / "x", "vllm")
+    with pytest.raises(ExportError, match=r"--format sglang: Glm4MoeForCausalLM has routed experts"):
+        export(tmp_path / "ep", tmp_path / "x", "sglang")
+    assert not (tmp_path / "x").exists()
