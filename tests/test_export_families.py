@@ -179,3 +179,61 @@ def test_glm_vllm_refusals(glm4_moe, tmp_path):
     with pytest.raises(ExportError, match=r"--format sglang: Glm4MoeForCausalLM has routed experts"):
         export(tmp_path / "ep", tmp_path / "x", "sglang")
     assert not (tmp_path / "x").exists()
+
+
+# MiniMax-M2 in small (tests/test_minimax.py) at tp 4: 8 heads of 16 over 2 kv heads -> qkv 2 q + 1 k + 1 v
+# heads = 64 rows, o_proj 32 columns; q_norm [8 * 16] cut like q (32 per rank), k_norm [2 * 16] like
+# k (kv head r // 2: 16); the bf16 router [8, 64] and the fp32 bias [8] in float32; 8 experts of 32
+# (w13: 8 gate + 8 up rows each); vocab 256 / 4 = 64 rows.
+MINIMAX_TP4 = {
+    0: {
+        **NORMS, **VLLM_BUFFERS,
+        "self_attn.qkv_proj.weight": (BF, (64, 64)), "self_attn.o_proj.weight": (BF, (64, 32)),
+        "self_attn.q_norm.weight": (BF, (32,)), "self_attn.k_norm.weight": (BF, (16,)),
+        "block_sparse_moe.gate.weight": (F32, (8, 64)), "block_sparse_moe.e_score_correction_bias": (F32, (8,)),
+        "block_sparse_moe.experts.routed_experts.w13_weight": (BF, (8, 16, 64)),
+        "block_sparse_moe.experts.routed_experts.w2_weight": (BF, (8, 64, 8)),
+    }
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def minimax(tmp_path_factory) -> Path:
+    from test_minimax import make_minimax
+
+    return make_minimax(tmp_path_factory.mktemp("minimax") / "model")
+
+
+@pytest.fixture(scope="module")
+def minimax_vllm(minimax, tmp_path_factory) -> Path:
+    return split_export(minimax, tmp_path_factory.mktemp("minimax-vllm"), tp=4)
+
+
+def test_minimax_every_rank_holds_vllms_keys_and_bytes_tp4(minimax_vllm, minimax):
+    """q_norm / k_norm as vLLM's MiniMaxText01RMSNormTP loads them: q's heads of the rank, k's kv head
+    r // 2 (replicated with it); the router cast to float32; experts w13 = [w1; w3] of the rank."""
+    want = {**worked(MINIMAX_TP4, 2), "model.embed_tokens.weight": (BF, (64, 64)), "lm_head.weight": (BF, (64, 64))}
+    w = _source(minimax)
+    for r in range(4):
+        assert headers(minimax_vllm, r) == want
+        got = load_file(minimax_vllm / f"model-rank-{r}-part-0.safetensors")
+        for layer in (0, 1):
+            a, b = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.block_sparse_moe."
+            assert torch.equal(got[a + "q_norm.weight"], w[a + "q_norm.weight"][32 * r : 32 * r + 32])
+            assert torch.equal(got[a + "k_norm.weight"], w[a + "k_norm.weight"][16 * (r // 2) : 16 * (r // 2) + 16])
+            assert w[b + "gate.weight"].dtype == torch.bfloat16 and torch.equal(got[b + "gate.weight"], w[b + "gate.weight"].float())
+            assert torch.equal(got[b + "e_score_correction_bias"], w[b + "e_score_correction_bias"].float())
+            rows = slice(8 * r, 8 * r + 8)
+            w13 = torch.stack([torch.cat([w[f"{b}experts.{e}.w1.weight"][rows], w[f"{b}experts.{e}.w3.weight"][rows]]) for e in range(8)])
+            assert torch.equal(got[b + "experts.routed_experts.w13_weight"], w13)
+            assert torch.equal(got[b + "experts.routed_experts.w2_weight"], torch.stack([w[f"{b}experts.{e}.w2.weight"][:, rows] for e in range(8)]))
+    report = check(minimax_vllm, minimax)
+    assert report.ok, report.problems
+
+
+def test_minimax_k_norm_of_another_kv_head_is_caught(minimax_vllm, minimax, copy_of):
+    """Rank 2 holds rank 0's k_norm (kv head 0 instead of 1): check --source names it."""
+    key, r0, r2 = "model.layers.1.self_attn.k_norm.weight", "model-rank-0-part-0.safetensors", "model-rank-2-part-0.safetensors"
+    report = check(_broken(copy_of, minimax_vllm, lambda d: _replace(d / r2, key, _bytes(d / r0, key))), minimax)
+    text = _findings(report)
+    assert not report.ok and "model.layers.1.self_attn.k_norm.weight" in text and "holds the slice of group rank 0" in text, text
