@@ -237,3 +237,96 @@ def test_minimax_k_norm_of_another_kv_head_is_caught(minimax_vllm, minimax, copy
     report = check(_broken(copy_of, minimax_vllm, lambda d: _replace(d / r2, key, _bytes(d / r0, key))), minimax)
     text = _findings(report)
     assert not report.ok and "model.layers.1.self_attn.k_norm.weight" in text and "holds the slice of group rank 0" in text, text
+
+
+# Qwen3-Next / Qwen3.5-MoE in small (tests/checkpoints.py) at tp 2: layers 0-2 gated DeltaNet (8 key
+# heads of 4: K 32; 16 value heads of 4: V 64), layer 3 gated full attention (8 heads of 8, q_proj
+# [q_h | gate_h] per head: 4 x 16 rows + k 8 + v 8 = 80); in_proj_qkvz (2K + 2V) / 2 = 96 rows,
+# in_proj_ba 2 x 16 / 2, conv1d (2K + V) / 2 = 64, A_log (float32) / dt_bias 8 value heads, the
+# gated norm [4] whole; router kept under the FusedMoE, a shared expert of 48 (24 per rank) and its gate.
+HYBRID_MOE = {
+    **NORMS,
+    "mlp.experts.gate.weight": (BF, (8, 64)),
+    "mlp.experts._shared_experts._layer.expert_gate.weight": (BF, (1, 64)),
+    "mlp.experts._shared_experts._layer.gate_up_proj.weight": (BF, (48, 64)),
+    "mlp.experts._shared_experts._layer.down_proj.weight": (BF, (64, 24)),
+    "mlp.experts.routed_experts.w13_weight": (BF, (8, 32, 64)), "mlp.experts.routed_experts.w2_weight": (BF, (8, 64, 16)),
+}
+HYBRID_TP2 = {
+    0: {
+        **HYBRID_MOE,
+        "linear_attn.in_proj_qkvz.weight": (BF, (96, 64)), "linear_attn.in_proj_ba.weight": (BF, (16, 64)),
+        "linear_attn.conv1d.weight": (BF, (64, 1, 4)), "linear_attn.A_log": (F32, (8,)), "linear_attn.dt_bias": (BF, (8,)),
+        "linear_attn.norm.weight": (BF, (4,)), "linear_attn.out_proj.weight": (BF, (64, 32)),
+    },
+    3: {
+        **HYBRID_MOE, **VLLM_BUFFERS,
+        "self_attn.qkv_proj.weight": (BF, (80, 64)), "self_attn.o_proj.weight": (BF, (64, 32)),
+        "self_attn.q_norm.weight": (BF, (8,)), "self_attn.k_norm.weight": (BF, (8,)),
+    },
+}  # fmt: skip
+K, V = 32, 64
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """Each hybrid family's checkpoint and its vLLM export at tp 2."""
+    from checkpoints import make_checkpoint
+
+    out = {}
+    for arch in ("qwen3_next", "qwen3_5_moe"):
+        root = tmp_path_factory.mktemp(arch)
+        src = make_checkpoint(root / "model", arch, max_shard_size="100KB")
+        out[arch] = src, split_export(src, root, tp=2)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
+def test_hybrid_every_rank_holds_vllms_keys_and_bytes_tp2(hybrid, arch):
+    """The linear attention as vLLM's QwenGatedDeltaNetAttention loads it: Qwen3-Next's packed
+    in_proj_qkvz / in_proj_ba by contiguous rows (whole key-head groups); Qwen3.5's [q_r; k_r; v_r; z_r]
+    and [b_r; a_r]; conv1d's q, k and v segments each cut; A_log in float32."""
+    src, dest = hybrid[arch]
+    want = worked({i: HYBRID_TP2[0 if i < 3 else 3] for i in range(4)}, 4)
+    w = _source(src)
+    for r in (0, 1):
+        assert headers(dest, r) == want
+        got = load_file(dest / f"model-rank-{r}-part-0.safetensors")
+        a = "model.layers.1.linear_attn."
+
+        def rows(x: torch.Tensor, n: int) -> torch.Tensor:
+            return x[n * r : n * r + n]
+
+        if arch == "qwen3_next":
+            qkvz, ba = rows(w[a + "in_proj_qkvz.weight"], 96), rows(w[a + "in_proj_ba.weight"], 16)
+        else:
+            qkv = w[a + "in_proj_qkv.weight"]
+            qkvz = torch.cat([rows(qkv[:K], 16), rows(qkv[K : 2 * K], 16), rows(qkv[2 * K :], 32), rows(w[a + "in_proj_z.weight"], 32)])
+            ba = torch.cat([rows(w[a + "in_proj_b.weight"], 8), rows(w[a + "in_proj_a.weight"], 8)])
+        assert torch.equal(got[a + "in_proj_qkvz.weight"], qkvz) and torch.equal(got[a + "in_proj_ba.weight"], ba)
+        conv = w[a + "conv1d.weight"]
+        assert torch.equal(got[a + "conv1d.weight"], torch.cat([rows(conv[:K], 16), rows(conv[K : 2 * K], 16), rows(conv[2 * K :], 32)]))
+        assert torch.equal(got[a + "A_log"], rows(w[a + "A_log"], 8).float()) and torch.equal(got[a + "dt_bias"], rows(w[a + "dt_bias"], 8))
+        assert torch.equal(got["model.layers.3.self_attn.qkv_proj.weight"][:64], rows(w["model.layers.3.self_attn.q_proj.weight"], 64))
+    report = check(dest, src)
+    assert report.ok, report.problems
+
+
+def test_qwen3_5_in_proj_ba_read_the_wrong_way_is_caught(hybrid, copy_of):
+    """Rank 1's in_proj_ba holds [a_r; b_r]: check --source names both."""
+    src, dest = hybrid["qwen3_5_moe"]
+    key, f = "model.layers.0.linear_attn.in_proj_ba.weight", "model-rank-1-part-0.safetensors"
+
+    def a_first(d: Path) -> None:
+        ba = _bytes(d / f, key)
+        _replace(d / f, key, ba[len(ba) // 2 :] + ba[: len(ba) // 2])
+
+    text = _findings(check(_broken(copy_of, dest, a_first), src))
+    assert "model.layers.0.linear_attn.in_proj_b.weight" in text and "model.layers.0.linear_attn.in_proj_a.weight" in text, text
+
+
+def test_qwen3_next_conv1d_of_another_rank_is_caught(hybrid, copy_of):
+    src, dest = hybrid["qwen3_next"]
+    key, r0, r1 = "model.layers.2.linear_attn.conv1d.weight", "model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"
+    text = _findings(check(_broken(copy_of, dest, lambda d: _replace(d / r1, key, _bytes(d / r0, key))), src))
+    assert "model.layers.2.linear_attn.conv1d.weight" in text and "holds the slice of group rank 0" in text, text

@@ -172,8 +172,8 @@ def test_key_heads_not_dividing_is_refused(tmp_path, arch_name):
 def test_export_and_verify_model_refused(models, tmp_path):
     out = tmp_path / "out"
     tpshard.split(models[NEXT], out, Topology(tp=2))
-    p = tpshard_cli("export", out, "--format", "vllm", "-o", tmp_path / "exp")
-    assert p.returncode == 2 and "no vllm name table for Qwen3NextForCausalLM" in p.stderr and not (tmp_path / "exp").exists()
+    p = tpshard_cli("export", out, "--format", "sglang", "-o", tmp_path / "exp")  # vLLM's: tests/test_export_families.py
+    assert p.returncode == 2 and "Qwen3NextForCausalLM has routed experts" in p.stderr and not (tmp_path / "exp").exists()
     p = tpshard_cli("verify", out, "--source", models[NEXT], "--model")
     assert p.returncode == 2 and "model-level verify supports" in p.stderr and "not Qwen3NextForCausalLM" in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
