@@ -330,3 +330,97 @@ def test_qwen3_next_conv1d_of_another_rank_is_caught(hybrid, copy_of):
     key, r0, r1 = "model.layers.2.linear_attn.conv1d.weight", "model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"
     text = _findings(check(_broken(copy_of, dest, lambda d: _replace(d / r1, key, _bytes(d / r0, key))), src))
     assert "model.layers.2.linear_attn.conv1d.weight" in text and "holds the slice of group rank 0" in text, text
+
+
+# gpt-oss bf16 in small (tests/gpt_oss_fixtures.py) at tp 2: 8 heads of 16 over 2 kv heads -> qkv
+# 96 rows with biases, o_proj [64, 64] and its bias whole, sinks of the rank's 4 q heads; the router
+# with its bias whole; 8 experts of 96: gate_up_proj [8, 64, 192] cut on dim 2 (48 interleaved
+# gate/up pairs) and transposed per expert into w13 [8, 96, 64], down_proj [8, 96, 64] cut on dim 1
+# and transposed into w2 [8, 64, 48]; w2_bias [8, 64] whole on rank 0, zeros on rank 1.
+GPT_OSS_TP2 = {
+    0: {
+        **NORMS, **{k.replace("self_attn.", "attn.", 1): v for k, v in VLLM_BUFFERS.items()},
+        "attn.qkv_proj.weight": (BF, (96, 64)), "attn.qkv_proj.bias": (BF, (96,)),
+        "attn.o_proj.weight": (BF, (64, 64)), "attn.o_proj.bias": (BF, (64,)), "attn.sinks": (BF, (4,)),
+        "mlp.router.weight": (BF, (8, 64)), "mlp.router.bias": (BF, (8,)),
+        "mlp.experts.routed_experts.w13_weight": (BF, (8, 96, 64)), "mlp.experts.routed_experts.w13_bias": (BF, (8, 96)),
+        "mlp.experts.routed_experts.w2_weight": (BF, (8, 64, 48)), "mlp.experts.routed_experts.w2_bias": (BF, (8, 64)),
+    }
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory) -> Path:
+    from gpt_oss_fixtures import make_gpt_oss
+
+    return make_gpt_oss(tmp_path_factory.mktemp("gpt_oss") / "model")
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_vllm(gpt_oss, tmp_path_factory) -> Path:
+    return split_export(gpt_oss, tmp_path_factory.mktemp("gpt-oss-vllm"), tp=2)
+
+
+def test_gpt_oss_every_rank_holds_vllms_keys_and_bytes_tp2(gpt_oss_vllm, gpt_oss):
+    """As vLLM's GptOssModel._load_weights_other loads a bf16 checkpoint: each expert's slice of the
+    interleaved gate_up_proj and of down_proj transposed, the down bias on rank 0 only."""
+    want = {**worked(GPT_OSS_TP2, 2), "model.embedding.weight": GLOBAL["model.embed_tokens.weight"]}
+    del want["model.embed_tokens.weight"]
+    w = _source(gpt_oss)
+    for r in (0, 1):
+        assert headers(gpt_oss_vllm, r) == want
+        got = load_file(gpt_oss_vllm / f"model-rank-{r}-part-0.safetensors")
+        for layer in (0, 1):
+            x = f"model.layers.{layer}.mlp.experts."
+            assert torch.equal(got[x + "routed_experts.w13_weight"], w[x + "gate_up_proj"][:, :, 96 * r : 96 * r + 96].transpose(1, 2))
+            assert torch.equal(got[x + "routed_experts.w13_bias"], w[x + "gate_up_proj_bias"][:, 96 * r : 96 * r + 96])
+            assert torch.equal(got[x + "routed_experts.w2_weight"], w[x + "down_proj"][:, 48 * r : 48 * r + 48].transpose(1, 2))
+            bias = w[x + "down_proj_bias"] if r == 0 else torch.zeros(8, 64, dtype=torch.bfloat16)
+            assert torch.equal(got[x + "routed_experts.w2_bias"], bias) and bias.abs().sum() > 0 or r == 1
+            a = f"model.layers.{layer}.self_attn."
+            assert torch.equal(got[f"model.layers.{layer}.attn.sinks"], w[a + "sinks"][4 * r : 4 * r + 4])
+    report = check(gpt_oss_vllm, gpt_oss)
+    assert report.ok, report.problems
+
+
+W13 = "model.layers.1.mlp.experts.routed_experts.w13_weight"
+
+
+def _edit_w13(d: Path, edit) -> None:
+    path = d / "model-rank-1-part-0.safetensors"
+    w13 = torch.frombuffer(bytearray(_bytes(path, W13)), dtype=torch.bfloat16).reshape(8, 96, 64)
+    _replace(path, W13, edit(w13).contiguous().view(torch.uint8).numpy().tobytes())
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        pytest.param(lambda w13: w13.reshape(8, 48, 2, 64).flip(2).reshape(8, 96, 64), id="gate-up-pairs-swapped"),
+        pytest.param(lambda w13: w13.transpose(1, 2).reshape(8, 96, 64), id="not-transposed"),
+        pytest.param(lambda w13: w13[[1, 0, 2, 3, 4, 5, 6, 7]], id="experts-0-1-swapped"),
+    ],
+)
+def test_gpt_oss_broken_w13_is_caught_by_check_source(gpt_oss_vllm, gpt_oss, copy_of, edit):
+    report = check(_broken(copy_of, gpt_oss_vllm, lambda d: _edit_w13(d, edit)), gpt_oss)
+    text = _findings(report)
+    assert not report.ok and f"{W13} slot 0 (model.layers.1.mlp.experts.gate_up_proj, group rank 1) differs from the source" in text, text
+
+
+def test_gpt_oss_down_bias_on_rank_1_is_caught(gpt_oss_vllm, copy_of):
+    """vLLM zeroes it on moe-tp ranks != 0 (the bias is added once after the reduction): rank 1
+    holding the bias would add it twice; check compares it with the zeros, checksums rewritten or not."""
+    from test_export import rewrite_export_checksums
+
+    key, r0, r1 = "model.layers.0.mlp.experts.routed_experts.w2_bias", "model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"
+    broken = copy_of(gpt_oss_vllm)
+    _replace(broken / r1, key, _bytes(broken / r0, key))
+    rewrite_export_checksums(broken)
+    text = _findings(check(broken))
+    assert f"{key} does not hold the constant 0.0" in text, text
+
+
+def test_gpt_oss_more_ranks_than_kv_heads_refused(gpt_oss, tmp_path):
+    tpshard.split(gpt_oss, tmp_path / "tp4", tpshard.Topology(tp=4))  # 2 kv heads: replicated by tpshard, none per rank in vLLM
+    with pytest.raises(ExportError, match=r"gpt-oss at tp 4 over 2 kv heads; vLLM's OAIAttention \(models/gpt_oss.py\) gives each rank"):
+        export(tmp_path / "tp4", tmp_path / "x", "vllm")
+    assert not (tmp_path / "x").exists()

@@ -71,7 +71,7 @@ class EngineTensor(NamedTuple):
     shape: tuple[int, ...]
     parts: tuple[Part, ...]  # concatenated along `axis`; () for a constant
     value: float | tuple[float, ...] | None = None  # constant content: one value filling the shape, or every value
-    axis: int = 0  # quantized vLLM exports: AWQ's [K, N] tensors fuse along dim 1 (tpshard.export.quant)
+    axis: int = 0  # AWQ's [K, N] tensors fuse along dim 1 (tpshard.export.quant); fused experts transposed: -1 (tpshard.export.fused)
 
     @property
     def nbytes(self) -> int:
@@ -557,6 +557,10 @@ def _rank_layouts(plan: Plan, names: NameMap, max_part_bytes: int) -> Iterator[l
     shards, known = _Shards(plan), _Known(plan, names)
     for rank in range(plan.topology.world_size):
         tensors = rank_tensors(plan, rank, shards.parts(rank), known)
+        if names.table.fused:  # experts stored fused: what vLLM's loader does beyond slicing (tpshard.export.fused)
+            from tpshard.export.fused import fused_experts
+
+            tensors = fused_experts(plan, rank, tensors, names.table.fused)
         problems = stage_problems({rank: {t.name for t in tensors}}, plan.topology) if plan.topology.pp > 1 else []
         if problems:  # the tpshard output lacks what a stage needs (or holds what it must not): a broken plan
             raise ExportError(f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))

@@ -192,7 +192,11 @@ def to_f32(dtype: str, data: np.ndarray) -> np.ndarray:
 
 def assemble(pieces: list[tuple[np.ndarray, tuple[int, ...]]], src_dtype: str, dtype: str, axis: int) -> np.ndarray:
     """An engine tensor's bytes from its pieces' (bytes, shape): concatenated along `axis` (each
-    piece 2-D for axis 1), cast from `src_dtype` to `dtype` where they differ."""
+    piece 2-D for axis 1; fused experts' TRANSPOSED: tpshard.export.fused), cast from `src_dtype` to `dtype` where they differ."""
+    if axis < 0:
+        from tpshard.export.fused import transpose
+
+        return transpose(pieces[0][0], pieces[0][1])
     if axis == 1:
         rows = pieces[0][1][0]
         data = np.concatenate([b.reshape(rows, -1) for b, _ in pieces], axis=1).reshape(-1)
@@ -207,6 +211,10 @@ def split_back(data: np.ndarray, shapes: list[tuple[int, ...]], nbytes: list[int
     if dtype != src_dtype:
         f = data.view("<f4")
         data = (f.view("<u4") >> 16).astype("<u2").view(np.uint8) if src_dtype == "BF16" else f.astype(_NUMPY[src_dtype]).view(np.uint8)
+    if axis < 0:
+        from tpshard.export.fused import transpose_back
+
+        return [transpose_back(data, shapes[0])]
     if axis == 1:
         rows = shapes[0][0]
         view = data.reshape(rows, -1)
