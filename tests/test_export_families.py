@@ -424,3 +424,16 @@ def test_gpt_oss_more_ranks_than_kv_heads_refused(gpt_oss, tmp_path):
     with pytest.raises(ExportError, match=r"gpt-oss at tp 4 over 2 kv heads; vLLM's OAIAttention \(models/gpt_oss.py\) gives each rank"):
         export(tmp_path / "tp4", tmp_path / "x", "vllm")
     assert not (tmp_path / "x").exists()
+
+
+def test_glm_moe_dense_tp_and_tied_refused(glm4_moe, copy_of, tmp_path):
+    tpshard.split(glm4_moe, tmp_path / "dense", tpshard.Topology(tp=2, moe_dense_tp=1))
+    with pytest.raises(ExportError, match=r"--moe-dense-tp 1; vLLM has no such option.*Glm4MoeMLP, glm4_moe.py"):
+        export(tmp_path / "dense", tmp_path / "x", "vllm")
+    from checkpoints import make_checkpoint
+
+    tied = make_checkpoint(tmp_path / "tied", "glm4_moe", tie_word_embeddings=True)  # no lm_head.weight on disk
+    tpshard.split(tied, tmp_path / "tied-tp2", tpshard.Topology(tp=2))
+    with pytest.raises(ExportError, match=r"ties lm_head to the embedding; vLLM's Glm4MoeForCausalLM \(models/glm4_moe.py\) never ties them"):
+        export(tmp_path / "tied-tp2", tmp_path / "x", "vllm")
+    assert not (tmp_path / "x").exists()

@@ -231,7 +231,7 @@ def refuse_unexportable(plan: Plan, engine: str, config_tied: bool) -> NameMap:
     if table.ep == "vllm" and topo.dense_tp != topo.tp:
         raise ExportError(
             f"--format vllm: split with --moe-dense-tp {topo.moe_dense_tp}; vLLM has no such option and cuts the"
-            f" dense layers' MLP over tp {topo.tp} (models/deepseek_v2.py L1339, DeepseekV2MLP); split again without it"
+            f" dense layers' MLP over tp {topo.tp} (DeepseekV2MLP, models/deepseek_v2.py L1339; Glm4MoeMLP, glm4_moe.py); split again without it"
         )
     if engine == "vllm" and topo.moe_a2a_backend:  # UNSET is falsy
         raise ExportError(
