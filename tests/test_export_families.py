@@ -437,3 +437,17 @@ def test_glm_moe_dense_tp_and_tied_refused(glm4_moe, copy_of, tmp_path):
     with pytest.raises(ExportError, match=r"ties lm_head to the embedding; vLLM's Glm4MoeForCausalLM \(models/glm4_moe.py\) never ties them"):
         export(tmp_path / "tied-tp2", tmp_path / "x", "vllm")
     assert not (tmp_path / "x").exists()
+
+
+def test_quantized_glm_is_refused_for_vllm(tmp_path):
+    """FP8 block passes the export's own quantization check (DeepSeek's, Qwen3-MoE's and Mixtral's
+    are proven); the 2026 families' tables are proven for bf16 only, so a GLM-4.5-FP8 is refused."""
+    from checkpoints import make_checkpoint
+    from quant_moe import quantize_linears
+
+    src = make_checkpoint(tmp_path / "glm", "glm4_moe", moe_intermediate_size=256, hidden_size=128)  # whole 128-blocks at tp 2
+    quantize_linears(src, "fp8_block")
+    tpshard.split(src, tmp_path / "out", tpshard.Topology(tp=2))
+    with pytest.raises(ExportError, match=r"quantized \(fp8_block\); tpshard's vLLM table for Glm4MoeForCausalLM \(models/glm4_moe.py\) is proven for unquantized"):
+        export(tmp_path / "out", tmp_path / "x", "vllm")
+    assert not (tmp_path / "x").exists()

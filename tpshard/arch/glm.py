@@ -50,7 +50,7 @@ What a rank holds is what SGLang 0.5.23's Glm4MoeForCausalLM builds for it:
 
 from tpshard.arch.base import NORMS, QK_NORM, QKV_ATTENTION, VOCAB, Arch, EngineNames, EngineTable, L, Piece
 from tpshard.arch.deepseek import DENSE, MOE, MTP, v3_router
-from tpshard.arch.engine_names import DENSE_PIECES, ROUTED, VLLM_MOE, vllm_mlp
+from tpshard.arch.engine_names import DENSE_PIECES, ROUTED, VLLM_MOE, bf16_only, vllm_mlp
 from tpshard.arch.tensors import attention_tensors, config_value, decoder_tensors, expert_tensors, mlp_tensors
 from tpshard.errors import PlanError
 from tpshard.manifest import ModelInfo
@@ -125,7 +125,7 @@ def refuse_vllm(plan, config: dict) -> str | None:
     return None
 
 
-EXPORTS = EngineNames(vllm=EngineTable(VLLM_PIECES, drop_mtp=True, refuse=refuse_vllm, **VLLM_MOE), sglang=None)
+EXPORTS = EngineNames(vllm=EngineTable(VLLM_PIECES, drop_mtp=True, refuse=bf16_only("models/glm4_moe.py", refuse_vllm), **VLLM_MOE), sglang=None)
 
 ARCHS = (
     Arch(

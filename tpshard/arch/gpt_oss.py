@@ -44,7 +44,7 @@ What a rank holds is what SGLang 0.5.23's GptOssForCausalLM builds for it:
 """
 
 from tpshard.arch.base import NORMS, QKV_ATTENTION, VOCAB, Arch, EngineNames, EngineTable, L, Piece, Rule
-from tpshard.arch.engine_names import VLLM_ATTENTION_BUFFERS
+from tpshard.arch.engine_names import VLLM_ATTENTION_BUFFERS, bf16_only
 from tpshard.arch.fused import FusedExperts, FusedParam
 from tpshard.arch.router import RouterConfig
 from tpshard.arch.tensors import attention_tensors, config_value, decoder_tensors
@@ -156,7 +156,7 @@ def refuse_vllm(plan, config: dict) -> str | None:
 
 EXPORTS = EngineNames(
     vllm=EngineTable(
-        VLLM_PIECES, tied="lm_head.weight", ep="vllm", fused=VLLM_FUSED, refuse=refuse_vllm,
+        VLLM_PIECES, tied="lm_head.weight", ep="vllm", fused=VLLM_FUSED, refuse=bf16_only("models/gpt_oss.py", refuse_vllm),
         buffers=tuple(b._replace(engine=b.engine.replace(".self_attn.attn.", ".attn.attn.")) for b in VLLM_ATTENTION_BUFFERS),
     ),
     sglang=None,

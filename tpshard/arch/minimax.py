@@ -45,7 +45,7 @@ What a rank holds is what SGLang 0.5.23's MiniMaxM2ForCausalLM builds for it:
 """
 
 from tpshard.arch.base import NORMS, QKV_ATTENTION, VOCAB, Arch, EngineNames, EngineTable, L, Piece, Rule, routed_experts, router
-from tpshard.arch.engine_names import NO_MLP, VLLM_MOE, vllm_experts
+from tpshard.arch.engine_names import NO_MLP, VLLM_MOE, bf16_only, vllm_experts
 from tpshard.arch.router import RouterConfig
 from tpshard.arch.tensors import attention_tensors, config_value, decoder_tensors, expert_tensors
 from tpshard.errors import PlanError
@@ -126,7 +126,7 @@ VLLM_PIECES = (
 ARCHS = (
     Arch(
         "MiniMaxM2ForCausalLM", RULES, "minimax_m2.py", attn_group="attn_tp", embed_group="attn_tp",
-        model_type="minimax_m2", expected=expected, exports=EngineNames(vllm=EngineTable(VLLM_PIECES, **VLLM_MOE), sglang=None), verify="moe",
+        model_type="minimax_m2", expected=expected, exports=EngineNames(vllm=EngineTable(VLLM_PIECES, refuse=bf16_only("models/minimax_m2.py"), **VLLM_MOE), sglang=None), verify="moe",
         router=minimax_router, dp_lm_head=False, sparse=lambda model, layer: True, experts_limit="tp",
         check=refuse_config,
     ),

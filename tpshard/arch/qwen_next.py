@@ -37,7 +37,7 @@ What rank r holds (attn_tp = tp / attn_dp, moe_tp = tp / ep) is what SGLang 0.5.
 """
 
 from tpshard.arch.base import NORMS, QK_NORM, VOCAB, Arch, EngineNames, EngineTable, L, Piece, Rule
-from tpshard.arch.engine_names import NO_MLP, ROUTED, VLLM_MOE, vllm_mlp
+from tpshard.arch.engine_names import NO_MLP, ROUTED, VLLM_MOE, bf16_only, vllm_mlp
 from tpshard.arch.qwen import EXPERTS, SHARED_EXPERT, refuse_dense_layers
 from tpshard.arch.router import RouterConfig
 from tpshard.arch.tensors import config_value, decoder_tensors, expert_tensors, mlp_tensors
@@ -177,12 +177,12 @@ QWEN3_5_VLLM = _HYBRID_VLLM + (
 ARCHS = (
     Arch(
         "Qwen3_5MoeForCausalLM", COMMON + QWEN3_5_LINEAR, "qwen3_5_text.py", attn_group="attn_tp", embed_group="replicated",
-        model_type="qwen3_5_moe_text", expected=expected(fused=False), exports=EngineNames(vllm=EngineTable(QWEN3_5_VLLM, **VLLM_MOE), sglang=None),
+        model_type="qwen3_5_moe_text", expected=expected(fused=False), exports=EngineNames(vllm=EngineTable(QWEN3_5_VLLM, refuse=bf16_only("models/qwen3_5.py"), **VLLM_MOE), sglang=None),
         verify=None, router=renormalised_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config,
     ),
     Arch(
         "Qwen3NextForCausalLM", COMMON + QWEN3_NEXT_LINEAR, "qwen3_next.py", attn_group="attn_tp", embed_group="attn_tp",
-        model_type="qwen3_next", expected=expected(fused=True), exports=EngineNames(vllm=EngineTable(QWEN3_NEXT_VLLM, **VLLM_MOE), sglang=None),
+        model_type="qwen3_next", expected=expected(fused=True), exports=EngineNames(vllm=EngineTable(QWEN3_NEXT_VLLM, refuse=bf16_only("models/qwen3_next.py"), **VLLM_MOE), sglang=None),
         verify=None, router=next_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config,
     ),
 )  # fmt: skip
