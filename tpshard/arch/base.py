@@ -168,10 +168,11 @@ class EngineTable(NamedTuple):
 
 class EngineNames(NamedTuple):
     """An architecture's table for each engine `tpshard export` writes for; None: that engine's
-    export refuses the architecture (tpshard writes no name it has not mapped exactly)."""
+    export refuses the architecture (tpshard writes no name it has not mapped exactly); a str: it
+    refuses it for that reason (where the engine holds other bytes than the tpshard output)."""
 
-    vllm: EngineTable | None
-    sglang: EngineTable | None
+    vllm: EngineTable | str | None
+    sglang: EngineTable | str | None
 
 
 ENGINES: tuple[str, ...] = EngineNames._fields  # ("vllm", "sglang"), the order messages list them in

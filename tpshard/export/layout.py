@@ -28,7 +28,7 @@ from array import array
 from typing import Iterator, NamedTuple
 
 from tpshard.errors import PlanError
-from tpshard.export.names import ENGINES, TABLES, NameMap
+from tpshard.export.names import ENGINES, REFUSED, TABLES, NameMap
 from tpshard.manifest import Cut, Plan, TensorPlan, shard_shape
 from tpshard.safetensors_format import nbytes_of
 from tpshard.errors import TopologyError
@@ -209,6 +209,8 @@ def refuse_unexportable(plan: Plan, engine: str, config_tied: bool) -> NameMap:
             " export cannot know; serve the HF checkpoint with SGLang's own loader, or export for vLLM (--format vllm)"
         )
     table = TABLES[engine].get(arch)
+    if arch in REFUSED[engine]:
+        raise ExportError(f"--format {engine}: {REFUSED[engine][arch]}")
     if table is None:
         raise ExportError(
             f"--format {engine}: no {engine} name table for {arch} yet (mapped: {', '.join(sorted(TABLES[engine]))});"
