@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+import typing
 
 import pytest
 
 import tpshard.arch
 from tpshard.arch import ARCHITECTURES, ENGINES, FAMILIES, Arch, Matcher, arch_for, router_config
-from tpshard.arch.base import EngineNames, EngineTable
+from tpshard.arch.base import EngineNames, EngineTable, VerifyKind
 from tpshard.completeness import check_complete
 from tpshard.errors import CheckpointError
 from tpshard.manifest import ModelInfo
@@ -60,12 +61,13 @@ def test_every_arch_declares_its_exports_verify_and_router(name):
     for engine in ENGINES:
         table = getattr(arch.exports, engine)
         assert table is None or isinstance(table, EngineTable) or (isinstance(table, str) and "(models/" in table), (engine, table)  # a str says why, naming the engine file
-    assert arch.verify in ("dense", "moe", "llama4", None)
+    assert arch.verify in (*typing.get_args(VerifyKind), None)  # the decoders tpshard.verify has
     assert arch.model_type and isinstance(arch.model_type, str)
     # Routed experts and a router go together: the MoE decoder and layer-level verify route with it.
-    # DeepSeek-V4's router (sqrtsoftplus scores, hash-routed layers) is not tpshard's: no decoder runs
-    # it and its gate is held as plain whole tensors, never a ReplicatedLinear `gate` that verify routes.
-    routes = arch.verify is not None or any(r.layer_class == "ReplicatedLinear" and r.layer.endswith(".gate") for r in arch.rules)
+    # DeepSeek-V4's router (sqrtsoftplus scores, hash-routed layers) is not tpshard's RouterConfig: its
+    # own decoder (tpshard.verify.v4_model) routes it, and its gate is held as plain whole tensors, never
+    # a ReplicatedLinear `gate` that layer-level verify routes.
+    routes = arch.verify not in (None, "deepseek_v4") or any(r.layer_class == "ReplicatedLinear" and r.layer.endswith(".gate") for r in arch.rules)
     assert (arch.router is not None) == (arch.sparse is not None and routes)
 
 

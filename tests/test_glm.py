@@ -116,9 +116,9 @@ def test_complete_without_mtp_layer(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("--tp", "16", "--ep", "2"), "tp size 16 is greater than the 8 routed experts of Glm4MoeForCausalLM; SGLang glm4_moe.py refuses it"),
+        (("--tp", "16", "--ep", "2", "--attn-dp", "2"), "tp size 16 is greater than the 8 routed experts of Glm4MoeForCausalLM; SGLang glm4_moe.py refuses it"),
         (("--tp", "2", "--pp", "2"), "--pp 2: no pipeline layout of Glm4MoeForCausalLM is on record"),
-        (("--tp", "6", "--ep", "3"), "--ep 3 does not divide the 8 routed experts"),
+        (("--tp", "6", "--ep", "3", "--attn-dp", "3"), "--ep 3 does not divide the 8 routed experts"),
     ],
     ids=["tp-above-experts", "pp", "ep-not-dividing"],
 )

@@ -116,8 +116,8 @@ def test_refusals(gpt_oss, tmp_path, args, message):
     p = tpshard_cli("split", gpt_oss, "-o", tmp_path / "out", *args)
     assert p.returncode == 2 and "Traceback" not in p.stderr and message in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
-    if args[-1] == "2":
-        assert "copies all experts of a bf16 gpt-oss checkpoint into every EP rank" in p.stderr
+    if args[-1] == "2":  # SGLang's bf16 loader, not tpshard, is what cannot do it
+        assert "weight_loader_fused" in p.stderr and "cannot load --ep > 1" in p.stderr
 
 
 def test_vllm_export_of_attention_dp_refused(tp4_dp2, tmp_path):
@@ -268,9 +268,9 @@ def test_mxfp4_per_rank_as_sglang_loads(gpt_oss_mxfp4, tmp_path):
     "args, message",
     [
         (("--tp", "4"), "3 MXFP4 blocks of the expert intermediate size over moe_tp 4: 1 per rank leaves moe_tp rank 3 none"),
-        (("--tp", "4", "--ep", "2"), "which the engine's loader cuts on two dims at ep < tp"),
+        (("--tp", "8", "--ep", "2"), "3 MXFP4 blocks of the expert intermediate size over moe_tp 4"),
     ],
-    ids=["empty-rank", "ep"],
+    ids=["empty-rank", "empty-rank-ep"],
 )
 def test_mxfp4_refusals(gpt_oss_mxfp4, tmp_path, args, message):
     p = tpshard_cli("split", gpt_oss_mxfp4, "-o", tmp_path / "out", *args)
@@ -280,7 +280,7 @@ def test_mxfp4_refusals(gpt_oss_mxfp4, tmp_path, args, message):
 def test_mxfp4_breakages_seen(gpt_oss_mxfp4, tmp_path):
     """tp 2, checksums rewritten: layer 0's gate/up blocks, scales and bias read as [gate | up] halves
     on both ranks; layer 1's down scales of rank 0 one block off (blocks [1, 3) for [0, 2)). check
-    --source names each tensor; verify fails both layers; --model is refused for MXFP4."""
+    --source names each tensor; verify fails both layers, and --model the logits."""
     out = tmp_path / "out"
     tpshard.split(gpt_oss_mxfp4, out, Topology(tp=2))
     full = source_tensors(gpt_oss_mxfp4)
@@ -300,8 +300,8 @@ def test_mxfp4_breakages_seen(gpt_oss_mxfp4, tmp_path):
     (report,) = verify_many([out], [gpt_oss_mxfp4])
     failed = {r.layer for r in report.layers if r.problems}
     assert failed == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}, failed
-    p = tpshard_cli("verify", out, "--source", gpt_oss_mxfp4, "--model")
-    assert p.returncode == 2 and "not MXFP4 experts" in p.stderr
+    p = tpshard_cli("verify", out, "--source", gpt_oss_mxfp4, "--model")  # against transformers' dequantized MXFP4
+    assert p.returncode == 1 and "FAIL model (" in p.stdout, p.stderr
 
 
 def test_mxfp4_expert_parallel(gpt_oss_mxfp4, tmp_path):

@@ -128,7 +128,7 @@ def _edit_config(src: Path, dst: Path, **changes) -> Path:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("--tp", "4", "--ep", "2"), "tpshard does not cut a fused [E, ...] tensor by EP slot yet"),
+        (("--tp", "8", "--ep", "8"), "--ep 8 does not divide the 4 routed experts"),
         (("--tp", "16"), "8 attention heads do not divide over the attn_tp group of 16 ranks"),
         (("--tp", "2", "--pp", "2"), "no pipeline layout of Llama4ForConditionalGeneration"),
         (("--tp", "2", "--moe-dense-tp", "1"), "--moe-dense-tp applies to DeepSeek's dense MLP layers"),

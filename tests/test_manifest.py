@@ -78,7 +78,7 @@ def test_encoding_splices_cuts_only_where_the_keys_are(good):
     data = json.loads(json.dumps(msgspec.to_builtins(m)))
 
     def trim(cut: list) -> list:  # [group_rank, start, length, pad, file] + trailing non-defaults
-        while len(cut) > 5 and cut[-1] == [0, 0, 0, None][len(cut) - 6]:
+        while len(cut) > 5 and cut[-1] == [0, 0, 0, None, 0, 0][len(cut) - 6]:
             cut = cut[:-1]
         return cut
 
@@ -154,7 +154,7 @@ CRAFTED = {
     "string for a number": (_set("files.0.size", "12"), "files[0].size"),
     "version 1": (_set("version", 1), "older tpshard"),
     "version 2": (lambda d: [d.update(version=2), *(f.update(digests=[f["digests"][:8]]) for f in d["files"])], "older tpshard"),
-    "future version": (_set("version", 4), "newer tpshard"),
+    "future version": (_set("version", 5), "newer tpshard"),
     "no version": (lambda d: d.pop("version"), "no manifest version; not a tpshard split manifest this tpshard can read"),
     "no format": (lambda d: d.pop("format"), "format None is not 'tpshard-manifest'"),
     "another format": (_set("format", "safetensors-index"), "not 'tpshard-manifest'"),

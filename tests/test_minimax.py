@@ -130,7 +130,7 @@ def test_attn_dp_ep8_and_reshard(minimax, minimax_good, tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("--tp", "16", "--ep", "2"), "tp size 16 is greater than the 8 routed experts of MiniMaxM2ForCausalLM; SGLang minimax_m2.py refuses it"),
+        (("--tp", "16", "--ep", "2", "--attn-dp", "2"), "tp size 16 is greater than the 8 routed experts of MiniMaxM2ForCausalLM; SGLang minimax_m2.py refuses it"),
         (("--tp", "2", "--pp", "2"), "--pp 2: no pipeline layout of MiniMaxM2ForCausalLM is on record"),
         (("--tp", "4", "--attn-dp", "2", "--dp-lm-head"), "--dp-lm-head"),
     ],

@@ -28,9 +28,9 @@ def deepseek_6_heads(tmp_path_factory):
     "fixture, args, message",
     [
         ("mixtral", ["--tp", "4", "--ep", "3"], "--ep 3 does not divide --tp 4"),
-        ("qwen3_moe", ["--tp", "6", "--ep", "6"], "--ep 6 does not divide the 8 routed experts"),
-        ("qwen3_moe", ["--tp", "6", "--ep", "2"], "expert intermediate size 32 does not divide over moe_tp 3"),
-        ("qwen2_moe", ["--tp", "16"], "tp size 16 is greater than the 8 routed experts"),
+        ("qwen3_moe", ["--tp", "6", "--ep", "6", "--attn-dp", "3"], "--ep 6 does not divide the 8 routed experts"),
+        ("qwen3_moe", ["--tp", "6", "--ep", "2", "--attn-dp", "3"], "expert intermediate size 32 does not divide over moe_tp 3"),
+        ("qwen2_moe", ["--tp", "16", "--attn-dp", "2"], "tp size 16 is greater than the 8 routed experts"),
         ("deepseek_v3", ["--tp", "8", "--moe-dense-tp", "2"], "--moe-dense-tp 2: SGLang accepts only 1"),
         ("qwen3_moe", ["--tp", "4", "--moe-dense-tp", "1"], "--moe-dense-tp applies to DeepSeek's dense MLP layers"),
         ("llama", ["--tp", "4", "--ep", "2"], "--ep 2: LlamaForCausalLM has no routed experts"),

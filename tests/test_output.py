@@ -164,3 +164,29 @@ def test_verify_merge_and_export_count_their_progress(llama, tmp_path):
     layers = len(json.loads(report.read_text())["layers"])
     assert code == 0 and f"layers against the source" in streams["terminal"], streams
     assert f"{layers}/{layers} layers" in streams["terminal"] and f"/{layers} layers" not in streams["stdout"], streams
+
+
+def test_export_and_split_format_bars_end_at_their_totals(llama, tmp_path):
+    """The bytes export's progress hears add up to the total its bar is drawn against (the total
+    counted the files' headers, so a bar ended short of 100 %), and `split --format` draws one bar
+    for the split and the export together, told its total before the split starts."""
+    from tpshard import Topology, split
+    from tpshard.export import export, split_and_export
+    from tpshard.export.writer import export_total
+
+    out = tmp_path / "out"
+    split(llama, out, Topology(tp=4))
+    heard: list[int] = []
+    export(out, tmp_path / "exp", "sglang", on_bytes=heard.append)
+    assert sum(heard) == export_total(out) > 0
+    heard, totals = [], []
+    split_and_export(llama, tmp_path / "exp2", Topology(tp=4), "sglang", on_bytes=heard.append, on_total=totals.append)
+    assert totals == [sum(heard)] and sum(heard) == export_total(out) + sum(os.path.getsize(f) for f in llama.glob("*.safetensors")) - _headers(llama)
+    code, streams = in_terminal("split", llama, "-o", tmp_path / "exp3", "--tp", 4, "--format", "sglang", cols=120, terminal=("stderr",))
+    assert code == 0 and re.search(r"splitting for sglang.*\d/[\d.]+ KiB", streams["terminal"]), streams
+    assert "splitting" not in streams["stdout"] and streams["stdout"].startswith("export "), streams
+
+
+def _headers(model) -> int:
+    """The header bytes of a checkpoint's safetensors files (8-byte length and JSON)."""
+    return sum(8 + int.from_bytes(f.read_bytes()[:8], "little") for f in model.glob("*.safetensors"))

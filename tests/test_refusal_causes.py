@@ -64,3 +64,22 @@ def test_no_python_none_for_an_absent_quant_method(tmp_path):
     with pytest.raises(CheckpointError, match="quantization_config names no quant_method; supported: ") as e:
         read_quant_config(tmp_path, {"quantization_config": {"bits": 4}})
     assert "None" not in str(e.value) and "''" not in str(e.value)
+
+
+@pytest.mark.parametrize("fixture", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("tp", [3, 16])
+def test_moe_heads_are_named_before_the_experts(fixture, tp, request):
+    """8 heads and 8 experts 32 wide: tp 3 divides neither the heads nor the expert intermediate,
+    tp 16 is more than both; SGLang builds a layer's attention before its experts, so the heads first."""
+    line = one_error(run("plan", request.getfixturevalue(fixture), "--tp", tp))
+    assert "model.layers.0.self_attn.q_proj.weight: 8 attention heads do not divide" in line
+    assert "expert" not in line
+
+
+def test_the_experts_are_named_when_the_heads_divide(tmp_path):
+    model = make_checkpoint(tmp_path / "m", "qwen3_moe", moe_intermediate_size=20)  # 8 heads over tp 8; 20 over moe_tp 8 not
+    line = one_error(run("plan", model, "--tp", 8))
+    assert line == (
+        "error: expert intermediate size 20 does not divide over moe_tp 8 (tp 8 / ep 1); SGLang's FusedMoE"
+        " asserts it. Choose --ep so that tp / ep divides it"
+    )

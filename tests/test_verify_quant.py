@@ -150,10 +150,11 @@ def test_cli_exits_1_on_a_qweight_shard_from_another_rank(outputs, tmp_path):
     ], p.stderr
 
 
-def test_model_level_refuses_quantized(outputs):
-    """--model compares with transformers' dense forward: refused before any rank starts, saying why."""
+def test_model_level_refuses_gptq(outputs):
+    """--model needs a dequantizer of the source other than tpshard's (tests/test_verify_model_quant.py);
+    GPTQ has none: refused before any rank starts, naming the format."""
     src, out = outputs("gptq", "tp2")
-    with pytest.raises(TpshardError, match="--model: model-level verify compares with transformers' dense forward, not gptq"):
+    with pytest.raises(TpshardError, match="--model: model-level verify .* no such dequantizer for gptq checkpoints"):
         verify_many([out], [src], model=True)
 
 

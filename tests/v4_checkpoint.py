@@ -31,6 +31,7 @@ CONFIG = dict(
     num_key_value_heads=1, head_dim=32, q_lora_rank=32, n_routed_experts=8, num_experts_per_tok=2,
     n_shared_experts=1, o_groups=4, o_lora_rank=16, index_n_heads=4, index_head_dim=16, index_topk=4,
     sliding_window=8, hc_mult=2, partial_rotary_factor=0.25, num_nextn_predict_layers=1,
+    swiglu_limit=0.5,  # the release's 10 never clamps random tiny weights: 0.5 makes verify --model see the clamp
 )  # fmt: skip
 
 # transformers' name -> the release's (applied in order, on the name without its "model." prefix)

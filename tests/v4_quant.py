@@ -82,9 +82,9 @@ def quantize(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def make_v4_quant(path: Path, *, aligned: bool = True) -> Path:
+def make_v4_quant(path: Path, *, aligned: bool = True, **overrides) -> Path:
     """The tiny V4 (with ALIGNED dims, or tests/v4_checkpoint.py's own) in the release's FP8 + FP4 form."""
-    bf16 = make_v4(path.with_name(path.name + "-bf16"), **(ALIGNED if aligned else {}))
+    bf16 = make_v4(path.with_name(path.name + "-bf16"), **(ALIGNED if aligned else {}), **overrides)
     config = json.loads((bf16 / "config.json").read_text())
     config |= {"quantization_config": QUANT, "expert_dtype": "fp4"}
     return save_native(path, quantize(source_tensors(bf16)), config)

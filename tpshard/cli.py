@@ -40,6 +40,8 @@ AttnDp = Annotated[int, typer.Option("--attn-dp", help="Attention data-parallel 
 AttnCp = Annotated[int, typer.Option("--attn-cp", help="Attention context-parallel size.")]
 Ep = Annotated[Optional[int], typer.Option("--ep", help="Expert-parallel size (SGLang --ep-size): routed experts in tp/ep-rank blocks, MoE-TP = tp / ep (default 1; tp with --moe-a2a-backend).")]
 A2aBackend = Annotated[Optional[str], typer.Option("--moe-a2a-backend", help="SGLang --moe-a2a-backend the server will run (deepep, mooncake, ...): ep = tp, and shared experts whole on every rank where SGLang replicates them.")]
+Dcp = Annotated[Optional[int], typer.Option("--dcp", help="SGLang --dcp-size (decode context parallelism), where the family's class reads it: Qwen3.5's K/V replicated over each DCP group; DeepSeek's weights unchanged.")]
+DcpQ = Annotated[bool, typer.Option("--dcp-replicate-q-proj", help="SGLang --dcp-replicate-q-proj (DeepSeek MLA, with --dcp): recorded for the launch line; SGLang gathers the q projection after loading.")]
 MoeDenseTp = Annotated[Optional[int], typer.Option("--moe-dense-tp", help="DeepSeek dense-layer MLP group (SGLang --moe-dense-tp-size): 1 = whole on every rank, or tp (default).")]
 Pad = Annotated[bool, typer.Option("--pad/--no-pad", help="Zero-pad MLP dims the group does not divide (or refuse).")]
 DpLmHead = Annotated[bool, typer.Option("--dp-lm-head", help="Shard lm_head over attn_tp instead of tp.")]
@@ -84,7 +86,7 @@ def _engine(engine: str | None, default: str = "sglang") -> str:
 
 def _topology(
     tp: int, attn_dp: int, attn_cp: int, ep: int | None, moe_dense_tp: int | None, pp: int | None = None,
-    pp_layers: str | None = None, engine: str | None = None, a2a: str | None = None, ckpt=None,
+    pp_layers: str | None = None, engine: str | None = None, a2a: str | None = None, dcp: int | None = None, qrep: bool = False, ckpt=None,
 ) -> Topology:  # fmt: skip
     """The topology asked for; with --pp / --pp-layers, the partition of the checkpoint's layers
     (the engine's default one unless --pp-layers). Without --ep, ep is 1, or tp under an all-to-all
@@ -100,7 +102,7 @@ def _topology(
     try:
         return Topology(
             tp=tp, attn_dp=attn_dp, attn_cp=attn_cp, ep=ep, moe_dense_tp=moe_dense_tp, pp_layers=partition, engine=engine,
-            moe_a2a_backend=msgspec.UNSET if a2a is None else a2a,
+            moe_a2a_backend=msgspec.UNSET if a2a is None else a2a, dcp=msgspec.UNSET if dcp is None else dcp, dcp_replicate_q_proj=qrep,
         )  # fmt: skip
     except TopologyError as e:  # said in the options the user typed
         raise TopologyError(e.flags) from None
@@ -133,14 +135,14 @@ def _stage_lines(p) -> None:
 @app.command()
 def plan(
     model: Model, tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = None, moe_a2a_backend: A2aBackend = None, moe_dense_tp: MoeDenseTp = None,
-    pp: Pp = None, pp_layers: PpLayers = None, engine: EngineOpt = None,
+    pp: Pp = None, pp_layers: PpLayers = None, engine: EngineOpt = None, dcp: Dcp = None, dcp_replicate_q_proj: DcpQ = False,
     pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False, json: Json = False,
 ) -> None:  # fmt: skip
     """Show what every rank will hold, before a byte is written."""
     from tpshard.quant.shards import alignment_rows
     from tpshard.report import human_bytes, kind_rows, rank_rows, stage_rows
 
-    p = _plan(model, (tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine, moe_a2a_backend), _options(pad, dp_lm_head, pad_blocks))
+    p = _plan(model, (tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine, moe_a2a_backend, dcp, dcp_replicate_q_proj), _options(pad, dp_lm_head, pad_blocks))
     alignment = alignment_rows(p)  # quantized tensors: the pre-flight (misaligned cuts were refused above)
     if json:
         out = {"plan": p, "by_kind": kind_rows(p), "by_rank": rank_rows(p), "alignment": alignment}
@@ -175,7 +177,7 @@ def plan(
 @app.command()
 def explain(
     model: Model, tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = None, moe_a2a_backend: A2aBackend = None, moe_dense_tp: MoeDenseTp = None,
-    pp: Pp = None, pp_layers: PpLayers = None, engine: EngineOpt = None,
+    pp: Pp = None, pp_layers: PpLayers = None, engine: EngineOpt = None, dcp: Dcp = None, dcp_replicate_q_proj: DcpQ = False,
     pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False,
     layer: Annotated[int, typer.Option("--layer", help="Decoder layer to walk through.")] = 0,
     json: Json = False,
@@ -183,7 +185,7 @@ def explain(
     """Walk through one layer: segment, layer class and group, per-rank shape, disk slice, reduction."""
     from tpshard.report import explain_rows
 
-    p = _plan(model, (tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine, moe_a2a_backend), _options(pad, dp_lm_head, pad_blocks))
+    p = _plan(model, (tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine, moe_a2a_backend, dcp, dcp_replicate_q_proj), _options(pad, dp_lm_head, pad_blocks))
     rows = explain_rows(p, layer)
     if not rows:
         mtp = f" + {p.model.num_nextn_predict_layers} MTP" if p.model.num_nextn_predict_layers else ""
@@ -209,7 +211,7 @@ def split(
     model: Model,
     out: Annotated[Path, typer.Option("-o", "--out", help="Output folder (must not exist unless --force).")],
     tp: SplitTp = None, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = None, moe_a2a_backend: A2aBackend = None, moe_dense_tp: MoeDenseTp = None,
-    pp: Pp = None, pp_layers: PpLayers = None, engine: EngineOpt = None,
+    pp: Pp = None, pp_layers: PpLayers = None, engine: EngineOpt = None, dcp: Dcp = None, dcp_replicate_q_proj: DcpQ = False,
     pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False, workers: Workers = None,
     checksum: Checksum = "crc32", ranks: Ranks = None, force: Force = False,
     format: EngineFormat = None, max_part_size: MaxPartSize = "5GiB",
@@ -233,13 +235,17 @@ def split(
     from tpshard.writer import split as do_split
 
     ckpt = open_checkpoint(model)
-    topology = _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine, moe_a2a_backend, ckpt)
+    topology = _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine, moe_a2a_backend, dcp, dcp_replicate_q_proj, ckpt)
     start = time.perf_counter()
     if format is not None:
         from tpshard.export import split_and_export
 
         options = _options(pad, dp_lm_head, pad_blocks)  # the checksum is checked as the split starts, after export's refusals
-        manifest = split_and_export(ckpt, out, topology, format, options, max_part_bytes=max_bytes, workers=workers, force=force, checksum=checksum)
+        with byte_progress(f"splitting for {format}", 0, quiet=json) as advance:
+            manifest = split_and_export(
+                ckpt, out, topology, format, options, max_part_bytes=max_bytes, workers=workers, force=force, checksum=checksum,
+                on_bytes=advance, on_total=lambda n: advance(0, n),
+            )  # fmt: skip
         return _export_summary(manifest, out, time.perf_counter() - start, json)
     total = sum(t.nbytes for t in ckpt.tensors.values())
     with byte_progress("splitting", total, quiet=json) as advance:
@@ -266,16 +272,10 @@ def _report_written(manifest, summary: dict, json: bool, headline: str) -> None:
     show(headline)
     for w in manifest.plan.warnings:
         err.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
-    topology = manifest.plan.topology
-    if topology.pp > 1:
-        from tpshard.stages import launch_hint
+    from tpshard.report import server_hints
 
-        show(launch_hint(topology.placed_for, topology.pp_layers), markup=False, soft_wrap=True)
-    if topology.moe_a2a_backend:  # UNSET (none) is falsy
-        show(
-            f"start SGLang with --moe-a2a-backend {topology.moe_a2a_backend} --ep-size {topology.tp}: the layout of the"
-            " experts and shared experts this output holds", markup=False, soft_wrap=True,
-        )  # fmt: skip
+    for line in server_hints(manifest.plan.topology):  # the server options this layout needs
+        show(line, markup=False, soft_wrap=True)
 
 
 @app.command()
@@ -283,7 +283,7 @@ def reshard(
     old: Annotated[Path, typer.Argument(help="An existing tpshard output (every rank written).")],
     out: Annotated[Path, typer.Option("-o", "--out", help="New output folder (must not exist unless --force).")],
     tp: Tp = 1, attn_dp: AttnDp = 1, attn_cp: AttnCp = 1, ep: Ep = None, moe_a2a_backend: A2aBackend = None, moe_dense_tp: MoeDenseTp = None,
-    pp: Pp = None, pp_layers: PpLayers = None, engine: EngineOpt = None,
+    pp: Pp = None, pp_layers: PpLayers = None, engine: EngineOpt = None, dcp: Dcp = None, dcp_replicate_q_proj: DcpQ = False,
     pad: Pad = True, dp_lm_head: DpLmHead = False, pad_blocks: PadBlocks = False, workers: Workers = None,
     checksum: Checksum = "crc32", ranks: Ranks = None, force: Force = False,
     json: Json = False,
@@ -300,7 +300,7 @@ def reshard(
     start = time.perf_counter()
     check_output_path(out, [old])  # before OLD is read through
     src = open_output_source(old, workers=check_workers(workers))
-    topology = _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine, moe_a2a_backend, ckpt=src.checkpoint)
+    topology = _topology(tp, attn_dp, attn_cp, ep, moe_dense_tp, pp, pp_layers, engine, moe_a2a_backend, dcp, dcp_replicate_q_proj, src.checkpoint)
     options = msgspec.structs.replace(_options(pad, dp_lm_head, pad_blocks), checksum=checksum)
     with byte_progress("resharding", sum(t.nbytes for t in src.checkpoint.tensors.values()), quiet=json) as advance:
         manifest = do_reshard(src, out, topology, options, workers=workers, force=force, ranks=parse_ranks(ranks), on_tensor=advance)

@@ -1,8 +1,9 @@
 """A tensor's cut over its group's ranks, as the rules decide it, and even pieces of one dim.
 
 What this file is: `Cutting` (the kind of cut, the dim, the replica factor, how many pieces, and
-each group rank's piece as a `tpshard.manifest.Cut`), `even_cuts` and `ceil_div`, and `runs`, the
-source runs of a segmented cut (ShardSpec.segments, in rank order): the arithmetic
+each group rank's piece as a `tpshard.manifest.Cut`), `even_cuts` and `ceil_div`, `runs`, the
+source runs of a segmented cut (ShardSpec.segments, in rank order), and `lead_block` / `lead_rows`,
+the sub-tensor a cut with a leading-dim range is taken from (ShardSpec.lead_start): the arithmetic
 that the dense rules (tpshard.plan.dense) and the quantized cut (tpshard.quant.layers, which
 re-cuts a layer to whole blocks under --pad-blocks) both write their cuts with.
 
@@ -52,3 +53,23 @@ def runs(segments: tuple[int, ...], rows: int, cut) -> list[tuple[int, int, int]
         out.append((off + m * cut.start, m * cut.length, m * cut.pad))
         off += m * unit
     return out
+
+
+def lead_block(shape: tuple[int, ...], nbytes: int, cut) -> tuple[tuple[int, ...], int, int]:
+    """(shape, first byte, bytes) of the sub-tensor of a source tensor [shape] of `nbytes` that a
+    cut (a Cut or ShardSpec) is taken from: source[lead_start : lead_start + lead_length] along dim 0
+    where it has a leading-dim range (a contiguous run of bytes), else the whole tensor. Its `dim`,
+    runs and padding then apply to that sub-tensor as to any other."""
+    if not cut.lead_length:
+        return shape, 0, nbytes
+    row = nbytes // shape[0]
+    return (cut.lead_length, *shape[1:]), cut.lead_start * row, cut.lead_length * row
+
+
+def lead_rows(shape: tuple[int, ...], outer: int, cut) -> tuple[int, int]:
+    """The [first, end) of the `outer` rows (the product of the dims before the cut dim) that a
+    cut's leading-dim range covers: all of them without one."""
+    if not cut.lead_length:
+        return 0, outer
+    per = outer // shape[0]
+    return cut.lead_start * per, (cut.lead_start + cut.lead_length) * per

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from tpshard.cuts import runs
+from tpshard.cuts import lead_block, lead_rows, runs
 from tpshard.manifest import ShardSpec
 from tpshard.safetensors_format import TensorInfo, read_exact
 
@@ -97,12 +97,16 @@ def cut_pieces(
             source_hash.update(chunk)
         view = chunk.reshape(b - a, rows, inner)  # [outer rows, cut dim, bytes per index]
         for i, s in enumerate(specs):
+            lo, hi = lead_rows(shape, outer, s)  # a leading-dim range: only its rows (ShardSpec.lead_start)
+            x, y = max(a, lo), min(b, hi)
+            if x >= y:
+                continue
             # Given `data`, the caller may keep the pieces until the whole run is written: new memory.
             width = (s.length + s.pad) * (sum(s.segments) or 1)
-            n = (b - a) * width * inner
-            piece = (scratch("piece", n) if data is None else np.empty(n, np.uint8)).reshape(b - a, width, inner)
-            _gather(piece, view, runs(s.segments, rows, s))
-            yield i, a * width * inner, piece.reshape(-1)
+            n = (y - x) * width * inner
+            piece = (scratch("piece", n) if data is None else np.empty(n, np.uint8)).reshape(y - x, width, inner)
+            _gather(piece, view[x - a : y - a], runs(s.segments, rows, s))
+            yield i, (x - lo) * width * inner, piece.reshape(-1)
 
 
 VALUE_DTYPES = {"I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1", "U16": "<u2", "U32": "<u4", "U64": "<u8"}
@@ -116,9 +120,12 @@ def value_bytes(dtype: str, value: tuple[int, ...]) -> np.ndarray:
 def shard_bytes(data: np.ndarray, shape: tuple[int, ...], dim: int | None, cut, segments: tuple[int, ...] = ()) -> np.ndarray:
     """One shard's bytes, padding included, from its source tensor's bytes in memory: what
     cut_pieces yields for it, in one array (a view of `data` when the cut is a contiguous run).
-    `cut` has start, length and pad (a Cut or a ShardSpec); `segments`: its tensor's (ShardSpec.segments)."""
+    `cut` has start, length and pad (a Cut or a ShardSpec) and its leading-dim range; `segments`:
+    its tensor's (ShardSpec.segments)."""
     if dim is None or not len(data):
         return data
+    shape, first, n = lead_block(shape, len(data), cut)
+    data = data[first : first + n]
     outer, rows, inner = cut_geometry(shape, len(data), dim)
     pieces = runs(segments, rows, cut)
     if outer == 1 and len(pieces) == 1:

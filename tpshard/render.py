@@ -166,9 +166,10 @@ def human_bytes(n: int) -> str:
 
 
 @contextlib.contextmanager
-def byte_progress(description: str, total: int, quiet: bool = False) -> Iterator[Callable[[int], None]]:
-    """A transient bar with bytes and rate on stderr while `advance(nbytes)` is called; nothing when
-    stderr is not a terminal or `quiet` (--json)."""
+def byte_progress(description: str, total: int, quiet: bool = False) -> Iterator[Callable[..., None]]:
+    """A transient bar with bytes and rate on stderr while `advance(nbytes)` is called
+    (`advance(0, total)` sets a total known only once the work has started); nothing when stderr is
+    not a terminal or `quiet` (--json)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, ProgressColumn
     from rich.text import Text
 
@@ -183,7 +184,13 @@ def byte_progress(description: str, total: int, quiet: bool = False) -> Iterator
     columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(binary_units=True), Rate())
     with Progress(*columns, console=err, transient=True, redirect_stdout=False, disable=quiet or not err.is_terminal) as progress:
         task = progress.add_task(description, total=total)
-        yield lambda n: progress.advance(task, n)
+
+        def advance(n: int, total: int | None = None) -> None:
+            if total is not None:
+                progress.update(task, total=total)
+            progress.advance(task, n)
+
+        yield advance
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ from tpshard.cuts import runs
 from tpshard.manifest import Plan, ShardSpec, TensorPlan, shard_shape
 from tpshard.render import human_bytes, plural, ranges  # noqa: F401 (human_bytes: callers take it from here too)
 from tpshard.safetensors_format import nbytes_of
-from tpshard.stages import layer_of, stage_ranges
+from tpshard.stages import launch_hint, layer_of, stage_ranges
 
 REDUCTION = {
     "VocabParallelEmbedding": "mask ids outside the rank's rows, all-reduce over {g}",
@@ -23,7 +23,7 @@ REDUCTION = {
     "Replicated": "none",
     "RMSNormTP": "all-reduce the sum of squares over {g}; the weight stays with the rank's heads",
     "AttentionSinks": "none (one extra logit per local head in the softmax)",
-    "FusedExperts": "each rank runs every expert on its I_e slice of the fused [E, ...] tensors; all-reduce over tp, down bias added once",
+    "FusedExperts": "each rank runs its EP slot's experts (every expert at ep 1) on its I_e slice of the fused [E, ...] tensors; all-reduce over tp, down bias added once",
     "HeadParameter": "none (each rank applies its heads' values)",
 }
 
@@ -31,9 +31,11 @@ REDUCTION = {
 def slice_text(s: ShardSpec) -> str:
     if s.dim is None:
         return "whole"
+    # a leading-dim range first (ShardSpec.lead_start: a fused expert tensor's EP block), then the cut
+    lead = f"dim 0 [{s.lead_start}, {s.lead_start + s.lead_length}) x " if s.lead_length else ""
     if s.segments:  # its slice of each segment: [a, b) + [c, d) + ...
-        return f"dim {s.dim} " + " + ".join(f"[{a}, {a + n})" for a, n, _ in runs(s.segments, s.source_shape[s.dim], s))
-    text = f"dim {s.dim} [{s.start}, {s.start + s.length})"
+        return lead + f"dim {s.dim} " + " + ".join(f"[{a}, {a + n})" for a, n, _ in runs(s.segments, s.source_shape[s.dim], s))
+    text = lead + f"dim {s.dim} [{s.start}, {s.start + s.length})"
     if s.pad:
         text += f" + {s.pad} zero"
     return text
@@ -86,6 +88,17 @@ def topology_text(plan: Plan, parts: bool = True) -> str:
         text = text.replace(f" (attn_tp={t.attn_tp})", "")
     groups = ", ".join(f"{part} over {g} ({plural(t.span(g), 'rank')})" for part, g in part_groups(plan).items()) if parts else ""
     return f"{text}; {groups}" if groups else text
+
+
+def server_hints(t) -> list[str]:
+    """split and reshard: how the server must be started for this topology's layout (a Topology)."""
+    hints = [launch_hint(t.placed_for, t.pp_layers)] if t.pp > 1 else []
+    if t.moe_a2a_backend:  # UNSET (none) is falsy
+        hints.append(f"start SGLang with --moe-a2a-backend {t.moe_a2a_backend} --ep-size {t.tp}: the layout of the experts and shared experts this output holds")
+    if t.dcp:  # UNSET (1) is falsy
+        flags = f"--dcp-size {t.dcp}" + (" --dcp-replicate-q-proj" if t.dcp_replicate_q_proj else "")
+        hints.append(f"start SGLang with {flags}: the decode-context-parallel layout this output was split for")
+    return hints
 
 
 def attn_coordinates_used(plan: Plan) -> bool:

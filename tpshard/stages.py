@@ -165,6 +165,8 @@ def refuse_engine_layout(engine: Engine, topology, dp_lm_head: bool) -> None:
         asked.append(f"--ep {topology.ep} (vLLM: --ep 1 or --ep {topology.tp})")
     if topology.moe_a2a_backend:  # UNSET is falsy: the default
         asked.append(f"--moe-a2a-backend {topology.moe_a2a_backend} (an SGLang server option)")
+    if topology.dcp_replicate_q_proj:  # vLLM's DCPGroupColumnParallelLinear loads the DCP group's heads instead
+        asked.append("--dcp-replicate-q-proj (SGLang's: the files keep the attn_tp cut)")
     if asked:
         raise TopologyError(
             f"--engine vllm: {', '.join(asked)}: vLLM has no such layout inside a pipeline stage's TP group;"

@@ -26,6 +26,16 @@ makes SGLang set ep to tp (sglang/srt/arg_groups/overrides.py, _a2a_ep_size), so
 one must have ep == tp; and the families that build their shared experts replicated under it
 (Arch.a2a_shared) keep them whole on every rank. UNSET (left out of the JSON) is the default,
 `none`, so that an output made without it is byte for byte what it was before.
+
+Decode context parallelism (`dcp`, SGLang --dcp-size / --decode-context-parallel-size): SGLang
+builds DCP groups of `dcp` consecutive ranks inside each TP group (sglang/srt/distributed/
+parallel_state.py L2716-2727; dcp_rank = tp_rank % dcp, runtime_context.py L1592-1594), so
+`dcp` must divide attn_tp: a group that crossed attention-DP replicas would gather queries of other
+requests. What it changes in a rank's weights is the family's (Arch.dcp; tpshard.plan.dense):
+Qwen3.5's K/V replicated over each DCP group. `dcp_replicate_q_proj` (--dcp-replicate-q-proj, only
+with dcp > 1: arg_groups/parallel_hook.py L265-267) is recorded for the launch line; SGLang
+gathers the replicated q projection after loading (model_executor/model_runner.py L1130-1160), so
+the files hold the attn_tp cut. Both UNSET (left out of the JSON) at their defaults, 1 and off.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from tpshard.errors import TopologyError
+from tpshard.public_struct import PublicStruct
 
 GroupName = Literal["tp", "attn_tp", "moe_tp", "replicated"]
 MAX_WORLD = 1 << 16  # ranks; beyond any deployment, and keeps a plan's size bounded
@@ -64,7 +75,7 @@ def _field(field: str, value: object = None) -> str:
     return field if value is None else f"{field}={value}"
 
 
-class Topology(msgspec.Struct, frozen=True, kw_only=True):
+class Topology(PublicStruct, frozen=True, kw_only=True):
     """
     The parallel layout an output is split for: which ranks hold which shard (SGLang dp_attention.py).
 
@@ -85,6 +96,10 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
             "vllm" to place a pipeline's stages as vLLM does; left out: as SGLang does.
         moe_a2a_backend (`str`, *optional*):
             SGLang `--moe-a2a-backend` (one of A2A_BACKENDS): needs ep == tp; left out: `none`.
+        dcp (`int`, *optional*):
+            SGLang `--dcp-size` (decode context parallelism): divides attn_tp; left out: 1.
+        dcp_replicate_q_proj (`bool`, *optional*):
+            SGLang `--dcp-replicate-q-proj` (needs dcp > 1); left out: off.
 
     Sizes that do not fit (tp not divisible by attn_dp * attn_cp, ep not dividing tp, ...) raise
     tpshard.errors.TopologyError naming the fields (attn_dp=3).
@@ -110,6 +125,9 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
     engine: Literal["sglang", "vllm"] | UnsetType = UNSET
     # SGLang --moe-a2a-backend (A2A_BACKENDS): ep is tp, shared experts as Arch.a2a_shared says; UNSET = none.
     moe_a2a_backend: str | UnsetType = UNSET
+    # SGLang --dcp-size (module docstring): UNSET = 1; and --dcp-replicate-q-proj: UNSET = off.
+    dcp: int | UnsetType = UNSET
+    dcp_replicate_q_proj: bool | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         problem = self._problem()
@@ -173,9 +191,45 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
                     f" to the tp size under every all-to-all backend (sglang/srt/arg_groups/overrides.py, _a2a_ep_size),"
                     f" so the engine would run {name('ep', tp)}; give that"
                 )
+        problem = self._dcp_problem()
+        if problem is not None:
+            return problem
         if self.world_size > MAX_WORLD:
             return lambda name: f"{name('pp', self.pp)} x {name('tp', tp)} = {self.world_size} ranks; at most {MAX_WORLD}"
         return None
+
+    def _dcp_problem(self) -> Callable[[Callable[..., str]], str] | None:
+        """What is wrong with dcp and dcp_replicate_q_proj (module docstring); normalizes their defaults to UNSET."""
+        dcp, qrep = self.dcp, self.dcp_replicate_q_proj
+        if dcp is not UNSET:
+            if not isinstance(dcp, int) or isinstance(dcp, bool) or not 1 <= dcp <= MAX_WORLD:
+                return lambda name: f"{name('dcp')} must be an integer from 1 to {MAX_WORLD}, got {dcp!r}"
+            if dcp == 1:  # the default, recorded as nothing so that such outputs stay as they were
+                msgspec.structs.force_setattr(self, "dcp", UNSET)
+            elif self.attn_tp % dcp:
+                return lambda name: (
+                    f"{name('dcp', dcp)} does not divide attn_tp {self.attn_tp} = {name('tp', self.tp)} / ({name('attn_dp', self.attn_dp)}"
+                    f" x {name('attn_cp', self.attn_cp)}):"
+                    " SGLang's decode-context-parallel groups are dcp consecutive ranks of one attention group"
+                    " (sglang/srt/distributed/parallel_state.py L2716-2727; Qwen3.5's K/V: layers/linear.py L95-100,"
+                    " _ReplicatedGroup divides attn_tp by dcp)"
+                )
+        if qrep is not UNSET:
+            if not isinstance(qrep, bool):
+                return lambda name: f"{name('dcp_replicate_q_proj')} must be true or false, got {qrep!r}"
+            if not qrep:
+                msgspec.structs.force_setattr(self, "dcp_replicate_q_proj", UNSET)
+            elif self.dcp_size == 1:
+                return lambda name: (
+                    f"{name('dcp_replicate_q_proj')} needs {name('dcp')} > 1: SGLang refuses it without decode context"
+                    " parallelism (sglang/srt/arg_groups/parallel_hook.py L265-267)"
+                )
+        return None
+
+    @property
+    def dcp_size(self) -> int:
+        """Decode-context-parallel size (1 without --dcp)."""
+        return 1 if self.dcp is UNSET else self.dcp
 
     @property
     def pp(self) -> int:
@@ -264,6 +318,8 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
             text += f" moe_dense_tp={self.moe_dense_tp}"
         if self.moe_a2a_backend is not UNSET:
             text += f" moe_a2a_backend={self.moe_a2a_backend}"
+        if self.dcp is not UNSET:
+            text += f" dcp={self.dcp}" + (" dcp_replicate_q_proj" if self.dcp_replicate_q_proj else "")
         if self.pp > 1:
             text += f" pp={self.pp} (layers {','.join(map(str, self.pp_layers))}"
             text += ", vLLM placement)" if self.placed_for == "vllm" else ")"

@@ -483,7 +483,7 @@ def _tiles(info: TensorInfo, slots: list[_Slot], algorithm: str) -> list[_Slot] 
     tiles = sorted(slots, key=lambda slot: slot[1].start)
     end = 0
     for t, c, *_ in tiles:
-        if t.dim not in (0, None) or c.pad or c.start != end or c.value is not None or t.segments:
+        if t.dim not in (0, None) or c.pad or c.start != end or c.value is not None or t.segments or c.lead_length:
             return None
         end += c.length
     return tiles if tiles and end == (info.shape or (1,))[0] else None

@@ -183,8 +183,9 @@ ENGINES: tuple[str, ...] = EngineNames._fields  # ("vllm", "sglang"), the order 
 # (ModelInfo, config.json) -> the tensor names a complete checkpoint holds, in a fixed order.
 Expected = Callable[[ModelInfo, dict], Iterable[str]]
 # The tensor-parallel decoder `verify --model` runs: tpshard.verify.decoder's dense one,
-# tpshard.verify.moe_model's MoE / MLA one, or tpshard.verify.llama4_model's.
-VerifyKind = Literal["dense", "moe", "llama4"]
+# tpshard.verify.moe_model's MoE / MLA one, tpshard.verify.llama4_model's, tpshard.verify.v4_model's, or
+# tpshard.verify.hybrid_model's (gated DeltaNet and gated attention layers).
+VerifyKind = Literal["dense", "moe", "llama4", "deepseek_v4", "hybrid"]
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,9 @@ class Arch:
     a2a_shared: frozenset[str] | None = None
     # Tensors the family refuses by name before any cut (Llama-4's vision tower): one line, or None.
     refuse_tensors: Callable[[Iterable[str]], None] | None = None
+    # SGLang --dcp-size: "kv", the attention's K/V over ReplicatedParallelGroup("attn_tp", dcp) (Qwen3.5);
+    # "neutral", the class reads it but every weight keeps its attn_tp cut (DeepSeek MLA); None: refused.
+    dcp: Literal["kv", "neutral"] | None = None
 
     def table(self, model: ModelInfo) -> tuple[Rule, ...]:
         return self.rules + (self.variant(model) if self.variant else ())

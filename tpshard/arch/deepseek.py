@@ -20,6 +20,12 @@
   every rank, the MTP layer's too. With ep = tp each rank's MoE-TP is 1, so a shared expert fused
   into the experts (--enforce-shared-experts-fusion; off by default under DeepEP, L3355-3356) is
   also whole on every rank: the same bytes.
+- Decode context parallelism (--dcp, SGLang --dcp-size) changes no weight: DeepseekV2AttentionMLA
+  reads attn_dcp_size only to size the decode attention over the gathered heads (deepseek_v2.py
+  L2053-2055, L2193-2204); q_b_proj / q_proj, kv_b_proj and o_proj stay over attn_tp. Nor does
+  --dcp-replicate-q-proj: the model runner all-gathers each rank's q projection over its DCP group
+  after loading (model_executor/model_runner.py L1130-1160), so the files hold the attn_tp cut
+  (unlike vLLM 0.33.0's DCPGroupColumnParallelLinear, which loads the group's heads: export refused).
 """
 
 from tpshard.arch.base import NORMS, VOCAB, Arch, EngineNames, EngineTable, L, Piece, Rule, gated_mlp, routed_experts, router
@@ -168,7 +174,7 @@ ARCHS = tuple(
     Arch(
         name, BASE, "deepseek_v2.py", attn_group="attn_tp", embed_group="attn_tp", model_type=model_type,
         expected=expected, exports=EXPORTS, verify="moe", router=rule, sparse=sparse, experts_limit="tp",
-        variant=kv_a, pp_head="last", pp_tied_head=True, a2a_shared=A2A_SHARED,
+        variant=kv_a, pp_head="last", pp_tied_head=True, a2a_shared=A2A_SHARED, dcp="neutral",
     )
     for name, model_type, rule in (("DeepseekV3ForCausalLM", "deepseek_v3", v3_router), ("DeepseekV2ForCausalLM", "deepseek_v2", v2_router))
 )  # fmt: skip

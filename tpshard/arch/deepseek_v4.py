@@ -42,8 +42,9 @@ the engine layer names below are what that remap makes of them. What a rank hold
   tpshard.quant.config (formats dsv4_fp8 / dsv4_fp4: `<module>.scale`, which SGLang's remap reads as
   weight_scale_inv); each scale cut with its weight in whole blocks by tpshard.quant, wo_a kept FP8
   (SGLang dequantizes it whole at load, then cuts it: the same rows). Other quant methods refused.
-- Pipeline stages: refused (no per-stage layout on record). verify --model: refused (no V4 decoder:
-  compressors, indexer, mHC); `verify` checks every layer at layer level. Export: refused.
+- Pipeline stages: refused (no per-stage layout on record). `verify` checks every layer at layer
+  level; `verify --model` runs tpshard.verify.v4_model's decoder (bf16, or the release dequantized)
+  against transformers' DeepseekV4ForCausalLM. Export: refused.
 """
 
 from tpshard.arch.base import Arch, EngineNames, Rule
@@ -194,7 +195,7 @@ def refuse_topology(t: Topology, model: ModelInfo) -> None:
 ARCHS = (
     Arch(
         "DeepseekV4ForCausalLM", RULES, "deepseek_v4.py", attn_group="attn_tp", embed_group="replicated",
-        model_type="deepseek_v4", expected=expected, exports=EngineNames(vllm=None, sglang=None), verify=None,
+        model_type="deepseek_v4", expected=expected, exports=EngineNames(vllm=None, sglang=None), verify="deepseek_v4",
         router=None, sparse=sparse, experts_limit="tp", check=refuse_config,
         check_topology=refuse_topology, names=NAMES,
     ),

@@ -7,10 +7,10 @@ param -> `FusedParam`); tpshard.plan.fused turns that into cuts and verify reads
 to know which rows are gate and which are up. The vocabulary:
 
 - the **experts axis** is dim 0: under expert parallelism an EP slot holds the contiguous block
-  `[slot * E/ep, (slot + 1) * E/ep)` where the engine's loader slices it (`ep_loads`); at ep = tp
-  (moe_tp 1) that is a cut of dim 0 alone (gpt-oss MXFP4), at ep < tp a cut of dims 0 and `dim` of
-  one tensor, which tpshard's cuts (one dim per tensor) do not express: refused, with `ep_refusal`
-  saying why where the family's loader does not slice at all;
+  `[slot * E/ep, (slot + 1) * E/ep)` where the engine's loader slices it (`ep_loads`; refused with
+  `ep_refusal` saying why where it does not); at ep = tp (moe_tp 1) that is a cut of dim 0 alone,
+  at ep < tp the moe_tp cut below taken from the slot's block (a leading-dim range of the cut,
+  ShardSpec.lead_start / lead_length), one piece per tp rank (tpshard.plan.fused);
 - the **intermediate axis** (`dim`) is cut over moe_tp; `per_i` indices of it per intermediate
   element (2 for a gate/up tensor, 1 for down);
 - `layout` says how gate and up share a gate/up axis: `interleaved` (gpt-oss: gate_j, up_j

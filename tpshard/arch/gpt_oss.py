@@ -24,11 +24,18 @@ What a rank holds is what SGLang 0.5.23's GptOssForCausalLM builds for it:
   dim 2), replace gate_up_proj / down_proj; the intermediate axis is cut in whole 32-blocks,
   ceil(I/32 / moe_tp) a rank and the last rank short (`end = min(.., I)`), the gate/up bias alike,
   the down bias whole. A rank left empty is refused; SGLang asserts I % 32 == 0.
-- Expert parallelism: bf16 refused. The bf16 fused loader copies the whole [E, ...] tensor into each
-  rank's [E / ep, ...] parameter (no expert map; fused_moe_triton layer.py). The MXFP4 loader
-  slices experts by EP rank (`[ep_rank * E/ep, +E/ep)`, the down bias too) and moe_tp at once:
-  tpshard writes --ep == --tp (moe_tp 1: every fused tensor cut on dim 0, one EP slot's experts a
-  rank, the whole intermediate size) and refuses ep < tp (a cut on two dims the manifest does not hold).
+- Expert parallelism: bf16 refused. Its experts load through FusedMoE.weight_loader_fused
+  (models/gpt_oss.py L237 `use_weight_loader_fused` for every quant method but mxfp4;
+  layers/moe/fused_moe_triton/layer.py L1559), which narrows the moe_tp slice only and copies the
+  whole [E, ...] tensor into the rank's [E / ep, ...] parameter (_load_w13 L879, _load_w2 L969): no
+  expert is chosen by EP rank, so SGLang cannot load it at ep > 1. The MXFP4 loader
+  (_load_mxfp4_experts_weights, models/gpt_oss.py L954-1140) slices experts by EP rank
+  (`[moe_ep_rank * E/ep, +E/ep)`, the down bias too) and moe_tp at once, moe_ep_rank = tp_rank //
+  moe_tp and moe_tp_rank = tp_rank % moe_tp (distributed/parallel_state.py's moe_ep / moe_tp
+  groups): at --ep == --tp (moe_tp 1) every fused tensor is cut on dim 0, one EP slot's experts a
+  rank, the whole intermediate size; at ep < tp each rank's piece is its moe_tp slice (as at ep 1,
+  blocks and padding alike) of its EP slot's experts, a cut of dim 1 or 2 with a leading-dim range
+  of dim 0 (ShardSpec.lead_start), and the down bias its slot's experts, whole on the slot's ranks.
 - No tp > experts check in this class (unlike GLM); no MTP layer (the NextN path only logs).
 - Router (transformers GptOssTopKRouter): logits = x W^T + b, top-k of the logits, softmax over
   the k: the same as a softmax over all experts renormalised over the k picked.
@@ -74,8 +81,9 @@ FUSED = FusedExperts(
     },
     ep_loads="blocks",
     ep_refusal=(
-        "SGLang's fused expert loader (weight_loader_fused, models/gpt_oss.py) copies all experts of a bf16"
-        " gpt-oss checkpoint into every EP rank, so it cannot load --ep > 1; split with --ep 1"
+        "SGLang loads a bf16 gpt-oss checkpoint's experts with FusedMoE.weight_loader_fused (models/gpt_oss.py L237;"
+        " layers/moe/fused_moe_triton/layer.py L1559), which copies all of them into each rank's [E / ep, ...] parameter"
+        " (_load_w13 L879): it cannot load --ep > 1; split with --ep 1 (the MXFP4 release loads with --ep)"
     ),
 )
 

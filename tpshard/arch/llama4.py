@@ -26,9 +26,13 @@ moe_tp = tp) is what SGLang 0.5.23 builds for it:
   (1, 1) on dim 2; one contiguous slice, gpt-oss's interleaved reading, is wrong from tp 2 on);
   `experts.down_proj` [E, I, H] on dim 1. FusedMoE asserts I % moe_tp == 0. Llama4MoE does not
   compare tp with the expert count.
-- Expert parallelism: refused. SGLang's loader would slice experts by EP rank (it feeds each expert
-  by its global id to FusedMoE.weight_loader, which skips experts outside the rank's block), but
-  that cuts dims 0 and 2 of one fused tensor, which tpshard does not express (tpshard.arch.fused).
+- Expert parallelism: _handle_expert_weight_params (models/mllama4.py L895-957) feeds each expert by
+  its global id to FusedMoE.weight_loader, which keeps only those of the rank's EP block
+  (_map_global_expert_id_to_local_expert_id, layers/moe/fused_moe_triton/layer.py L1153:
+  `[moe_ep_rank * E/ep, +E/ep)`, moe_ep_rank = tp_rank // moe_tp) and narrows each to its
+  moe_tp_rank's I / moe_tp rows of gate and of up (_load_w13 L856). So at ep > 1 a rank holds its EP
+  block of experts (a leading-dim range of dim 0, ShardSpec.lead_start) cut on dim 2 (gate_up_proj,
+  segmented) or dim 1 (down_proj) as at ep 1; the shared expert stays over the full tp.
 - Embedding: a VocabParallelEmbedding with enable_tp=not is_dp_attention_enabled(): over tp, whole
   (padded) under attention DP. lm_head: LlamaForCausalLM's ParallelLMHead, over tp (attn_tp with
   --enable-dp-lm-head).
@@ -100,13 +104,10 @@ FUSED = FusedExperts(
         "gate_up_proj": FusedParam("w13", "segmented", 2, per_i=2, shape="e_h_2i"),
         "down_proj": FusedParam("w2", "single", 1, shape="e_i_h"),
     },
-    # SGLang's loader would slice the experts by EP slot ("always"), but a cut of dims 0 and 2 of one
-    # tensor is not in the manifest's vocabulary yet: --ep > 1 is refused (tpshard.plan.fused).
-    ep_loads="never",
-    ep_refusal=(
-        "SGLang's Llama-4 loader (models/mllama4.py, _handle_expert_weight_params) would give each EP rank its block"
-        " of experts, but tpshard does not cut a fused [E, ...] tensor by EP slot yet; split with --ep 1"
-    ),
+    # mllama4.py _handle_expert_weight_params feeds each expert by its global id to FusedMoE.weight_loader,
+    # which keeps those of the rank's EP block (_map_global_expert_id_to_local_expert_id) and narrows
+    # each to its moe_tp rows: at ep < tp a cut of dims 0 and 2 (tpshard.plan.fused).
+    ep_loads="always",
 )
 
 

@@ -19,7 +19,11 @@ What rank r holds (attn_tp = tp / attn_dp, moe_tp = tp / ep) is what SGLang 0.5.
   by columns. Key heads and value heads must each divide attn_tp.
 - Full attention: q_proj holds per head [q_h | gate_h] (attn_output_gate), one QKVParallelLinear
   over attn_tp cutting 2 x heads x head_dim rows by whole heads; k/v by kv heads (replicated when
-  attn_tp > kv heads), o_proj by columns, q_norm / k_norm whole.
+  attn_tp > kv heads), o_proj by columns, q_norm / k_norm whole. Under --dcp (SGLang --dcp-size)
+  Qwen3.5's K/V are cut over ReplicatedParallelGroup("attn_tp", dcp) (qwen3_5.py L1287-1297): kv
+  rank attn_tp_rank // dcp of attn_tp / dcp, so each DCP group of dcp consecutive ranks holds the same
+  kv heads (more than one per rank where kv heads > attn_tp / dcp); q, o_proj and the linear
+  attention keep their attn_tp cut. Qwen3-Next's class never reads dcp: --dcp refused.
 - MoE: Qwen2MoeSparseMoeBlock: the router whole, FusedMoE experts in contiguous blocks of E / ep
   per EP slot cut over moe_tp, the shared expert over the full tp (even under attention DP or EP),
   shared_expert_gate whole. It refuses tp greater than the routed experts.
@@ -28,9 +32,11 @@ What rank r holds (attn_tp = tp / attn_dp, moe_tp = tp / ep) is what SGLang 0.5.
 - Router (transformers' Qwen3_5MoeTopKRouter, Qwen3NextTopKRouter): softmax, top-k; Qwen3.5 always
   renormalises, Qwen3-Next as norm_topk_prob says.
 - verify: the projections at layer level (tpshard.verify.layers_check.rank_major orders the
-  segmented piece's reference as SEGMENTS says), conv1d / A_log / dt_bias by their bytes.
+  segmented piece's reference as SEGMENTS says), conv1d / A_log / dt_bias by their bytes;
+  `--model` runs tpshard.verify.hybrid_model's decoder (tpshard.runtime.deltanet's GatedDeltaNet
+  on each rank's heads, the gated attention, the MoE with the shared expert's gate).
 - Export: vLLM only (SGLang's sharded_state refuses routed experts); the tables below.
-- Refused: pipeline stages (no per-stage layout on record for these classes), verify --model (no gated DeltaNet runtime), dense MLP layers
+- Refused: pipeline stages (no per-stage layout on record for these classes), dense MLP layers
   (mlp_only_layers, decoder_sparse_step). Not declared, so refused by name: MTP tensors (mtp.*),
   experts stored fused ([E, 2I, H] `experts.gate_up_proj`, which qwen3_5.py's loader also reads),
   and the multimodal Qwen3_5MoeForConditionalGeneration (model.language_model.*, the vision tower).
@@ -178,11 +184,11 @@ ARCHS = (
     Arch(
         "Qwen3_5MoeForCausalLM", COMMON + QWEN3_5_LINEAR, "qwen3_5_text.py", attn_group="attn_tp", embed_group="replicated",
         model_type="qwen3_5_moe_text", expected=expected(fused=False), exports=EngineNames(vllm=EngineTable(QWEN3_5_VLLM, refuse=bf16_only("models/qwen3_5.py"), **VLLM_MOE), sglang=None),
-        verify=None, router=renormalised_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config,
+        verify="hybrid", router=renormalised_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config, dcp="kv",
     ),
     Arch(
         "Qwen3NextForCausalLM", COMMON + QWEN3_NEXT_LINEAR, "qwen3_next.py", attn_group="attn_tp", embed_group="attn_tp",
         model_type="qwen3_next", expected=expected(fused=True), exports=EngineNames(vllm=EngineTable(QWEN3_NEXT_VLLM, refuse=bf16_only("models/qwen3_next.py"), **VLLM_MOE), sglang=None),
-        verify=None, router=next_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config,
+        verify="hybrid", router=next_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config,
     ),
 )  # fmt: skip

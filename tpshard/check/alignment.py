@@ -95,19 +95,30 @@ def _tensor_findings(plan: Plan, t, stages: tuple[int, ...] | None, memo: dict) 
             unit = s.source_shape[s.dim] // (sum(s.segments) or 1)
             expected[s.dim] = (s.length + s.pad) * (sum(s.segments) or 1)
             ok = 0 <= s.start and s.start + s.length <= unit and unit * (sum(s.segments) or 1) == s.source_shape[s.dim]
+            if s.lead_length:  # taken from a leading-dim range of dim 0 (ShardSpec.lead_start)
+                expected[0] = s.lead_length
+                ok = ok and s.dim > 0 and s.lead_start + s.lead_length <= s.source_shape[0]
         if not ok or tuple(expected) != tuple(s.shape):
-            found.append(("sizes", f"{shard_text(s)}: shape {list(s.shape)} is not source {list(s.source_shape)} cut at dim {s.dim} [{s.start}, +{s.length}) plus {s.pad} padding"))
+            lead = f" of dim 0 [{s.lead_start}, +{s.lead_length})" if s.lead_length else ""
+            found.append(("sizes", f"{shard_text(s)}: shape {list(s.shape)} is not source {list(s.source_shape)}{lead} cut at dim {s.dim} [{s.start}, +{s.length}) plus {s.pad} padding"))
 
     first = specs[0] if specs else None
-    # 2. global vs per-rank: the pieces tile the source dim exactly, in group-rank order.
+    # 2. global vs per-rank: the pieces tile the source dim exactly, in group-rank order; with
+    # leading-dim ranges, those tile dim 0 and the pieces of each range tile the cut dim.
     if first is not None and first.dim is not None:
-        covered = 0
+        blocks: dict[tuple[int, int], list[ShardSpec]] = defaultdict(list)
         for s in sorted(specs, key=lambda s: s.group_rank):
-            if s.length and s.start != covered:
-                found.append(("sizes", f"{shard_text(s)}: starts at {s.start}, but group ranks before it end at {covered}"))
-            covered = max(covered, s.start + s.length)
-        if covered != first.source_shape[first.dim] // (sum(first.segments) or 1) or len({s.shape for s in specs}) != 1:
-            found.append(("sizes", f"{t.name}: per-rank pieces cover {covered} of {first.source_shape[first.dim]} along dim {first.dim} with shapes {sorted({s.shape for s in specs})}"))
+            blocks[(s.lead_start, s.lead_length)].append(s)
+        if first.lead_length or len(blocks) > 1:
+            found += _lead_findings(t.name, list(blocks), first.source_shape[0])
+        for block in blocks.values():
+            covered = 0
+            for s in block:
+                if s.length and s.start != covered:
+                    found.append(("sizes", f"{shard_text(s)}: starts at {s.start}, but group ranks before it end at {covered}"))
+                covered = max(covered, s.start + s.length)
+            if covered != first.source_shape[first.dim] // (sum(first.segments) or 1) or len({s.shape for s in specs}) != 1:
+                found.append(("sizes", f"{t.name}: per-rank pieces cover {covered} of {first.source_shape[first.dim]} along dim {first.dim} with shapes {sorted({s.shape for s in specs})}"))
     # 4. replicas: every rank holds exactly one piece of every tensor (of a routed expert: every
     # rank of its EP slot, and no other; at pp > 1, of the stages holding the tensor).
     holders: dict[int, int] = defaultdict(int)
@@ -123,6 +134,20 @@ def _tensor_findings(plan: Plan, t, stages: tuple[int, ...] | None, memo: dict) 
         found.append(("replicas", f"{t.name}: ranks {wrong} hold {[holders[r] for r in wrong]} pieces instead of {[int(r in owners) for r in wrong]}"))
     found += _logical_findings(t.name, specs)
     return found
+
+
+def _lead_findings(name: str, ranges: list[tuple[int, int]], rows: int) -> list[tuple[str, str]]:
+    """A tensor's leading-dim ranges (start, length), in group-rank order of their first piece,
+    must tile dim 0 of `rows` back to back (ShardSpec.lead_start)."""
+    at = 0
+    for start, length in ranges:
+        if not length or start != at:
+            break
+        at += length
+    else:
+        if at == rows:
+            return []
+    return [("sizes", f"{name}: leading-dim ranges {[[a, a + n] for a, n in ranges]} do not tile dim 0 of {rows} in group-rank order")]
 
 
 def _logical_findings(name: str, specs: list[ShardSpec]) -> list[tuple[str, str]]:

@@ -40,7 +40,7 @@ from tpshard.check.files import check_output, distinct_copies
 from tpshard.check.report import CheckReport, some_of
 from tpshard.checkpoint import Checkpoint
 from tpshard.collector import paused
-from tpshard.cuts import runs
+from tpshard.cuts import lead_block, runs
 from tpshard.digest import new_hash, range_digests
 from tpshard.errors import OutputError, TpshardError
 from tpshard.inputs import read_config
@@ -345,7 +345,25 @@ class OutputReader:
                 if c.digest != cuts[0].digest:
                     raise OutputError(f"{self.out}: {name}: the whole copies in {cuts[0].where} and {c.where} differ")
             return
-        outer, rows, inner = cut_geometry(info.shape, info.nbytes, dim)
+        blocks: dict[tuple[int, int], list[_Cut]] = defaultdict(list)
+        for c in cuts:
+            blocks[(c.cut.lead_start, c.cut.lead_length)].append(c)
+        if len(blocks) == 1 and not cuts[0].cut.lead_length:
+            self._tile(name, cuts, data, info.shape, dim)
+            return
+        covered = 0  # leading-dim ranges (ShardSpec.lead_start): each a sub-tensor its cuts tile
+        for (start, length), block in sorted(blocks.items()):
+            if not length or start != covered:
+                raise OutputError(f"{self.out}: {name}: its cuts' leading-dim ranges do not tile dim 0 (a gap or overlap at {covered})")
+            covered = start + length
+            shape, first, size = lead_block(info.shape, info.nbytes, block[0].cut)
+            self._tile(name, block, data[first : first + size], shape, dim)
+        if covered != info.shape[0]:
+            raise OutputError(f"{self.out}: {name}: its cuts' leading-dim ranges cover {covered} of {info.shape[0]} along dim 0")
+
+    def _tile(self, name: str, cuts: list[_Cut], data: np.ndarray, shape: tuple[int, ...], dim: int) -> None:
+        """Put `cuts`, which must tile dim `dim` of the (sub-)tensor `data` [shape], into place."""
+        outer, rows, inner = cut_geometry(shape, len(data), dim)
         covered = 0
         seen: dict[tuple[int, int], _Cut] = {}
         for c in sorted(cuts, key=lambda c: (c.cut.start, -c.cut.length)):

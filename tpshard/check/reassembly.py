@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import zlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +22,7 @@ import numpy as np
 
 from tpshard.check.files import Hashed, distinct_copies
 from tpshard.check.report import CheckReport, shard_text
-from tpshard.digest import Crc32, hash_digest, hash_range, new_hash
+from tpshard.digest import Crc32, hash_digest, hash_range, new_hash, tensor_digest
 from tpshard.errors import TpshardError
 from tpshard.manifest import Cut, Manifest, Plan, ShardSpec, SourceCuts, TensorPlan
 from tpshard.processes import can_fork, run_forked, shared_bytes
@@ -178,7 +177,7 @@ class _Reassembly:
         with self.runs.job([(name, info, True) for name, info, _ in sources], True) as got:
             for (name, info, located), (_, _, data) in zip(sources, got):
                 if self.source_crcs is not None:
-                    self.source_crcs.put(name, zlib.crc32(data).to_bytes(4, "big"))
+                    self.source_crcs.put(name, tensor_digest("crc32", data))
                 for t, c, path, offset, _ in located:
                     pieces[path].append((offset, shard_bytes(data, info.shape, t.dim, c, t.segments), name))
             same = {name for name, _, _ in sources}

@@ -2,15 +2,17 @@
 that was exported (docs/deploy.md), every path and value quoted for a shell.
 
 SGLang (sglang/srt/server_args.py): --tp-size, --pp-size, --attn-dp-size for attention DP,
---ep-size, --moe-dense-tp-size, --enable-dp-lm-head, --moe-a2a-backend. Attention DP is
+--ep-size, --moe-dense-tp-size, --enable-dp-lm-head, --moe-a2a-backend, --dcp-size and
+--dcp-replicate-q-proj (arg_groups/fields/parallel.py L52-58, L140-152). Attention DP is
 --attn-dp-size in SGLang 0.5.23 (arg_groups/fields/parallel.py L81-90): the older `--dp-size N
 --enable-dp-attention` is a deprecated spelling of it (server_args.py L416-424, resolved by
 arg_groups/parallel_hook.py handle_deprecated_dp_attention L39-61, to be removed after 2026-12-31),
 and --dp-size alone (alias --data-parallel-size, fields/parallel.py L73-80) starts independent
 replicas of the whole model. vLLM (vllm/engine/arg_utils.py):
 --tensor-parallel-size, --pipeline-parallel-size, --enable-expert-parallel (EP size = tp: the only
-EP an export for vLLM has, tpshard.export.layout). Both: --load-format sharded_state and --dtype of
-the exported weights (another one is cast while loading).
+EP an export for vLLM has, tpshard.export.layout), --decode-context-parallel-size (a DeepSeek
+--dcp split: tpshard.export.dcp). Both: --load-format sharded_state and --dtype of the exported
+weights (another one is cast while loading).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def launch_line(manifest: ExportManifest, dest: Path) -> str:
         flags = [f"--tensor-parallel-size {topo.tp}"]
         flags += [f"--pipeline-parallel-size {topo.pp}"] * (topo.pp > 1)
         flags += ["--enable-expert-parallel"] * (topo.ep > 1)
+        flags += [f"--decode-context-parallel-size {topo.dcp}"] * bool(topo.dcp)  # UNSET (1) is falsy
         command = f"vllm serve {path} --load-format sharded_state"
     else:
         flags = [f"--tp-size {topo.tp}"]
@@ -55,6 +58,7 @@ def launch_line(manifest: ExportManifest, dest: Path) -> str:
         flags += [f"--ep-size {topo.ep}"] * (topo.ep > 1)
         flags += [f"--moe-dense-tp-size {topo.moe_dense_tp}"] * (topo.moe_dense_tp is not None)
         flags += [f"--moe-a2a-backend {topo.moe_a2a_backend}"] * bool(topo.moe_a2a_backend)
+        flags += [f"--dcp-size {topo.dcp}"] * bool(topo.dcp) + ["--dcp-replicate-q-proj"] * bool(topo.dcp_replicate_q_proj)
         command = f"python -m sglang.launch_server --model-path {path} --load-format sharded_state"
     dtype = weights_dtype(manifest)
     flags += [f"--dtype {dtype}"] * (dtype is not None)

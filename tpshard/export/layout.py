@@ -28,6 +28,7 @@ from array import array
 from typing import Iterator, NamedTuple
 
 from tpshard.errors import PlanError
+from tpshard.export.dcp import dcp_refusal
 from tpshard.export.names import ENGINES, REFUSED, TABLES, NameMap
 from tpshard.manifest import Cut, Plan, TensorPlan, shard_shape
 from tpshard.safetensors_format import nbytes_of
@@ -235,6 +236,8 @@ def refuse_unexportable(plan: Plan, engine: str, config_tied: bool) -> NameMap:
             f"--format vllm: split with --moe-dense-tp {topo.moe_dense_tp}; vLLM has no such option and cuts the"
             f" dense layers' MLP over tp {topo.tp} (DeepseekV2MLP, models/deepseek_v2.py L1339; Glm4MoeMLP, glm4_moe.py); split again without it"
         )
+    if (why := dcp_refusal(plan, engine)) is not None:
+        raise ExportError(why)
     if engine == "vllm" and topo.moe_a2a_backend:  # UNSET is falsy
         raise ExportError(
             f"--format vllm: split with --moe-a2a-backend {topo.moe_a2a_backend}, an SGLang server option whose layout"

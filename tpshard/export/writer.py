@@ -52,7 +52,7 @@ from tpshard.export.manifest import (
     encode_export_manifest,
 )
 from tpshard.export.quant import config_additions, config_bytes
-from tpshard.manifest import MANIFEST_NAME, Manifest, rank_dir, read_manifest
+from tpshard.manifest import MANIFEST_NAME, Manifest, Plan, rank_dir, read_manifest
 from tpshard.pieces import read_into, scratch
 from tpshard.plan import file_header
 from tpshard.publish import staged_output, write_durably
@@ -96,13 +96,19 @@ def export(
 
 
 def export_total(out_dir: str | Path) -> int:
-    """The bytes `export`'s on_bytes counts, near enough for a progress bar: every rank's files of the
-    tpshard output, which the engine files hold again (headers aside); 0 where export will refuse it."""
+    """The bytes `export`'s on_bytes counts (export_bytes), for a progress bar; 0 where export will
+    refuse the output."""
     try:
         plan = read_manifest(Path(out_dir)).plan
     except (TpshardError, OSError):
         return 0
-    return sum(f.size for r in range(plan.topology.world_size) for f in plan.rank_files(r))
+    return export_bytes(plan)
+
+
+def export_bytes(plan: Plan) -> int:
+    """The tensor bytes an export of an output of `plan` writes: every rank's files' data (a file
+    shared by ranks is written once for each)."""
+    return sum(f.size - plan.header_size(f.name) for r in range(plan.topology.world_size) for f in plan.rank_files(r))
 
 
 class _Source:

@@ -1,4 +1,4 @@
-"""The plan and the manifest: the parallel and load contracts as data (manifest version 3).
+"""The plan and the manifest: the parallel and load contracts as data (manifest versions 3 and 4).
 
 A `Plan` is what `tpshard plan` prints and `tpshard split` executes: one `TensorPlan` per source
 tensor kept, holding what all of its cuts share (layer, kind, group, dim, quantized layout), and one
@@ -32,6 +32,7 @@ from tpshard.manifest.records import (
     MANIFEST_FORMAT,
     MANIFEST_NAME,
     MANIFEST_VERSION,
+    MANIFEST_VERSIONS,
     MAX_BYTES,
     MAX_MANIFEST_BYTES,
     MAX_WORLD,
@@ -51,6 +52,7 @@ from tpshard.manifest.records import (
     TensorPlan,
     differing,
     digest_at,
+    manifest_version,
     pack_tensors,
     shard_shape,
 )
@@ -64,11 +66,11 @@ from tpshard.manifest.decode import ManifestFrame, decode_manifest, manifest_wit
 from tpshard.manifest.rank_records import RankFile, RankRecords, read_rank_records
 
 __all__ = [
-    "FILE_METADATA", "MANIFEST_FORMAT", "MANIFEST_NAME", "MANIFEST_VERSION", "MAX_BYTES", "MAX_MANIFEST_BYTES", "MAX_WORLD",
+    "FILE_METADATA", "MANIFEST_FORMAT", "MANIFEST_NAME", "MANIFEST_VERSION", "MANIFEST_VERSIONS", "MAX_BYTES", "MAX_MANIFEST_BYTES", "MAX_WORLD",
     "SPEC_DEFAULTS", "TENSOR_FIELDS", "Count", "Cut", "Envelope", "FileShards", "Kind", "Manifest", "ManifestFrame",
     "ModelInfo", "Options", "OutputFile", "Plan", "Positive", "Rank", "RankFile", "RankRecords", "ShardSpec", "Source",
     "SourceCuts", "SourceFile", "TensorPlan", "decode_manifest", "decode_versioned", "differing", "digest_at",
     "digests_problem", "encode_manifest", "manifest_pieces", "manifest_with_tensors", "pack_tensors", "plain_name",
     "plan_differences", "rank_dir", "rank_index_pieces", "read_manifest", "read_manifest_frame", "read_rank_records",
-    "refuse_envelope", "shard_shape", "tensor_pieces", "write_manifest",
+    "refuse_envelope", "manifest_version", "shard_shape", "tensor_pieces", "write_manifest",
 ]  # fmt: skip

@@ -25,13 +25,13 @@ from tpshard.manifest.document import Manifest
 from tpshard.manifest.encode import tensor_pieces
 from tpshard.manifest.envelope import decode_versioned, refuse_envelope
 from tpshard.manifest.plan import Plan
-from tpshard.manifest.records import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, MAX_MANIFEST_BYTES, TensorPlan
+from tpshard.manifest.records import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSIONS, MAX_MANIFEST_BYTES, TensorPlan
 from tpshard.manifest.validation import _CutKind, _frame_problem, _located, _TensorChecks, _tensors_problem
 
 
 def _decode(decoder: msgspec.json.Decoder, data: bytes, where: str):
     """A split manifest decoded against the schema of `decoder` (decode_versioned)."""
-    refuse = partial(refuse_envelope, where, expected=(MANIFEST_FORMAT, MANIFEST_VERSION), what="tpshard split manifest", again="re-run tpshard split", label="manifest version")
+    refuse = partial(refuse_envelope, where, expected=(MANIFEST_FORMAT, MANIFEST_VERSIONS), what="tpshard split manifest", again="re-run tpshard split", label="manifest version")
     return decode_versioned(decoder, data, where, refuse, "not a valid tpshard manifest", "not a tpshard manifest")
 
 

@@ -17,13 +17,13 @@ from functools import cached_property
 import msgspec
 
 from tpshard.manifest.plan import Plan
-from tpshard.manifest.records import MANIFEST_FORMAT, MANIFEST_VERSION, ModelInfo, Options, OutputFile, Rank, Source, SourceFile, TensorPlan
+from tpshard.manifest.records import MANIFEST_FORMAT, ModelInfo, Options, OutputFile, Rank, Source, SourceFile, TensorPlan, manifest_version
 from tpshard.topology import Topology
 
 
 class Manifest(msgspec.Struct, frozen=True, kw_only=True, dict=True):
     format: str = MANIFEST_FORMAT
-    version: int = MANIFEST_VERSION
+    version: int = 3  # manifest_version: 4 where a cut has a leading-dim range (records.MANIFEST_VERSION)
     tool_version: str
     source: Source
     topology: Topology
@@ -38,7 +38,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True, dict=True):
     @classmethod
     def of(cls, plan: Plan, *, tool_version: str, source: Source, written_ranks: tuple[int, ...], files: tuple[OutputFile, ...]) -> Manifest:
         return cls(
-            tool_version=tool_version, source=source, topology=plan.topology, options=plan.options, model=plan.model,
+            version=manifest_version(plan.tensors), tool_version=tool_version, source=source, topology=plan.topology, options=plan.options, model=plan.model,
             quant_layers=plan.quant_layers, warnings=plan.warnings, written_ranks=written_ranks, tensors=plan.tensors, files=files,
         )  # fmt: skip
 
@@ -51,7 +51,9 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True, dict=True):
 
     def with_plan(self, plan: Plan) -> Manifest:
         """This manifest recording `plan` instead (tests that break a manifest)."""
-        return msgspec.structs.replace(self, tensors=plan.tensors, files=plan.files, topology=plan.topology, options=plan.options)
+        return msgspec.structs.replace(
+            self, version=manifest_version(plan.tensors), tensors=plan.tensors, files=plan.files, topology=plan.topology, options=plan.options
+        )
 
     @property
     def source_path(self) -> str:

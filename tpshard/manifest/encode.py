@@ -49,7 +49,7 @@ def rank_index_pieces(plan: Plan, rank: int) -> Iterator[bytes]:
 
 
 _encoder = msgspec.json.Encoder(order="sorted")
-_DEFAULT_TAIL = [0, 0, 0, None]
+_DEFAULT_TAIL = [0, 0, 0, None, 0, 0]  # a cut's logical_start ... value, lead_start, lead_length
 
 
 def encode_manifest(manifest: Manifest) -> bytes:

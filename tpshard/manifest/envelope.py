@@ -23,19 +23,23 @@ class Envelope(msgspec.Struct):
     version: Any = None
 
 
-def refuse_envelope(where: str, format: Any, version: Any, expected: tuple[str, int], what: str, again: str, label: str = "version") -> None:
-    """An OutputError unless (format, version) is `expected`; `what` names the document, `again`
-    what remakes one written by an older tpshard."""
+def refuse_envelope(
+    where: str, format: Any, version: Any, expected: tuple[str, int | tuple[int, ...]], what: str, again: str, label: str = "version"
+) -> None:  # fmt: skip
+    """An OutputError unless (format, version) is `expected` (a version, or the versions read);
+    `what` names the document, `again` what remakes one written by an older tpshard."""
     from tpshard.errors import OutputError
 
     if format != expected[0]:
         raise OutputError(f"{where}: format {format!r} is not {expected[0]!r}; not a {what}")
     if version is None:
         raise OutputError(f"{where}: no {label}; not a {what} this tpshard can read")
-    if version != expected[1]:
-        older = isinstance(version, int) and version < expected[1]
+    versions = expected[1] if isinstance(expected[1], tuple) else (expected[1],)
+    if version not in versions:
+        older = isinstance(version, int) and version < min(versions)
+        reads = f"version {versions[0]}" if len(versions) == 1 else f"versions {', '.join(map(str, versions))}"
         raise OutputError(
-            f"{where}: {label} {version!r}, this tpshard reads version {expected[1]}"
+            f"{where}: {label} {version!r}, this tpshard reads {reads}"
             + (f"; written by an older tpshard, {again}" if older else "; written by a newer tpshard, upgrade it")
         )
 

@@ -23,6 +23,7 @@ import msgspec
 
 from tpshard.manifest.records import FILE_METADATA, Cut, ModelInfo, Options, OutputFile, ShardSpec, TensorPlan, pack_tensors, shard_shape
 from tpshard.safetensors_format import Numbering, Shapes, kinds_header_layout, kinds_header_pieces
+from tpshard.public_struct import PublicStruct
 from tpshard.topology import Topology
 
 
@@ -69,7 +70,11 @@ class SourceCuts:
 
 
 
-class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
+class Plan(PublicStruct, frozen=True, kw_only=True, dict=True):
+    """What every rank of an output holds, as data: the topology and options it was made for, the
+    model's dims, each tensor's cut per rank and the files they go to (make_plan makes one;
+    read_manifest gives an output's). docs/format.md describes the fields as the manifest stores them."""
+
     topology: Topology
     options: Options
     model: ModelInfo
@@ -90,7 +95,7 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, dict=True):
             group_size=t.group_size, ranks=f.ranks, file=f.name, quant=t.quant, step=t.step,
             ratio=t.ratio, atom=t.atom, logical_dim=t.logical_dim, logical_size=t.logical_size,
             logical_start=c.logical_start, logical_length=c.logical_length, logical_pad=c.logical_pad, value=c.value,
-            ep_slot=t.ep_slot, expert=t.expert, segments=t.segments,
+            ep_slot=t.ep_slot, expert=t.expert, segments=t.segments, lead_start=c.lead_start, lead_length=c.lead_length,
         )  # fmt: skip
 
     @cached_property

@@ -1,4 +1,4 @@
-"""The records of a plan and a manifest (version 3): each field, its meaning and its bounds.
+"""The records of a plan and a manifest (versions 3 and 4): each field, its meaning and its bounds.
 
 What this file holds: the manifest's file name, format and version; the bounds on numbers read from
 a manifest (MAX_*); ModelInfo and Options (what the rules were given); ShardSpec, one per-rank
@@ -21,11 +21,16 @@ from typing import Annotated, Literal
 import msgspec
 
 from tpshard.digest import DIGEST_SIZE
+from tpshard.public_struct import PublicStruct
 from tpshard.topology import GroupName
 
 MANIFEST_NAME = "tpshard-manifest.json"
 MANIFEST_FORMAT = "tpshard-manifest"
-MANIFEST_VERSION = 3
+# Version 4 added a cut's leading-dim range (Cut.lead_start / lead_length); a manifest without one
+# is written as version 3, byte for byte what the tpshard before it wrote, so that older readers
+# read every manifest they can understand and refuse, as another version, those they cannot.
+MANIFEST_VERSION = 4  # the newest this tpshard writes
+MANIFEST_VERSIONS = (3, 4)  # what it reads
 
 # Bounds on numbers read from a manifest (docs/format.md): no command may hang or allocate without
 # limit on a crafted one.
@@ -96,13 +101,25 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     expert_block: int = 0
 
 
-class Options(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    pad: bool = True  # pad dims the group does not divide (MLP intermediate) instead of refusing
-    dp_lm_head: bool = False  # lm_head over attn_tp instead of tp (SGLang --enable-dp-lm-head)
-    vocab_multiple: int = 64  # vocab padded to this multiple before the split (vLLM/SGLang)
-    max_file_bytes: int = 5 << 30  # a rank's tensors for one group go to parts of at most this size
-    checksum: Literal["crc32", "sha256"] = "crc32"  # tensor digests in the manifest (tpshard.digest)
-    pad_blocks: bool = False  # FP8 block formats: pad each rank's MLP shard up to whole 128-blocks instead of refusing
+class Options(PublicStruct, frozen=True, kw_only=True, omit_defaults=True):
+    """
+    How a split treats what the topology alone does not decide (the `split` options of the same names).
+
+    Args:
+        pad (`bool`, defaults to True): pad dims the group does not divide (an MLP intermediate) instead of refusing.
+        dp_lm_head (`bool`): lm_head over attn_tp instead of tp (SGLang `--enable-dp-lm-head`).
+        vocab_multiple (`int`, defaults to 64): the vocab padded to this multiple before the split, as the engines pad it.
+        max_file_bytes (`int`, defaults to 5 GiB): a rank's tensors of one group go to files of at most this size.
+        checksum (`"crc32"` or `"sha256"`): the tensors' digests in the manifest.
+        pad_blocks (`bool`): FP8 block formats: pad each rank's MLP shard to whole 128-blocks instead of refusing.
+    """
+
+    pad: bool = True
+    dp_lm_head: bool = False
+    vocab_multiple: int = 64
+    max_file_bytes: int = 5 << 30
+    checksum: Literal["crc32", "sha256"] = "crc32"
+    pad_blocks: bool = False
 
     def __post_init__(self) -> None:
         from tpshard.errors import PlanError
@@ -157,12 +174,17 @@ class ShardSpec(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     # the rank holds segment i's [segments[i] * start, + segments[i] * length) (+ its padding), the
     # segments' pieces concatenated in order. () = one contiguous run.
     segments: tuple[int, ...] = ()
+    # A leading-dim range (manifest version 4; lead_length 0 = none, dim 0 whole): the piece is cut
+    # from source[lead_start : lead_start + lead_length] (dim 0) as above, along `dim` > 0. A fused
+    # [E, ...] expert tensor under ep < tp: the rank's EP block of experts x its moe_tp slice.
+    lead_start: int = 0
+    lead_length: int = 0
 
 
 class Cut(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """One group rank's piece of a tensor, a JSON array:
-    [group_rank, start, length, pad, file, logical_start, logical_length, logical_pad, value],
-    trailing defaults left out. `file` indexes `Manifest.files`."""
+    [group_rank, start, length, pad, file, logical_start, logical_length, logical_pad, value,
+    lead_start, lead_length], trailing defaults left out. `file` indexes `Manifest.files`."""
 
     group_rank: Rank
     start: Count
@@ -173,6 +195,8 @@ class Cut(msgspec.Struct, frozen=True, array_like=True, gc=False):
     logical_length: Count = 0
     logical_pad: Count = 0
     value: tuple[int, ...] | None = None
+    lead_start: Count = 0  # ShardSpec.lead_start / lead_length (manifest version 4)
+    lead_length: Count = 0
 
 
 class TensorPlan(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
@@ -239,14 +263,28 @@ def differing(digests: bytes, recorded: str, algorithm: str) -> list[int]:
 TENSOR_FIELDS = ("layer", "layer_class", "piece", "kind", "dtype", "group", "factor", "group_size", "dim",
            "quant", "step", "ratio", "atom", "logical_dim", "logical_size", "ep_slot", "expert", "segments")  # fmt: skip
 _PER_CUT = ("group_rank", "start", "length", "pad")
-_LOGICAL = ("logical_start", "logical_length", "logical_pad", "value")
+_LOGICAL = ("logical_start", "logical_length", "logical_pad", "value", "lead_start", "lead_length")
 
 
 def shard_shape(t: TensorPlan, c: Cut) -> tuple[int, ...]:
-    """A shard's shape: the source shape with the cut dim replaced by length + pad."""
+    """A shard's shape: the source shape with the cut dim replaced by length + pad (and dim 0 by
+    the leading-dim range's length, where the cut has one)."""
     if t.dim is None:
         return t.shape
-    return _resized(t.shape, t.dim, (c.length + c.pad) * (sum(t.segments) or 1))
+    shape = _resized(t.shape, t.dim, (c.length + c.pad) * (sum(t.segments) or 1))
+    return _resized(shape, 0, c.lead_length) if c.lead_length else shape
+
+
+def manifest_version(tensors: Iterable[TensorPlan]) -> int:
+    """The version a manifest of these tensors is written as: 4 where a cut has a leading-dim
+    range, else 3 (MANIFEST_VERSION's note). Each distinct cuts tuple is looked at once."""
+    seen: set[int] = set()
+    for t in tensors:
+        if id(t.cuts) not in seen:
+            seen.add(id(t.cuts))
+            if any(c.lead_length for c in t.cuts):
+                return 4
+    return 3
 
 
 @lru_cache(maxsize=4096)

@@ -31,9 +31,11 @@ def _located(e: msgspec.DecodeError | RecursionError, path: str) -> str:
 
 
 def _check_cuts(
-    shape: tuple[int, ...], dim: int | None, group_size: int, cuts: tuple[Cut, ...], size: int, nfiles: int, segments: tuple[int, ...] = ()
+    shape: tuple[int, ...], dim: int | None, group_size: int, cuts: tuple[Cut, ...], size: int, nfiles: int, segments: tuple[int, ...] = (),
+    version: int = 3,
 ) -> str | None:  # fmt: skip
-    """What is wrong with a tensor's shape, dim, segments or cuts (the text after its name), or None."""
+    """What is wrong with a tensor's shape, dim, segments or cuts (the text after its name), or None.
+    A cut's leading-dim range (Cut.lead_start / lead_length) needs version 4 and a cut dim past 0."""
     for d in shape:  # zero dims count as one: no dim may hide a huge product
         size *= max(d, 1)
         if size > MAX_BYTES:
@@ -55,6 +57,11 @@ def _check_cuts(
             return f".cuts[{j}]: [{c.start}, +{c.length}) + {c.pad} padding does not fit dim {dim} of size {full}"
         if c.value is not None and len(c.value) > 64:
             return f".cuts[{j}]: a value of {len(c.value)} numbers"
+        if c.lead_length or c.lead_start:
+            if version < 4:
+                return f".cuts[{j}]: a leading-dim range, which a version {version} manifest cannot hold"
+            if not dim or not c.lead_length or c.lead_start + c.lead_length > shape[0]:
+                return f".cuts[{j}]: leading-dim range [{c.lead_start}, +{c.lead_length}) does not fit dim 0 of {list(shape)} beside a cut of dim {dim}"
     return None
 
 
@@ -115,7 +122,7 @@ class _TensorChecks:
         from tpshard.safetensors_format import DTYPE_SIZE
 
         self.size_of = DTYPE_SIZE.get
-        self.nfiles, self.ep, self.experts = len(m.files), m.topology.ep, m.model.num_experts
+        self.nfiles, self.ep, self.experts, self.version = len(m.files), m.topology.ep, m.model.num_experts, m.version
         # The cuts' checks depend on a tensor's dtype, shape, dim, group size and cuts, which most
         # tensors share with many others (every layer, every expert): each distinct one is checked once.
         self.kinds: dict[tuple, _CutKind] = {}
@@ -142,7 +149,7 @@ class _TensorChecks:
                 cuts = _cuts_decoder.decode(key[-1])
             except (msgspec.DecodeError, RecursionError) as e:
                 return _located(e, f"$.tensors[{i}].cuts"), None
-        problem = _check_cuts(t.shape, t.dim, t.group_size, cuts, size, self.nfiles, t.segments)
+        problem = _check_cuts(t.shape, t.dim, t.group_size, cuts, size, self.nfiles, t.segments, self.version)
         if problem:
             return f"tensors[{i}] ({t.name}){problem}", None
         kind = self.kinds[key] = _CutKind(cuts)

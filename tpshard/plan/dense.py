@@ -86,14 +86,20 @@ def refuse_heads(name: str, rule: Rule, ctx: Layout) -> None:
         if any(n % g for _, n in counts):
             raise PlanError(f"{name}: {' and '.join(f'{n} {what}' for what, n in counts)} must each divide over the {group} group of {g} ranks")
     elif rule.layer_class in _BY_HEADS and rule.piece != "q":
-        kv = model.num_kv_heads
-        if g % kv and kv % g:
-            raise PlanError(
-                f"{name}: {kv} kv heads and the {group} group of {g} ranks: neither divides the other,"
-                " so kv heads can be neither split nor replicated evenly"
-            )
+        kv, dcp = model.num_kv_heads, kv_replicas(rule, ctx)
+        if (g // dcp) % kv and kv % (g // dcp):
+            where = f"the {group} group of {g} ranks" + (f" in DCP groups of {dcp} (qwen3_5.py L1287-1297)" if dcp > 1 else "")
+            raise PlanError(f"{name}: {kv} kv heads and {where}: neither divides the other, so kv heads can be neither split nor replicated evenly")
     elif model.num_heads % g:
         raise PlanError(f"{name}: {model.num_heads} attention heads do not divide over the {group} group of {g} ranks")
+
+
+def kv_replicas(rule: Rule, ctx: Layout) -> int:
+    """Consecutive ranks of the attention group that hold the same K/V partition: Qwen3.5's
+    QKVParallelLinear takes kv_parallel_group=ReplicatedParallelGroup("attn_tp", dcp) (SGLang
+    models/qwen3_5.py L1287-1297; layers/linear.py _ReplicatedGroup: rank // dcp of size attn_tp / dcp),
+    every other class cuts K/V over the attention group itself (1)."""
+    return ctx.topology.dcp_size if ctx.arch.dcp == "kv" and rule.layer_class == "QKVParallelLinear" else 1
 
 
 # Cut by whole heads along dim 0, kv pieces replicated when the group outnumbers the kv heads:
@@ -163,11 +169,12 @@ def cut_tensor(name: str, info: TensorInfo, rule: Rule, param: str, ctx: Layout)
         if rule.piece == "q":  # whole heads of the rows per head on disk (a gated q holds [q_h | gate_h] per head)
             per = model.num_heads // g * (shape[0] // model.num_heads)
             return Cutting("qkv_q", 0, 1, g, even_cuts(shape[0], g, per))
-        kv = model.num_kv_heads
+        kv, dcp = model.num_kv_heads, kv_replicas(rule, ctx)
         head_rows = shape[0] // kv  # v_head_dim may differ from head_dim
-        if g >= kv:  # each rank holds 1 kv head; `g // kv` consecutive ranks share it
+        if g // dcp >= kv:  # each rank holds 1 kv head; `g // kv` consecutive ranks share it
             return Cutting(f"qkv_{rule.piece}", 0, g // kv, kv, even_cuts(shape[0], kv, head_rows))  # type: ignore[arg-type]
-        return Cutting(f"qkv_{rule.piece}", 0, 1, g, even_cuts(shape[0], g, kv // g * head_rows))  # type: ignore[arg-type]
+        # kv / (g / dcp) heads per rank, the same on the dcp consecutive ranks of a DCP group
+        return Cutting(f"qkv_{rule.piece}", 0, dcp, g // dcp, even_cuts(shape[0], g // dcp, kv // (g // dcp) * head_rows))  # type: ignore[arg-type]
 
     if cls == "FusedMoE":  # w1/w3 by rows, w2 by columns, over the MoE-TP ranks of the expert's slot
         dim = 1 if rule.piece == "w2" else 0
@@ -219,12 +226,15 @@ def dense_kind(
             shape = list(info.shape)
             if cutting.dim is not None:
                 shape[cutting.dim] = (cut.length + cut.pad) * (sum(cutting.segments) or 1)
+            if cut.lead_length:  # a leading-dim range too (ShardSpec.lead_start): a fused expert tensor's EP block
+                shape[0] = cut.lead_length
             records.append(
                 dict(
                     layer_class=rule.layer_class, piece=rule.piece, kind=cutting.kind, dtype=info.dtype,
                     source_shape=info.shape, shape=tuple(shape), dim=cutting.dim, start=cut.start, length=cut.length,
                     pad=cut.pad, group=group, factor=cutting.factor, group_rank=cut.group_rank,
                     group_size=cutting.group_size, ep_slot=ep_slot, segments=cutting.segments,
+                    lead_start=cut.lead_start, lead_length=cut.lead_length,
                     ranks=ctx.topology.ranks_of(group, cut.group_rank, cutting.factor, ep_slot, stages),
                 )  # fmt: skip
             )

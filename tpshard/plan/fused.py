@@ -1,7 +1,8 @@
 """The cut of routed experts stored fused [E, ...] (tpshard.arch.fused): one tensor per projection
-of a layer's experts, its intermediate axis cut over moe_tp, the experts axis whole (expert
-parallelism, where the engine's loader slices the experts axis by EP slot, would cut two dims of one
-tensor: not built, refused).
+of a layer's experts, its intermediate axis cut over moe_tp; under expert parallelism, where the
+engine's loader slices the experts axis by EP slot, the rank's contiguous block of experts too: at
+ep = tp (moe_tp 1) a cut of dim 0 alone, at ep < tp a cut of two dims of one tensor, its moe_tp
+slice taken from its EP block (a leading-dim range, ShardSpec.lead_start / lead_length).
 
 What this file is: `fused_cut`, the Cutting of one parameter of a FusedExperts module from the
 family's FusedParam, and `sinks_cut`, attention sinks [heads] cut with the q heads.
@@ -12,6 +13,8 @@ is gathered from whole rows of the outer dims, so a strided per-expert slice cos
 
 from __future__ import annotations
 
+from msgspec.structs import replace
+
 from tpshard.arch import Arch
 from tpshard.arch.fused import FUSED_SHAPES
 from tpshard.cuts import Cutting, even_cuts
@@ -21,7 +24,7 @@ from tpshard.topology import Topology
 
 
 def fused_cut(name: str, shape: tuple[int, ...], param: str, arch: Arch, model: ModelInfo, topology: Topology) -> Cutting:
-    """How one fused expert tensor is cut over moe_tp (the whole group of the rank's EP slot)."""
+    """How one fused expert tensor is cut: over moe_tp, and under EP in each slot's block of experts."""
     fused = arch.fused_experts
     spec = fused.params.get(param) if fused is not None else None
     if spec is None:
@@ -31,21 +34,34 @@ def fused_cut(name: str, shape: tuple[int, ...], param: str, arch: Arch, model: 
     if spec.blocks is not None and spec.blocks != bool(b):
         kind = "a block-quantized (MXFP4)" if spec.blocks else "an unquantized"
         raise PlanError(f"{name}: {kind} expert tensor, but config.json's quantization_config says the experts are {'MXFP4' if b else 'unquantized'}")
-    if topology.ep > 1 and (fused.ep_loads == "never" or (fused.ep_loads == "blocks" and not b)):
-        raise PlanError(f"--ep {topology.ep}: {name} holds every expert in one tensor; {fused.ep_refusal}")
-    if topology.ep > 1 and topology.moe_tp > 1:
-        raise PlanError(
-            f"--ep {topology.ep} --tp {topology.tp}: {name} holds every expert in one tensor, which the engine's loader"
-            f" cuts on two dims at ep < tp (the EP slot's experts and the moe_tp slice); tpshard writes one-dim cuts:"
-            f" split with --ep {topology.tp} (or --ep 1)"
-        )
+    ep = topology.ep
+    if ep > 1 and (fused.ep_loads == "never" or (fused.ep_loads == "blocks" and not b)):
+        raise PlanError(f"--ep {ep}: {name} holds every expert in one tensor; {fused.ep_refusal}")
     e, h, i = model.num_experts, model.hidden_size, model.moe_intermediate_size
     want = FUSED_SHAPES[spec.shape](e, h, i)
     if tuple(shape) != want:
         raise PlanError(f"{name}: shape {list(shape)} on disk, but config.json implies {list(want)} ([E, ...] of {e} experts)")
-    g = topology.moe_tp
-    if topology.ep > 1:  # moe_tp 1: each rank its EP slot's block of experts, every parameter whole inside it
-        return Cutting("column", 0, 1, topology.ep, even_cuts(e, topology.ep, e // topology.ep))
+    if ep > 1 and topology.moe_tp == 1:  # each rank its EP slot's block of experts, every parameter whole inside it
+        return Cutting("column", 0, 1, ep, even_cuts(e, ep, e // ep))
+    inner = _moe_tp_cut(name, shape, spec, model, topology)
+    return inner if ep == 1 else _in_ep_blocks(inner, e, ep)
+
+
+def _in_ep_blocks(inner: Cutting, e: int, ep: int) -> Cutting:
+    """`inner` (the moe_tp cut of one EP slot) taken in every slot from its block of experts, over
+    the tp group (tp rank = slot * moe_tp + moe_tp rank, SGLang's moe_ep / moe_tp groups): slot k's
+    pieces hold experts [k * E/ep, +E/ep) (a leading-dim range) cut as `inner` cuts all of them; a
+    parameter whole within the slot (the down bias) is a cut of dim 0 held by the slot's moe_tp ranks."""
+    per = e // ep
+    if inner.dim is None:
+        return Cutting("column", 0, inner.factor, ep, even_cuts(e, ep, per))
+    cuts = [replace(c, group_rank=k * inner.group_size + c.group_rank, lead_start=k * per, lead_length=per) for k in range(ep) for c in inner.cuts]
+    return Cutting(inner.kind, inner.dim, 1, ep * inner.group_size, cuts, inner.segments)
+
+
+def _moe_tp_cut(name: str, shape: tuple[int, ...], spec, model: ModelInfo, topology: Topology) -> Cutting:
+    """One parameter cut over the moe_tp ranks of an EP slot, every expert alike."""
+    g, b, i = topology.moe_tp, model.expert_block, model.moe_intermediate_size
     if spec.layout == "whole":  # a row-parallel bias: whole, added once after the reduction
         return Cutting("row_bias", None, g, 1, [Cut(0, 0, shape[0], 0, 0)])
     per = intermediate_per_rank(name, i, g, b, topology)

@@ -47,7 +47,10 @@ class TensorKind:
             r = {**SPEC_DEFAULTS, **r}
             if any(r[f] != first[f] for f in _KIND_FIELDS) or r["source_shape"] != first["source_shape"]:
                 raise AssertionError(f"the cuts of one kind of tensor disagree: {first} / {r}")
-            cut = Cut(r["group_rank"], r["start"], r["length"], r["pad"], 0, r["logical_start"], r["logical_length"], r["logical_pad"], r["value"])
+            cut = Cut(
+                r["group_rank"], r["start"], r["length"], r["pad"], 0, r["logical_start"], r["logical_length"], r["logical_pad"], r["value"],
+                r["lead_start"], r["lead_length"],
+            )  # fmt: skip
             self.cuts.append(KindCut(
                 cut, r["ranks"], r["dtype"], tuple(r["shape"]),
                 nbytes_of(r["dtype"], r["shape"]), len(entry_text(r["dtype"], tuple(r["shape"]))), file_label(r, topology),

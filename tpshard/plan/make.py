@@ -25,7 +25,7 @@ from tpshard.plan.dense import Layout, dense_kind, group_of, logical_layers, ref
 from tpshard.plan.experts import Experts
 from tpshard.plan.files import layout_files, tensor_plans
 from tpshard.plan.kinds import Entry, TensorKind
-from tpshard.plan.refusals import refuse_pipeline, refuse_topology
+from tpshard.plan.refusals import refuse_experts, refuse_pipeline, refuse_topology
 from tpshard.quant.config import read_quant_config
 from tpshard.stages import layer_of
 from tpshard.quant.layers import QuantLayers
@@ -46,6 +46,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
         arch.refuse_tensors(ckpt.tensors)
     matcher = Matcher(arch.table(model))
     refuse_attention(ctx, matcher, ckpt.tensors)
+    refuse_experts(ctx)
     if model.tie_word_embeddings and stages_of is None:
         warnings.append(
             "lm_head is tied to model.embed_tokens (no lm_head.weight on disk): engines reuse the"

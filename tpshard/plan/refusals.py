@@ -1,8 +1,8 @@
 """Topologies and pipelines the engine refuses, refused before any tensor is cut.
 
-What this file is: `refuse_topology` (attention DP, --dp-lm-head, expert parallelism, --moe-dense-tp,
---moe-a2a-backend against the architecture and config.json: a one-line PlanError each, else warnings) and
-`refuse_pipeline` (at pp > 1: the stages holding each tensor and the engine's placement).
+What this file is: `refuse_topology` (attention DP, --dp-lm-head, --moe-dense-tp, --dcp against the
+architecture and config.json: a one-line PlanError each, else warnings), `refuse_experts` (expert
+parallelism, --moe-a2a-backend, the experts' sizes) and `refuse_pipeline` (at pp > 1: the stages holding each tensor and the engine's placement).
 
 What it is not: no per-tensor cut (tpshard.plan.dense), no check of the experts a checkpoint holds
 (tpshard.plan.experts).
@@ -55,6 +55,18 @@ def refuse_topology(ctx: Layout, config: dict) -> list[str]:
             f"{m.architecture}: {engine} cuts attention over the full tp group also under attention DP;"
             f" only the embedding follows --attn-dp {t.attn_dp}"
         )
+    if t.moe_dense_tp is not None and not any(r.role == "dense_mlp" for r in a.rules):
+        raise PlanError(f"--moe-dense-tp applies to DeepSeek's dense MLP layers; {m.architecture} has none")
+    refuse_dcp(ctx)
+    return warnings
+
+
+def refuse_experts(ctx: Layout) -> None:
+    """--moe-a2a-backend, --ep and the experts' sizes against the routed experts. After the head
+    counts (tpshard.plan.make.refuse_attention): SGLang builds a layer's attention before its MoE, and
+    `--tp 3` on 8 heads and 32-wide experts is about the heads first."""
+    t, m, a = ctx.topology, ctx.model, ctx.arch
+    engine = f"SGLang {a.engine}"
     refuse_a2a(ctx)  # before --ep: the CLI set ep to tp for the backend
     if not m.num_experts or a.sparse is None:
         if t.ep > 1:
@@ -73,9 +85,6 @@ def refuse_topology(ctx: Layout, config: dict) -> list[str]:
                 f"expert intermediate size {m.moe_intermediate_size} does not divide over moe_tp {t.moe_tp}"
                 f" (tp {t.tp} / ep {t.ep}); SGLang's FusedMoE asserts it. Choose --ep so that tp / ep divides it"
             )
-    if t.moe_dense_tp is not None and not any(r.role == "dense_mlp" for r in a.rules):
-        raise PlanError(f"--moe-dense-tp applies to DeepSeek's dense MLP layers; {m.architecture} has none")
-    return warnings
 
 
 def refuse_a2a(ctx: Layout) -> None:
@@ -91,6 +100,24 @@ def refuse_a2a(ctx: Layout) -> None:
         raise PlanError(
             f"{flag}: where SGLang {a.engine} keeps the {m.architecture} shared experts under an all-to-all backend"
             " is not established in tpshard; split without it"
+        )
+
+
+def refuse_dcp(ctx: Layout) -> None:
+    """--dcp only for a family whose SGLang class reads it (Arch.dcp); --dcp-replicate-q-proj only for
+    DeepSeek's MLA, the one attention model_runner.py's _prepare_replicated_q_proj touches (L1143-1145)."""
+    t, m, a = ctx.topology, ctx.model, ctx.arch
+    if t.dcp is UNSET:
+        return
+    if a.dcp is None:
+        raise PlanError(
+            f"--dcp {t.dcp}: SGLang's {a.engine} never reads the decode-context-parallel size for {m.architecture}, so"
+            " tpshard has no dcp layout on record for it (its class loads the layout of a split without --dcp)"
+        )
+    if t.dcp_replicate_q_proj and not any(r.shape in ("mla_q_b", "mla_q") for r in a.rules):
+        raise PlanError(
+            f"--dcp-replicate-q-proj: SGLang replicates only DeepSeek MLA's q projection (model_executor/model_runner.py"
+            f" _prepare_replicated_q_proj); {m.architecture} has none, so the flag would do nothing; split without it"
         )
 
 

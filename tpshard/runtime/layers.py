@@ -273,7 +273,9 @@ class QKVParallelLinear(_LinearBase):
 
     num_heads = H_q / size. If size >= H_kv each rank holds one kv head, shared by
     `num_kv_head_replicas = size / H_kv` consecutive ranks (kv head `rank // replicas`);
-    otherwise H_kv / size kv heads per rank.
+    otherwise H_kv / size kv heads per rank. `kv_replicas` > 1: K/V over SGLang's
+    ReplicatedParallelGroup(group, kv_replicas) (Qwen3.5 under --dcp-size): the same rule with
+    kv rank `rank // kv_replicas` of `size / kv_replicas`, q unchanged.
     """
 
     def __init__(
@@ -289,6 +291,7 @@ class QKVParallelLinear(_LinearBase):
         dtype: torch.dtype | None = None,
         quant_method: QuantMethod | None = None,
         name: str = "",
+        kv_replicas: int = 1,
     ):
         super().__init__(group=group, quant_method=quant_method, dtype=dtype, name=name)
         total_num_kv_heads = total_num_kv_heads if total_num_kv_heads is not None else total_num_heads
@@ -300,15 +303,16 @@ class QKVParallelLinear(_LinearBase):
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads
         self.num_heads = divide(total_num_heads, size, f"{self.name} query heads over a group of {size}")
-        if size >= total_num_kv_heads:
+        kv_size = divide(size, kv_replicas, f"{self.name} group over its K/V replicas")
+        if kv_size >= total_num_kv_heads:
             self.num_kv_heads = 1
-            self.num_kv_head_replicas = divide(size, total_num_kv_heads, f"{self.name} group size over kv heads")
+            self.num_kv_head_replicas = divide(kv_size, total_num_kv_heads, f"{self.name} group size over kv heads")
         else:
-            self.num_kv_heads = divide(total_num_kv_heads, size, f"{self.name} kv heads over a group of {size}")
+            self.num_kv_heads = divide(total_num_kv_heads, kv_size, f"{self.name} kv heads over a group of {kv_size}")
             self.num_kv_head_replicas = 1
-        self.kv_shard_rank = group.rank // self.num_kv_head_replicas  # which kv piece this rank holds
+        r = kv_replicas * self.num_kv_head_replicas  # consecutive ranks of `group` holding one kv piece
+        self.kv_shard_rank = group.rank // r  # which kv piece this rank holds
         q, k, v = self.num_heads * head_size, self.num_kv_heads * head_size, self.num_kv_heads * v_head_size
-        r = self.num_kv_head_replicas
         pieces = [_Piece("q", 0, q), _Piece("k", q, k, factor=r), _Piece("v", q + k, v, factor=r)]
         out_total = (total_num_heads + total_num_kv_heads) * head_size + total_num_kv_heads * v_head_size
         self._create(hidden_size, pieces, bias, bias_whole=False, out_total=out_total)

@@ -15,8 +15,9 @@ Modules, each importing only those listed before it: report (results, tolerances
 junit.xml), layer_specs (a layer's specs, a rank's loaded layer), layer_inputs (the seeded inputs),
 moe_layers (the FusedMoE and ReplicatedLinear kinds), build (layers from ShardSpecs), layers_check
 (layer-level), tensors_check (every byte: checksums, whole copies, padding), decoder (the dense TP
-decoder), moe_model (the MoE / MLA decoder), model (what --model runs, the logits' verdict), run
-(what each rank does, preflight), verdict (exit codes under torchrun).
+decoder), moe_model (the MoE / MLA decoder), hybrid_model (Qwen3-Next's and Qwen3.5's), model (what
+--model runs, the logits' verdict), run (what each rank does, preflight), verdict (exit codes under
+torchrun).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ import torch
 
 import tpshard.verify.fused_layers as fused_layers
 import tpshard.verify.moe_layers as moe_layers
+from tpshard.arch import arch_for
 from tpshard.manifest import Plan, ShardSpec
 from tpshard.quant.shards import expected_physical_shape
 from tpshard.runtime import (
@@ -73,8 +74,10 @@ def build_layer(
     if cls == "QKVParallelLinear":
         (nq, _), (nk, _), (nv, _) = (lay.logical_shape(p) for p in ("q", "k", "v"))
         hd = model.head_dim
+        # SGLang's class decides the K/V group (Arch.dcp; qwen3_5.py: ReplicatedParallelGroup("attn_tp", dcp)), not the manifest
+        replicas = topo.dcp_size if arch_for(model).dcp == "kv" else 1
         module = QKVParallelLinear(
-            in_size, hd, nq // hd, nk // hd, bias=lay.has_bias(), v_head_size=nv // (nk // hd), **kw,
+            in_size, hd, nq // hd, nk // hd, bias=lay.has_bias(), v_head_size=nv // (nk // hd), kv_replicas=replicas, **kw,
         )  # fmt: skip
     elif cls == "MergedColumnParallelLinear":
         sizes = [lay.logical_shape(p)[0] for p in pieces]

@@ -135,8 +135,12 @@ class TPDecoder:
             i = layer_of(t.name)
             if i is not None and self.first_layer <= i < self.end_layer:
                 want.add(t.name if t.layer_class == "Replicated" else t.layer)
-        held = set(self.layers) | set(self.norms)
+        held = self._held()
         return [f"stage {self.stage} (world rank {self.rank}, tp rank {topo.tp_rank(self.rank)}) lacks {name}" for name in sorted(want - held)]
+
+    def _held(self) -> set[str]:
+        """The engine layers and norms this rank holds (a decoder with layers of its own adds theirs)."""
+        return set(self.layers) | set(self.norms)
 
     # -- gathering attention-DP replicas' tokens for a layer over a larger group, and back
 

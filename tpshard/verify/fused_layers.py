@@ -3,8 +3,8 @@ sinks (AttentionSinks, gpt-oss).
 
 - **FusedExperts** (gpt-oss `L.mlp.experts`, Llama-4 `L.feed_forward.experts`): each rank loads its
   shards of the fused tensors into a tpshard.runtime.fused_moe InterleavedExperts or
-  SegmentedExperts, by the family's gate/up layout (tpshard.arch.fused; every expert, its moe_tp
-  slice of I), each shape compared with what the layer expects. Run on `max(--tokens, E)` seeded tokens:
+  SegmentedExperts, by the family's gate/up layout (tpshard.arch.fused; the experts of its EP slot,
+  every expert at ep 1, over its moe_tp slice of I), each shape compared with what the layer expects. Run on `max(--tokens, E)` seeded tokens:
   1. *routed*: every token picks k distinct experts with positive weights, every expert picked,
      all-reduced over tp: each rank's output must equal sum_k w_k expert_k(x) computed in float64
      from the source tensors (gpt-oss: gate/up de-interleaved as transformers' GptOssExperts does,

@@ -13,7 +13,7 @@ What transformers' modeling_llama4 computes, each on the rank's heads or slices:
 - MoE layers (Llama4TextMoe): router logits, the top-k experts each weighted by sigmoid(logit),
   the weight applied to the expert's *input* (routed_in = x * score), silu(gate) * up of the
   [gate | up] halves, plus the shared expert on x; every rank runs all attention-DP replicas'
-  tokens over its slice of I, one all-reduce over tp.
+  tokens through its EP block's experts over its slice of I, one all-reduce over tp.
 - dense layers: silu(gate) * up, down, over tp.
 
 Not here: the embedding, norms, head and replica bookkeeping (tpshard.verify.decoder), what
@@ -126,9 +126,9 @@ class Llama4Decoder(TPDecoder):
         logits = flat @ router.weight.T  # [T, E]
         top, ids = logits.topk(self.k, dim=-1)
         w = torch.sigmoid(top)
-        out = torch.zeros_like(flat)
-        for e in range(experts.module.num_experts):
-            tok, pick = torch.where(ids == e)
+        out, m = torch.zeros_like(flat), experts.module
+        for j in range(m.num_local_experts):  # this rank's EP block: global ids expert_start + j
+            tok, pick = torch.where(ids == m.expert_start + j)
             if tok.numel():
-                out.index_add_(0, tok, experts.module.expert(e, flat[tok] * w[tok, pick, None]))
+                out.index_add_(0, tok, m.expert(j, flat[tok] * w[tok, pick, None]))
         return experts.group.all_reduce(out).reshape(xs.shape)

@@ -5,15 +5,19 @@ The tensor-parallel decoders are tpshard.verify.decoder's (dense) and tpshard.ve
 compared, not one per replica.
 
 Rank 0 runs AutoModelForCausalLM on the source checkpoint in float32 on the same token batches and
-compares logits: max abs (and relative to max |logit|) difference, top-1 agreement, mean KL.
+compares logits: max abs (and relative to max |logit|) difference, top-1 agreement, mean KL. A
+quantized source runs dequantized by other projects' code (tpshard.verify.source_dequant).
 """
 
 from __future__ import annotations
+
+from typing import get_args
 
 import torch
 
 import tpshard.verify.moe_model as moe_model
 from tpshard.arch import ARCHITECTURES
+from tpshard.arch.base import VerifyKind
 from tpshard.errors import TpshardError
 from tpshard.manifest import Plan
 from tpshard.verify.decoder import rope_config
@@ -27,23 +31,23 @@ SEQUENCES = 2  # sequences per batch
 
 
 def supported() -> tuple[str, ...]:
-    """The architectures --model runs (`Arch.verify`): the dense decoder's, the MoE / MLA decoder's, Llama-4's."""
-    return tuple(a.name for kind in ("dense", "moe", "llama4") for a in ARCHITECTURES.values() if a.verify == kind)
+    """The architectures --model runs (`Arch.verify`): the dense decoder's, the MoE / MLA decoder's, Llama-4's,
+    DeepSeek-V4's, the hybrids'."""
+    return tuple(a.name for kind in get_args(VerifyKind) for a in ARCHITECTURES.values() if a.verify == kind)
 
 
 def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> str | None:
     """Why --model cannot run on this output, or None."""
-    if plan.quant_layers:
-        formats = sorted({str(q.get("format")) for q in plan.quant_layers.values()})
-        return (
-            f"model-level verify compares with transformers' dense forward, not {', '.join(formats)} checkpoints;"
-            " layer-level verify covers quantized layers (reference: the dequantized source)"
-        )
-    if plan.model.expert_block:
-        return (
-            "model-level verify compares with transformers' dense forward, not MXFP4 experts; layer-level verify"
-            " covers them (reference: the dequantized source)"
-        )
+    if plan.model.architecture in ARCHITECTURES and ARCHITECTURES[plan.model.architecture].verify == "deepseek_v4":
+        from tpshard.verify.v4_model import unsupported_reason as v4_reason  # bf16 and its release dequantized
+
+        return transformers_problem(moe_model.MIN_TRANSFORMERS) or v4_reason(plan, config, tokens)
+    if is_quantized(plan):  # transformers runs the source dequantized by other projects' code (verify/source_dequant.py)
+        from tpshard.verify.source_dequant import unsupported_reason as dequant_reason
+
+        reason = dequant_reason(plan, config)
+        if reason:
+            return reason
     if plan.topology.attn_cp > 1:
         return "model-level verify does not model context-parallel attention (attn_cp > 1); use layer-level verify"
     if moe_model.is_moe(plan):  # MoE and MLA architectures: their own decoder (verify/moe_model.py)
@@ -53,12 +57,21 @@ def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> s
         from tpshard.verify.llama4_model import unsupported_reason as llama4_reason
 
         return llama4_reason(config) or transformers_problem(moe_model.MIN_TRANSFORMERS)
+    if arch is not None and arch.verify == "hybrid":  # Qwen3-Next, Qwen3.5-MoE (verify/hybrid_model.py)
+        from tpshard.verify.hybrid_model import unsupported_reason as hybrid_reason
+
+        return hybrid_reason(plan, config, tokens) or transformers_problem(moe_model.MIN_TRANSFORMERS)
     if arch is None or arch.verify != "dense":
         return f"model-level verify supports {', '.join(supported())}, not {plan.model.architecture}"
     kind = rope_config(config).get("rope_type", "default")
     if kind not in ROPE_TYPES:
         return f"model-level verify implements RoPE types {', '.join(ROPE_TYPES)}, not rope_type {kind!r}"
     return transformers_problem()
+
+
+def is_quantized(plan: Plan) -> bool:
+    """A quantized output: linears in a quantized format, or MXFP4 experts."""
+    return bool(plan.quant_layers) or bool(plan.model.expert_block)
 
 
 def transformers_problem(floor: tuple[int, int] = MIN_TRANSFORMERS) -> str | None:
@@ -94,8 +107,9 @@ def model_tokens(plan: Plan, batch: int, *, seed: int, tokens: int) -> torch.Ten
     return torch.randint(0, plan.model.vocab_size, (SEQUENCES, tokens), generator=generator(seed, "model", batch))
 
 
-def hf_logits(source: str, batches: list[torch.Tensor]) -> list[torch.Tensor]:
-    """transformers' float32 forward on the source checkpoint: logits [B, S, V] per batch, float64."""
+def hf_logits(source: str, batches: list[torch.Tensor], *, dequantized: bool = False) -> list[torch.Tensor]:
+    """transformers' float32 forward on the source checkpoint: logits [B, S, V] per batch, float64.
+    `dequantized`: the source is quantized; transformers runs it dequantized (verify/source_dequant.py)."""
     try:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -104,10 +118,21 @@ def hf_logits(source: str, batches: list[torch.Tensor]) -> list[torch.Tensor]:
     hf_logging.disable_progress_bar()  # stderr belongs to the report
     # `dtype` replaced `torch_dtype` in 4.56; the old name warns, then goes, in later releases.
     dtype_kw = "dtype" if _version(transformers_version() or "0.0") >= (4, 56) else "torch_dtype"
-    model = AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager", **{dtype_kw: torch.float32})
+    kw = {"attn_implementation": "eager", dtype_kw: torch.float32}
+    if dequantized:
+        from tpshard.verify.source_dequant import dense_model
+
+        model = dense_model(source, **kw)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source, **kw)
     model.eval()
-    with torch.no_grad():
-        return [model(input_ids=ids).logits.double() for ids in batches]
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the forward's notes on slow kernels (the gated DeltaNet's "falling back to ... PyTorch")
+    try:
+        with torch.no_grad():
+            return [model(input_ids=ids).logits.double() for ids in batches]
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def compare_logits(plan: Plan, sent: dict[int, dict], ref: list[torch.Tensor], *, tokens: int) -> ModelResult:

@@ -224,7 +224,7 @@ def _verify_job(info: DistInfo, job: Job) -> VerifyReport:
 def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
     from tpshard.arch import arch_for
     from tpshard.verify.decoder import TPDecoder, rope_config
-    from tpshard.verify.model import compare_logits, hf_logits, model_tokens
+    from tpshard.verify.model import compare_logits, hf_logits, is_quantized, model_tokens
     from tpshard.verify.moe_layers import hf_config
     from tpshard.verify.moe_model import MoEDecoder, is_moe
 
@@ -237,6 +237,10 @@ def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
         for lay in sharded_layers(plan)
         if stage in lay.stages(topo)
     }
+    if is_quantized(plan):  # the reference is the dequantized source, without activation quantization
+        from tpshard.verify.source_dequant import weights_only
+
+        weights_only(layers)
     norms = {
         s.name: tensors[s.name].to(device=device, dtype=torch.float32)
         for s in plan.rank_shards(rank)
@@ -246,6 +250,14 @@ def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
         from tpshard.verify.llama4_model import Llama4Decoder
 
         decoder = Llama4Decoder(plan, rank, layers, norms, device, hf_config(tensors))
+    elif arch_for(plan.model).verify == "deepseek_v4":
+        from tpshard.verify.v4_model import V4Decoder
+
+        decoder = V4Decoder(plan, rank, layers, norms, device, hf_config(tensors))
+    elif arch_for(plan.model).verify == "hybrid":
+        from tpshard.verify.hybrid_model import HybridDecoder
+
+        decoder = HybridDecoder(plan, rank, layers, norms, device, tensors)
     elif is_moe(plan):
         decoder = MoEDecoder(plan, rank, layers, norms, device, tensors.folder, hf_config(tensors))
     else:
@@ -278,7 +290,13 @@ def _verify_model(info: DistInfo, job: Job, plan, tensors, keep: dict, src):
     if rank != 0:
         return None
     nbatch = topo.tp // span
-    ref = hf_logits(job.source, [model_tokens(plan, b, seed=job.seed, tokens=job.tokens) for b in range(nbatch)])
+    batches = [model_tokens(plan, b, seed=job.seed, tokens=job.tokens) for b in range(nbatch)]
+    if arch_for(plan.model).verify == "deepseek_v4" and plan.quant_layers:  # the FP8 + FP4 release, dequantized
+        from tpshard.verify.v4_model import dequantized_logits
+
+        ref = dequantized_logits(job.source, batches)
+    else:
+        ref = hf_logits(job.source, batches, dequantized=is_quantized(plan))
     return compare_logits(plan, dict(enumerate(gathered)), ref, tokens=job.tokens)
 
 
