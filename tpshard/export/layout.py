@@ -28,7 +28,7 @@ from typing import Iterator, NamedTuple
 
 from tpshard.errors import PlanError
 from tpshard.export.dcp import dcp_refusal
-from tpshard.export.names import ENGINES, TABLES, NameMap
+from tpshard.export.names import ENGINES, REFUSED, TABLES, NameMap
 from tpshard.manifest import Cut, Plan, TensorPlan, shard_shape
 from tpshard.safetensors_format import nbytes_of
 from tpshard.errors import TopologyError
@@ -71,7 +71,7 @@ class EngineTensor(NamedTuple):
     shape: tuple[int, ...]
     parts: tuple[Part, ...]  # concatenated along `axis`; () for a constant
     value: float | tuple[float, ...] | None = None  # constant content: one value filling the shape, or every value
-    axis: int = 0  # quantized vLLM exports: AWQ's [K, N] tensors fuse along dim 1 (tpshard.export.quant)
+    axis: int = 0  # AWQ's [K, N] tensors fuse along dim 1 (tpshard.export.quant); fused experts transposed: -1 (tpshard.export.fused)
 
     @property
     def nbytes(self) -> int:
@@ -209,6 +209,8 @@ def refuse_unexportable(plan: Plan, engine: str, config_tied: bool) -> NameMap:
             " export cannot know; serve the HF checkpoint with SGLang's own loader, or export for vLLM (--format vllm)"
         )
     table = TABLES[engine].get(arch)
+    if arch in REFUSED[engine]:
+        raise ExportError(f"--format {engine}: {REFUSED[engine][arch]}")
     if table is None:
         raise ExportError(
             f"--format {engine}: no {engine} name table for {arch} yet (mapped: {', '.join(sorted(TABLES[engine]))});"
@@ -231,7 +233,7 @@ def refuse_unexportable(plan: Plan, engine: str, config_tied: bool) -> NameMap:
     if table.ep == "vllm" and topo.dense_tp != topo.tp:
         raise ExportError(
             f"--format vllm: split with --moe-dense-tp {topo.moe_dense_tp}; vLLM has no such option and cuts the"
-            f" dense layers' MLP over tp {topo.tp} (models/deepseek_v2.py L1339, DeepseekV2MLP); split again without it"
+            f" dense layers' MLP over tp {topo.tp} (DeepseekV2MLP, models/deepseek_v2.py L1339; Glm4MoeMLP, glm4_moe.py); split again without it"
         )
     if (why := dcp_refusal(plan, engine)) is not None:
         raise ExportError(why)
@@ -305,19 +307,6 @@ def _order(name: str) -> tuple:
     return (0 if name.startswith("model.embed_tokens") else 2 if name.startswith("model.norm") else 3, 0, name)
 
 
-def refuse_router_bias(plan: Plan, engine: str, config: dict) -> None:
-    """vLLM's DeepSeek gate has e_score_correction_bias only for topk_method "noaux_tc"
-    (models/deepseek_v2.py L327-332): otherwise the key would be unknown to it (KeyError on load)."""
-    method = config.get("topk_method")
-    biased = any(t.name.endswith(".e_score_correction_bias") and t.cuts for t in plan.tensors)
-    if biased and method != "noaux_tc":
-        raise ExportError(
-            f"--format {engine}: the checkpoint has mlp.gate.e_score_correction_bias but config.json"
-            + (f" says topk_method {method!r}" if method is not None else " names no topk_method")
-            + f"; {engine} builds that parameter only for \"noaux_tc\", so its load would fail; fix config.json"
-        )
-
-
 def _layer_index(name: str) -> int:
     m = re.match(r"model\.layers\.(\d+)\.", name)
     return int(m.group(1)) if m else -1
@@ -339,10 +328,13 @@ def _route(plan: Plan, names: NameMap, anchor: re.Pattern, t: TensorPlan) -> tup
             raise ExportError(f"{name}: no pipeline stage of vLLM's {plan.model.architecture} holds it")
     if not t.quant:
         m = anchor.fullmatch(name)
+        piece = names.piece(name)
         param = None
-        if names.table.ep == "vllm" and name.endswith(".e_score_correction_bias"):
-            from tpshard.export.quant import ROUTER_BIAS as param
-        return held, names.piece(name), m.group(1) if m else None, param
+        if piece is not None and piece.dtype:  # built in another dtype by the engine: cast on export
+            from tpshard.export.quant import Param
+
+            param = Param(piece.engine.rpartition(".")[2], dtype=piece.dtype)
+        return held, piece, m.group(1) if m else None, param
     # A quantized module's tensors go where its `.weight` would, under the method's parameter names.
     from tpshard.export.quant import engine_param
     from tpshard.export.quant_moe import expert_param
@@ -538,8 +530,9 @@ def rank_layouts(
     at that rank (a writer discards what it wrote). One rank's tensors are held at a time: every
     rank's were ~300 MB at 90k tensors and tp 8."""
     names = refuse_unexportable(plan, engine, config_tied)
-    if config is not None and names.table.drop_mtp:
-        refuse_router_bias(plan, engine, config)
+    why = names.table.refuse(plan, config) if config is not None and names.table.refuse else None
+    if why:
+        raise ExportError(f"--format {engine}: {why}")
     if max_part_bytes < 1:
         raise ExportError(f"--max-part-size {max_part_bytes}: must be positive")
     return _rank_layouts(plan, names, max_part_bytes)
@@ -549,6 +542,10 @@ def _rank_layouts(plan: Plan, names: NameMap, max_part_bytes: int) -> Iterator[l
     shards, known = _Shards(plan), _Known(plan, names)
     for rank in range(plan.topology.world_size):
         tensors = rank_tensors(plan, rank, shards.parts(rank), known)
+        if names.table.fused:  # experts stored fused: what vLLM's loader does beyond slicing (tpshard.export.fused)
+            from tpshard.export.fused import fused_experts
+
+            tensors = fused_experts(plan, rank, tensors, names.table.fused)
         problems = stage_problems({rank: {t.name for t in tensors}}, plan.topology) if plan.topology.pp > 1 else []
         if problems:  # the tpshard output lacks what a stage needs (or holds what it must not): a broken plan
             raise ExportError(f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))

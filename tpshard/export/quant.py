@@ -189,11 +189,6 @@ def source_shape(part) -> list[float]:
     return [float(v) for v in full]
 
 
-# vLLM's DeepSeek gate builds e_score_correction_bias in float32 (models/deepseek_v2.py, DeepseekV2MoE):
-# written as such, not cast by the loader with a warning.
-ROUTER_BIAS = Param("e_score_correction_bias", dtype="F32")
-
-
 # ---- bytes ------------------------------------------------------------------------------------
 
 _NUMPY = {"F32": "<f4", "F64": "<f8", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1", "BOOL": "u1"}
@@ -225,8 +220,12 @@ def to_f32(dtype: str, data: np.ndarray) -> np.ndarray:
 
 def assemble(pieces: list[tuple[np.ndarray, tuple[int, ...]]], src_dtype: str, dtype: str, axis: int, experts: int = 1) -> np.ndarray:
     """An engine tensor's bytes from its pieces' (bytes, shape): concatenated along `axis` (each
-    piece 2-D for axis 1; axis 2: `experts` stacked experts, each its own pieces along dim 1),
-    cast from `src_dtype` to `dtype` where they differ."""
+    piece 2-D for axis 1; axis 2: `experts` stacked experts, each its own pieces along dim 1; fused
+    experts' TRANSPOSED: tpshard.export.fused), cast from `src_dtype` to `dtype` where they differ."""
+    if axis < 0:
+        from tpshard.export.fused import transpose
+
+        return transpose(pieces[0][0], pieces[0][1])
     if axis == 2:
         per = len(pieces) // experts
         data = np.concatenate([assemble(pieces[i : i + per], src_dtype, src_dtype, 1) for i in range(0, len(pieces), per)])
@@ -246,6 +245,10 @@ def split_back(
     if dtype != src_dtype:
         f = data.view("<f4")
         data = (f.view("<u4") >> 16).astype("<u2").view(np.uint8) if src_dtype == "BF16" else f.astype(_NUMPY[src_dtype]).view(np.uint8)
+    if axis < 0:
+        from tpshard.export.fused import transpose_back
+
+        return [transpose_back(data, shapes[0])]
     if axis == 2:
         per, out, at = len(shapes) // experts, [], 0
         for i in range(0, len(shapes), per):
