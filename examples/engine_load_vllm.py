@@ -87,6 +87,8 @@ def patch_kernel_selection() -> None:
     import vllm.model_executor.layers.quantization.auto_awq  # noqa: F401
     import vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors  # noqa: F401
     import vllm.model_executor.layers.quantization.fp8  # noqa: F401
+    import vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w4a4_nvfp4  # noqa: F401
+    import vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_wna16  # noqa: F401
 
     for name, mod in list(sys.modules.items()):
         if not name.startswith("vllm") or mod is None:
@@ -98,6 +100,30 @@ def patch_kernel_selection() -> None:
                 setattr(mod, attr, lambda *a, **k: _NoKernel())
             elif attr == "verify_marlin_supported":  # GPTQ 8-bit: Marlin's type list on this (CPU) device
                 setattr(mod, attr, lambda *a, **k: None)
+            elif attr.startswith("select_") and attr.endswith("_moe_backend") and callable(getattr(mod, attr)):
+                setattr(mod, attr, _emulated_when_refused(getattr(mod, attr)))
+
+
+def _emulated_when_refused(select):
+    """A FusedMoE backend oracle (fused_moe/oracle/*.py select_*_moe_backend) that finds no CPU kernel
+    for a quantized MoE (CT WNA16, NVFP4, GPTQ, AWQ) raises; answer its EMULATION backend and no
+    experts class instead (kernel selection only: create_weights and the loaders run as they are)."""
+    import enum
+
+    if getattr(select, "emulated", False):
+        return select
+    found = [v for v in vars(sys.modules[select.__module__]).values() if isinstance(v, type) and issubclass(v, enum.Enum) and "EMULATION" in v.__members__]
+
+    def choose(*args, **kwargs):
+        try:
+            return select(*args, **kwargs)
+        except (NotImplementedError, ValueError, RuntimeError):
+            if not found:
+                raise
+            return found[0].EMULATION, None
+
+    choose.emulated = True
+    return choose
 
 
 def main(model: str, export: str, tp: int, ranks: list[int]) -> int:

@@ -5,14 +5,15 @@ What this file is: `quantize_linears(folder, scheme)` rewrites a checkpoint save
 False, every linear but the router, embeddings and lm_head) is stored in `scheme`, and writes the
 `quantization_config` the tool writes. compressed-tensors schemes are packed by compressed-tensors'
 own compressors (`PackedQuantizationCompressor`, `IntQuantizationCompressor`,
-`NVFP4PackedCompressor`), an implementation independent of tpshard's packers, and the expected float
+`FloatQuantizationCompressor`, `NVFP4PackedCompressor`), an implementation independent of tpshard's packers, and the expected float
 weights come from its `decompress`; DeepSeek-style FP8 block (quant_method fp8, which no
 compressed-tensors compressor writes) is packed by `tpshard.quant.formats.random_layer`. Returns
 {module: expected float32 weight [N, K]}.
 
 Schemes: `w4a16_g32` (Kimi-K2's release: pack-quantized INT4, group 32, symmetric, experts only),
 `w4a16_g32_actorder` (the same with actorder "group": weight_g_idx, packed by tpshard), `w8a8_int8` (int-quantized, channel scales, dynamic per-token int8
-activations), `nvfp4` (nvfp4-pack-quantized with input_global_scale), `fp8_block` (DeepSeek-V3 /
+activations), `w8a8_fp8` (float-quantized, FP8 channel scales, dynamic per-token FP8 activations:
+llm-compressor's FP8_DYNAMIC), `nvfp4` (nvfp4-pack-quantized with input_global_scale), `fp8_block` (DeepSeek-V3 /
 GLM-4.5-FP8 / Qwen3-FP8: quant_method fp8, weight_block_size [128, 128]); `gptq` and `awq` (4-bit,
 group 32, the layouts auto-round's auto_gptq / auto_awq packing formats write; no config written).
 """
@@ -49,6 +50,11 @@ SCHEMES: dict[str, tuple[str, dict, dict | None]] = {
         "int-quantized", _args(num_bits=8, strategy="channel", group_size=None),
         _args(num_bits=8, strategy="token", group_size=None, dynamic=True),
     ),
+    # llm-compressor's FP8_DYNAMIC: float-quantized, channel scales, dynamic per-token FP8 activations
+    "w8a8_fp8": (
+        "float-quantized", _args(num_bits=8, type="float", strategy="channel", group_size=None),
+        _args(num_bits=8, type="float", strategy="token", group_size=None, dynamic=True),
+    ),
     "nvfp4": (
         "nvfp4-pack-quantized", _args(type="float", strategy="tensor_group", group_size=16),
         _args(type="float", strategy="tensor_group", group_size=16, dynamic="local"),
@@ -84,7 +90,7 @@ def _scheme(name: str):
 
 def _compress(name: str, w: torch.Tensor, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """One linear through compressed-tensors' compressor: (on-disk tensors, expected float32 weight)."""
-    from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor, IntQuantizationCompressor
     from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 
@@ -100,6 +106,10 @@ def _compress(name: str, w: torch.Tensor, gen: torch.Generator) -> tuple[dict[st
     if name == "w8a8_int8":
         scale = w.abs().amax(1, keepdim=True) / 127 + 1e-6
         out = IntQuantizationCompressor.compress({"weight": w, "weight_scale": scale.to(torch.bfloat16)}, scheme)
+        return out, out["weight"].float() * out["weight_scale"].float()
+    if name == "w8a8_fp8":
+        scale = w.abs().amax(1, keepdim=True) / 448 + 1e-6
+        out = FloatQuantizationCompressor.compress({"weight": w, "weight_scale": scale.to(torch.bfloat16)}, scheme)
         return out, out["weight"].float() * out["weight_scale"].float()
     if name == "nvfp4":
         global_scale = torch.tensor([448.0 * 6.0]) / w.abs().amax()

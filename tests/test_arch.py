@@ -60,7 +60,7 @@ def test_every_arch_declares_its_exports_verify_and_router(name):
     assert isinstance(arch.exports, EngineNames) and EngineNames._fields == ENGINES
     for engine in ENGINES:
         table = getattr(arch.exports, engine)
-        assert table is None or isinstance(table, EngineTable), (engine, table)
+        assert table is None or isinstance(table, EngineTable) or (isinstance(table, str) and "(models/" in table), (engine, table)  # a str says why, naming the engine file
     assert arch.verify in (*typing.get_args(VerifyKind), None)  # the decoders tpshard.verify has
     assert arch.model_type and isinstance(arch.model_type, str)
     # Routed experts and a router go together: the MoE decoder and layer-level verify route with it.
@@ -105,6 +105,7 @@ def test_the_export_tables_and_verify_support_are_the_archs():
     from tpshard.verify.model import supported
 
     for engine in ENGINES:
-        assert TABLES[engine] == {n: getattr(a.exports, engine) for n, a in ARCHITECTURES.items() if getattr(a.exports, engine) is not None}
+        tables = {n: getattr(a.exports, engine) for n, a in ARCHITECTURES.items()}
+        assert TABLES[engine] == {n: t for n, t in tables.items() if t is not None and not isinstance(t, str)}  # a str: refused, saying why
     assert set(supported()) == {n for n, a in ARCHITECTURES.items() if a.verify is not None}
     assert arch_for(model_of(ARCHITECTURES["LlamaForCausalLM"])).name == "LlamaForCausalLM"

@@ -213,8 +213,8 @@ def test_refusals_one_clear_line(tmp_path, llama, mistral, qwen3):
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x*"))
 
     plan = tpshard.make_plan(tpshard.open_checkpoint(llama), tpshard.Topology(tp=2))
-    other = msgspec.structs.replace(plan, model=msgspec.structs.replace(plan.model, architecture="GptOssForCausalLM"))
-    with pytest.raises(ExportError, match="no vllm name table for GptOssForCausalLM.*no name it has not mapped exactly"):
+    other = msgspec.structs.replace(plan, model=msgspec.structs.replace(plan.model, architecture="DeepseekV4ForCausalLM"))
+    with pytest.raises(ExportError, match="no vllm name table for DeepseekV4ForCausalLM.*no name it has not mapped exactly"):
         export_layout(other, "vllm", False)
     with pytest.raises(ExportError, match="config.json says tie_word_embeddings=true but the checkpoint has an lm_head.weight"):
         export_layout(plan, "sglang", True)

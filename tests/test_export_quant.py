@@ -371,9 +371,9 @@ def test_deepseek_fp8_experts_mla_and_router_bias_in_vllms_layout(deepseek_fp8_n
     assert report.ok, _findings(report)
 
 
-def test_quantized_moe_in_another_format_is_refused(deepseek_fp8_noaux):
-    """Quantized experts and MLA are mapped for FP8 block only: any other format says so in one line
-    (the planner of this tree cuts no other quantized expert yet; the refusal is asked directly)."""
+def test_quantized_moe_for_sglang_is_refused(deepseek_fp8_noaux):
+    """SGLang loads after its post-processing: any quantized MoE says what to do instead, in one line
+    (the other formats' experts for vLLM: tests/test_export_quant_moe.py)."""
     from tpshard.checkpoint import open_checkpoint
     from tpshard.export.layout import refuse_quantized
     from tpshard.export.names import TABLES
@@ -382,8 +382,6 @@ def test_quantized_moe_in_another_format_is_refused(deepseek_fp8_noaux):
     plan = make_plan(open_checkpoint(deepseek_fp8_noaux), tpshard.Topology(tp=TP))
     table = TABLES["vllm"][plan.model.architecture]
     refuse_quantized(plan, "vllm", ["fp8_block"], table)  # mapped
-    with pytest.raises(ExportError, match=r"^--format vllm: the checkpoint is quantized \(ct_int\) and has routed experts or MLA attention; tpshard maps those for vLLM in FP8 block format only"):
-        refuse_quantized(plan, "vllm", ["ct_int"], table)
     with pytest.raises(ExportError, match=r"serve the HF checkpoint with the engine's own loader, or export for vLLM"):
         refuse_quantized(plan, "sglang", ["fp8_block"], table)
 

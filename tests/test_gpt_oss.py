@@ -120,9 +120,10 @@ def test_refusals(gpt_oss, tmp_path, args, message):
         assert "weight_loader_fused" in p.stderr and "cannot load --ep > 1" in p.stderr
 
 
-def test_vllm_export_refused(tp4_dp2, tmp_path):
+def test_vllm_export_of_attention_dp_refused(tp4_dp2, tmp_path):
+    """vLLM's exports of gpt-oss: tests/test_export_families.py."""
     p = tpshard_cli("export", tp4_dp2, "--format", "vllm", "-o", tmp_path / "deploy")
-    assert p.returncode == 2 and "no vllm name table for GptOssForCausalLM" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert p.returncode == 2 and "--format vllm: split with --attn-dp 2" in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
 
 # ---- broken on purpose ------------------------------------------------------------------------------

@@ -173,8 +173,8 @@ def test_export_refused(models, tmp_path):
     """(verify --model runs: tests/test_hybrid_model.py)"""
     out = tmp_path / "out"
     tpshard.split(models[NEXT], out, Topology(tp=2))
-    p = tpshard_cli("export", out, "--format", "vllm", "-o", tmp_path / "exp")
-    assert p.returncode == 2 and "no vllm name table for Qwen3NextForCausalLM" in p.stderr and not (tmp_path / "exp").exists()
+    p = tpshard_cli("export", out, "--format", "sglang", "-o", tmp_path / "exp")  # vLLM's: tests/test_export_families.py
+    assert p.returncode == 2 and "Qwen3NextForCausalLM has routed experts" in p.stderr and not (tmp_path / "exp").exists()
 
 
 # ---- layouts broken on purpose: check --source must see each -------------------------------------

@@ -12,6 +12,8 @@ world size are verified in one launch (verify_many): a process start per rank is
 
 from __future__ import annotations
 
+import json
+
 import subprocess
 from pathlib import Path
 
@@ -205,6 +207,10 @@ def test_model_level_refuses_what_it_cannot_model(deepseek):
     assert unsupported_reason(plan, {"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 8}, 16)
     assert unsupported_reason(plan, {"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 4096}, 16) is None
     assert "no router rule" in unsupported_reason(plan, {"model_type": "llama4", "num_experts_per_tok": 1}, 16)
+    # MLA with fewer kv heads than heads: transformers' DeepSeek attention fails on the shapes (a traceback before)
+    mla = json.loads((deepseek / "config.json").read_text())
+    assert unsupported_reason(plan, mla, 16) is None
+    assert "num_key_value_heads 2 with 8 attention heads" in unsupported_reason(plan, {**mla, "num_attention_heads": 8, "num_key_value_heads": 2}, 16)
 
 
 def test_router_correction_bias_is_used(deepseek):

@@ -136,6 +136,9 @@ class Piece(NamedTuple):
     # each expert's `count` pieces along its rows; its bytes are the dim-0 concatenation of those 2-D
     # pieces, expert by expert.
     stacked: bool = False
+    # vLLM's dtype where its model builds the parameter in another dtype than the checkpoint's
+    # (routers in float32): the export writes it cast (bf16 -> float32 is exact); "" = the checkpoint's.
+    dtype: str = ""
 
 
 class Buffer(NamedTuple):
@@ -155,14 +158,21 @@ class EngineTable(NamedTuple):
     ep: str = ""  # "" = no routed experts; "vllm": vLLM's expert placement (tpshard.export.layout)
     q_lora: tuple = ()  # (pieces with q_lora_rank, pieces without): MLA's kv_a_proj_with_mqa
     drop_mtp: bool = False  # decoder layers >= num_hidden_layers (DeepSeek's MTP) are not in the engine's state
+    # (plan, config.json) -> why the engine would build other keys than the table's for this
+    # checkpoint, or None: the family's own refusals, called before anything is written.
+    refuse: Callable[..., str | None] | None = None
+    # experts stored fused: (engine key regex, "transpose" | "rank0"), what vLLM's loader does to
+    # the rank's slice beyond slicing it (tpshard.export.fused)
+    fused: tuple[tuple[str, str], ...] = ()
 
 
 class EngineNames(NamedTuple):
     """An architecture's table for each engine `tpshard export` writes for; None: that engine's
-    export refuses the architecture (tpshard writes no name it has not mapped exactly)."""
+    export refuses the architecture (tpshard writes no name it has not mapped exactly); a str: it
+    refuses it for that reason (where the engine holds other bytes than the tpshard output)."""
 
-    vllm: EngineTable | None
-    sglang: EngineTable | None
+    vllm: EngineTable | str | None
+    sglang: EngineTable | str | None
 
 
 ENGINES: tuple[str, ...] = EngineNames._fields  # ("vllm", "sglang"), the order messages list them in

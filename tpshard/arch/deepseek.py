@@ -141,17 +141,31 @@ VLLM_PIECES = (
         (_MLA + r"kv_a_layernorm\.weight", Piece(r"\1.self_attn.kv_a_layernorm.weight", 0, 1)),
         (_MLA + r"kv_b_proj\.weight", Piece(r"\1.self_attn.kv_b_proj.weight", 0, 1)),
         (_MLA + r"o_proj\.weight", Piece(r"\1.self_attn.mla_attn.o_proj.weight", 0, 1)),
-        (L + r"\.mlp\.gate\.(weight|e_score_correction_bias)", Piece(r"\1.mlp.experts.gate.\2", 0, 1)),
+        (L + r"\.mlp\.gate\.weight", Piece(r"\1.mlp.experts.gate.weight", 0, 1)),
+        (L + r"\.mlp\.gate\.e_score_correction_bias", Piece(r"\1.mlp.experts.gate.e_score_correction_bias", 0, 1, dtype="F32")),
     )
     + ROUTED
     + vllm_mlp("mlp.shared_experts", "mlp.experts._shared_experts._layer")
 )
 VLLM_KV_A_FUSED = ((_MLA + r"kv_a_proj_with_mqa\.weight", Piece(r"\1.self_attn.fused_qkv_a_proj.weight", 1, 2)),)
 VLLM_KV_A_ALONE = ((_MLA + r"kv_a_proj_with_mqa\.weight", Piece(r"\1.self_attn.kv_a_proj_with_mqa.weight", 0, 1)),)
+
+
+def refuse_router_bias(plan, config: dict) -> str | None:
+    """vLLM's DeepSeek gate has e_score_correction_bias only for topk_method "noaux_tc"
+    (models/deepseek_v2.py L327-332): otherwise the key would be unknown to it (KeyError on load)."""
+    method = config.get("topk_method")
+    if method == "noaux_tc" or not any(t.name.endswith(".e_score_correction_bias") and t.cuts for t in plan.tensors):
+        return None
+    says = f"says topk_method {method!r}" if method is not None else "names no topk_method"
+    return f'the checkpoint has mlp.gate.e_score_correction_bias but config.json {says}; vllm builds that parameter only for "noaux_tc", so its load would fail; fix config.json'
+
+
 MLA_BUFFERS = tuple(b._replace(engine=b.engine.replace("self_attn.attn.", "self_attn.mla_attn.mla_attn.")) for b in VLLM_ATTENTION_BUFFERS)
 EXPORTS = EngineNames(
     vllm=EngineTable(
-        VLLM_PIECES, tied="lm_head.weight", buffers=MLA_BUFFERS, ep="vllm", drop_mtp=True, q_lora=(VLLM_KV_A_FUSED, VLLM_KV_A_ALONE)
+        VLLM_PIECES, tied="lm_head.weight", buffers=MLA_BUFFERS, ep="vllm", drop_mtp=True, q_lora=(VLLM_KV_A_FUSED, VLLM_KV_A_ALONE),
+        refuse=refuse_router_bias,
     ),
     sglang=None,
 )

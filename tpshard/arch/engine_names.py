@@ -91,3 +91,20 @@ def vllm_mlp(block: str, at: str) -> tuple[tuple[str, Piece], ...]:
 NO_MLP = tuple(p for p in DENSE_PIECES if ".mlp." not in p[1].engine)  # embedding, norms, attention, q/k norms
 ROUTED = vllm_experts("mlp", "gate_proj", "up_proj", "down_proj", "mlp.experts.routed_experts")
 VLLM_MOE = dict(tied="lm_head.weight", buffers=VLLM_ATTENTION_BUFFERS, ep="vllm")
+
+
+def bf16_only(vllm_file: str, then=None):
+    """An EngineTable.refuse for a table proven with unquantized checkpoints only (the 2026 families):
+    a quantized checkpoint (FP8 block passes tpshard.export.layout's own check) is refused; `then`:
+    the family's further refusals."""
+
+    def refuse(plan, config: dict) -> str | None:
+        quant = sorted({t.quant for t in plan.tensors if t.quant} | {q.get("format", "?") for q in plan.quant_layers.values()})
+        if quant:
+            return (
+                f"the checkpoint is quantized ({', '.join(quant)}); tpshard's vLLM table for {plan.model.architecture}"
+                f" ({vllm_file}) is proven for unquantized checkpoints only; serve it with vLLM's own loader"
+            )
+        return then(plan, config) if then else None
+
+    return refuse

@@ -31,9 +31,16 @@ What a rank holds is what SGLang 0.5.23's Glm4MoeForCausalLM builds for it:
 - `verify --model` runs tpshard.verify.moe_model's decoder against transformers' Glm4MoeForCausalLM:
   RoPE on the first head_dim * partial_rotary_factor dims of each head (Glm4MoeRotaryEmbedding,
   apply_rotary_pos_emb), q/k norms before it, q/k/v biases; the MTP layer at layer level only
-  (transformers does not run it). Export: refused for both engines (vLLM's models/glm4_moe.py
-  keeps the correction bias and the shared expert under names not measured here; SGLang's
-  sharded_state refuses every family with routed experts).
+  (transformers does not run it).
+- Export: vLLM only (SGLang's sharded_state refuses every family with routed experts). vLLM 0.33.0's
+  Glm4MoeForCausalLM (models/glm4_moe.py) cuts attention, the dense MLP, the shared experts and the
+  vocabulary over tp and places the experts as its FusedMoE does for every family (tpshard --ep 1
+  or --ep tp with --enable-expert-parallel), so the tpshard output at attn_tp = tp is its layout;
+  its router is a GateLinear built in float32 and the correction bias a float32 parameter it hands
+  to FusedMoE (kept under mlp.experts.routed_experts), both written in float32; the MTP layer is
+  left out (make_layers builds num_hidden_layers, skip_spec_layers drops the rest). Refused: tied
+  embeddings (the class never ties lm_head). The ROCm AITER fused shared expert
+  (VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS) appends the shared experts to w13/w2 instead: not this layout.
 - Under an all-to-all MoE backend (--moe-a2a-backend) Glm4MoeSparseMoeBlock.__init__ builds the
   shared experts "replicated" for deepep, mooncake, nixl, mori, ascend_fuseep, flashinfer and
   flashinfer_megamoe (glm4_moe.py L471-491): whole on every rank; under megamoe, deepep_v2 and pplx
@@ -41,8 +48,9 @@ What a rank holds is what SGLang 0.5.23's Glm4MoeForCausalLM builds for it:
   (Glm4MoeForCausalLM.shared_experts_fusion_disable_reason L1022-1027).
 """
 
-from tpshard.arch.base import NORMS, QK_NORM, QKV_ATTENTION, VOCAB, Arch, EngineNames
+from tpshard.arch.base import NORMS, QK_NORM, QKV_ATTENTION, VOCAB, Arch, EngineNames, EngineTable, L, Piece
 from tpshard.arch.deepseek import DENSE, MOE, MTP, v3_router
+from tpshard.arch.engine_names import DENSE_PIECES, ROUTED, VLLM_MOE, bf16_only, vllm_mlp
 from tpshard.arch.tensors import attention_tensors, config_value, decoder_tensors, expert_tensors, mlp_tensors
 from tpshard.errors import PlanError
 from tpshard.manifest import ModelInfo
@@ -94,10 +102,35 @@ def refuse_config(config: dict, model: ModelInfo) -> None:
         )
 
 
+# vLLM 0.33.0 (models/glm4_moe.py), keys read from the model built on CPU (docs/deploy.md): Glm4MoE's
+# `gate` is a GateLinear(params_dtype=torch.float32) and its e_score_correction_bias a float32
+# Parameter also given to FusedMoE, whose `routed_experts.e_score_correction_bias` is the name the
+# loader's filter keeps; the shared experts (a Glm4MoeMLP over tp) sit under FusedMoE's
+# `_shared_experts._layer`; layers below first_k_dense_replace have Glm4MoeMLP gate_up/down.
+VLLM_PIECES = (
+    DENSE_PIECES
+    + (
+        (L + r"\.mlp\.gate\.weight", Piece(r"\1.mlp.gate.weight", 0, 1, dtype="F32")),
+        (L + r"\.mlp\.gate\.e_score_correction_bias", Piece(r"\1.mlp.experts.routed_experts.e_score_correction_bias", 0, 1, dtype="F32")),
+    )
+    + ROUTED
+    + vllm_mlp("mlp.shared_experts", "mlp.experts._shared_experts._layer")
+)
+
+
+def refuse_vllm(plan, config: dict) -> str | None:
+    """What vLLM's Glm4MoeForCausalLM would build otherwise than the table says."""
+    if plan.model.tie_word_embeddings:
+        return "the checkpoint ties lm_head to the embedding; vLLM's Glm4MoeForCausalLM (models/glm4_moe.py) never ties them"
+    return None
+
+
+EXPORTS = EngineNames(vllm=EngineTable(VLLM_PIECES, drop_mtp=True, refuse=bf16_only("models/glm4_moe.py", refuse_vllm), **VLLM_MOE), sglang=None)
+
 ARCHS = (
     Arch(
         "Glm4MoeForCausalLM", RULES, "glm4_moe.py", attn_group="attn_tp", embed_group="attn_tp", model_type="glm4_moe",
-        expected=expected, exports=EngineNames(vllm=None, sglang=None), verify="moe", router=v3_router,
+        expected=expected, exports=EXPORTS, verify="moe", router=v3_router,
         sparse=sparse, experts_limit="tp", check=refuse_config,
         a2a_shared=frozenset(("deepep", "mooncake", "nixl", "mori", "ascend_fuseep", "flashinfer", "flashinfer_megamoe")),
     ),

@@ -50,7 +50,8 @@ What a rank holds is what SGLang 0.5.23's GptOssForCausalLM builds for it:
   here; SGLang's sharded_state refuses every family with routed experts).
 """
 
-from tpshard.arch.base import NORMS, QKV_ATTENTION, VOCAB, Arch, EngineNames, L, Rule
+from tpshard.arch.base import NORMS, QKV_ATTENTION, VOCAB, Arch, EngineNames, EngineTable, L, Piece, Rule
+from tpshard.arch.engine_names import VLLM_ATTENTION_BUFFERS, bf16_only
 from tpshard.arch.fused import FusedExperts, FusedParam
 from tpshard.arch.router import RouterConfig
 from tpshard.arch.tensors import attention_tensors, config_value, decoder_tensors
@@ -122,10 +123,57 @@ def router(config: dict, e: int, k: int) -> RouterConfig:
     return RouterConfig(num_experts=e, top_k=k, scoring="softmax", renormalize=True)
 
 
+# vLLM 0.33.0 (models/gpt_oss.py), keys read from the model built on CPU (docs/deploy.md): the
+# attention module is `attn` (OAIAttention: qkv_proj, o_proj with its bias whole on every rank,
+# sinks of the rank's q heads; vLLM's four scale buffers at attn.attn), the embedding
+# `model.embedding`; the fused experts load through _load_weights_other into FusedMoE's
+# routed_experts: w13 / w2 each expert's shard transposed, w13_bias as cut, w2_bias whole on moe-tp
+# rank 0 and zeroed on the others (without expert parallelism; tpshard.export.fused).
+_A, _X, _P = L + r"\.self_attn\.", L + r"\.mlp\.experts\.", r"\.(weight|bias)"
+VLLM_PIECES = (
+    (r"model\.embed_tokens\.weight", Piece("model.embedding.weight", 0, 1)),
+    (r"lm_head\.weight", Piece("lm_head.weight", 0, 1)),
+    (r"model\.norm\.weight", Piece("model.norm.weight", 0, 1)),
+    (L + r"\.(input_layernorm|post_attention_layernorm)\.weight", Piece(r"\1.\2.weight", 0, 1)),
+    (_A + r"q_proj" + _P, Piece(r"\1.attn.qkv_proj.\2", 0, 3)),
+    (_A + r"k_proj" + _P, Piece(r"\1.attn.qkv_proj.\2", 1, 3)),
+    (_A + r"v_proj" + _P, Piece(r"\1.attn.qkv_proj.\2", 2, 3)),
+    (_A + r"o_proj" + _P, Piece(r"\1.attn.o_proj.\2", 0, 1)),
+    (_A + r"sinks", Piece(r"\1.attn.sinks", 0, 1)),
+    (L + r"\.mlp\.router" + _P, Piece(r"\1.mlp.router.\2", 0, 1)),
+    (_X + r"gate_up_proj", Piece(r"\1.mlp.experts.routed_experts.w13_weight", 0, 1)),
+    (_X + r"gate_up_proj_bias", Piece(r"\1.mlp.experts.routed_experts.w13_bias", 0, 1)),
+    (_X + r"down_proj", Piece(r"\1.mlp.experts.routed_experts.w2_weight", 0, 1)),
+    (_X + r"down_proj_bias", Piece(r"\1.mlp.experts.routed_experts.w2_bias", 0, 1)),
+)
+VLLM_FUSED = ((r".*\.routed_experts\.w(13|2)_weight", "transpose"), (r".*\.routed_experts\.w2_bias", "rank0"))
+
+
+def refuse_vllm(plan, config: dict) -> str | None:
+    """What vLLM's GptOssForCausalLM builds otherwise than the tpshard output (or cannot build)."""
+    kv, tp = plan.model.num_kv_heads, plan.topology.tp
+    if tp > kv:
+        return (
+            f"gpt-oss at tp {tp} over {kv} kv heads; vLLM's OAIAttention (models/gpt_oss.py) gives each rank"
+            f" num_key_value_heads // tp = 0 kv heads and cannot build the model; split with a tp of at most {kv}"
+        )
+    if plan.topology.pp > 1:
+        return "gpt-oss with pipeline stages: tpshard places its lm_head on every stage as SGLang builds it, not as vLLM's GptOssForCausalLM (models/gpt_oss.py) does"
+    return None
+
+
+EXPORTS = EngineNames(
+    vllm=EngineTable(
+        VLLM_PIECES, tied="lm_head.weight", ep="vllm", fused=VLLM_FUSED, refuse=bf16_only("models/gpt_oss.py", refuse_vllm),
+        buffers=tuple(b._replace(engine=b.engine.replace(".self_attn.attn.", ".attn.attn.")) for b in VLLM_ATTENTION_BUFFERS),
+    ),
+    sglang=None,
+)  # fmt: skip
+
 ARCHS = (
     Arch(
         "GptOssForCausalLM", RULES, "gpt_oss.py", attn_group="attn_tp", embed_group="replicated", model_type="gpt_oss",
-        expected=expected, exports=EngineNames(vllm=None, sglang=None), verify="moe", router=router,
+        expected=expected, exports=EXPORTS, verify="moe", router=router,
         sparse=sparse, check=refuse_config, pp_head="every", fused_experts=FUSED,
     ),
 )  # fmt: skip

@@ -50,7 +50,7 @@ moe_tp = tp) is what SGLang 0.5.23 builds for it:
 - Refused: Llama4ForCausalLM checkpoints (transformers' text-only class, names without
   `language_model.`): SGLang's Llama4ForCausalLM loads through LlamaForCausalLM.load_weights, which
   has no mapping for the fused experts (models/llama.py); pipeline stages (no per-stage layout on
-  record); export to either engine (no name table measured).
+  record); export to either engine (SGLang: routed experts; vLLM: VLLM_REFUSAL below).
 - `verify --model` runs tpshard.verify.llama4_model's decoder (rotary on adjacent pairs, the L2 q/k
   norm, NoPE layers' temperature tuning, chunked attention, the sigmoid router weight on the
   experts' input, the shared expert) against transformers' Llama4ForCausalLM on the same weights;
@@ -200,10 +200,19 @@ def llama4_router(config: dict, e: int, k: int) -> RouterConfig:
     return RouterConfig(num_experts=e, top_k=k, scoring="sigmoid", renormalize=False)
 
 
+# vLLM 0.33.0 holds other bytes than the tpshard output (docs/deploy.md): its loader permutes each
+# head's q_proj / k_proj rows for its rotary kernel before the cut, and its
+# Llama4ForConditionalGeneration builds the vision tower, which tpshard does not split.
+VLLM_REFUSAL = (
+    "Llama4ForConditionalGeneration: vLLM's loader permutes the rows of each head of q_proj and k_proj for its rotary"
+    " kernel (models/llama4.py permute_qk_weight_for_rotary), so its ranks hold other bytes than the tpshard output,"
+    " and builds the vision tower (models/mllama4.py), which tpshard does not split; serve the HF checkpoint with vLLM's own loader"
+)
+
 ARCHS = (
     Arch(
         "Llama4ForConditionalGeneration", RULES, "mllama4.py", attn_group="attn_tp", embed_group="replicated",
-        model_type="llama4", expected=expected, exports=EngineNames(vllm=None, sglang=None), verify="llama4",
+        model_type="llama4", expected=expected, exports=EngineNames(vllm=VLLM_REFUSAL, sglang=None), verify="llama4",
         router=llama4_router, sparse=sparse, check=refuse_config, fused_experts=FUSED, refuse_tensors=refuse_tensors,
     ),
 )  # fmt: skip

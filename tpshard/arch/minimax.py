@@ -35,11 +35,17 @@ What a rank holds is what SGLang 0.5.23's MiniMaxM2ForCausalLM builds for it:
   a checkpoint holding them is refused (their experts' layer is past the config's layers).
 - Pipeline stages: refused. MiniMaxM2Model builds its VocabParallelEmbedding on every stage (only
   the norm and lm_head are PPMissingLayer off the last), a placement tpshard's stages do not express.
-- Export: refused for both engines (SGLang's sharded_state refuses routed experts; vLLM's
-  minimax_m2 names are not measured here).
+- Export: vLLM only (SGLang's sharded_state refuses routed experts). vLLM 0.33.0's MiniMaxM2ForCausalLM
+  (models/minimax_m2.py) cuts q/k/v, o_proj and the vocabulary over tp, and its q_norm / k_norm are
+  MiniMaxText01RMSNormTP (layers/minimax_rms_norm): q_norm's [heads * head_dim / tp] rows of tp rank r,
+  k_norm's of kv head r // (tp / kv) when tp > kv (weight_shard_world_size = kv), i.e. SGLang's
+  head cut, which is the tpshard output at attn_tp = tp. Its router is a GateLinear built in float32
+  and e_score_correction_bias a float32 parameter of the MoE block: both written in float32; the
+  experts as every FusedMoE (--ep 1, or --ep tp with --enable-expert-parallel).
 """
 
-from tpshard.arch.base import NORMS, QKV_ATTENTION, VOCAB, Arch, EngineNames, L, Rule, routed_experts, router
+from tpshard.arch.base import NORMS, QKV_ATTENTION, VOCAB, Arch, EngineNames, EngineTable, L, Piece, Rule, routed_experts, router
+from tpshard.arch.engine_names import NO_MLP, VLLM_MOE, bf16_only, vllm_experts
 from tpshard.arch.router import RouterConfig
 from tpshard.arch.tensors import attention_tensors, config_value, decoder_tensors, expert_tensors
 from tpshard.errors import PlanError
@@ -103,10 +109,24 @@ def refuse_config(config: dict, model: ModelInfo) -> None:
         raise PlanError(f"{name}: hidden_act {act!r}; SGLang's FusedMoE for MiniMaxM2MoE runs silu")
 
 
+# vLLM 0.33.0 (models/minimax_m2.py), keys read from the model built on CPU at tp 2 and 4 (docs/deploy.md):
+# MiniMaxM2MoE's `gate` is a GateLinear(params_dtype=torch.float32), its e_score_correction_bias a
+# float32 Parameter (given to FusedMoE too; the filter keeps the block's name); FusedMoE with
+# ckpt_names w1, w2, w3: w13 = [w1; w3] per expert. q_norm / k_norm keep their names (NO_MLP).
+_B = L + r"\.block_sparse_moe\."
+VLLM_PIECES = (
+    NO_MLP
+    + (
+        (_B + r"gate\.weight", Piece(r"\1.block_sparse_moe.gate.weight", 0, 1, dtype="F32")),
+        (_B + r"e_score_correction_bias", Piece(r"\1.block_sparse_moe.e_score_correction_bias", 0, 1, dtype="F32")),
+    )
+    + vllm_experts("block_sparse_moe", "w1", "w3", "w2", "block_sparse_moe.experts.routed_experts")
+)
+
 ARCHS = (
     Arch(
         "MiniMaxM2ForCausalLM", RULES, "minimax_m2.py", attn_group="attn_tp", embed_group="attn_tp",
-        model_type="minimax_m2", expected=expected, exports=EngineNames(vllm=None, sglang=None), verify="moe",
+        model_type="minimax_m2", expected=expected, exports=EngineNames(vllm=EngineTable(VLLM_PIECES, refuse=bf16_only("models/minimax_m2.py"), **VLLM_MOE), sglang=None), verify="moe",
         router=minimax_router, dp_lm_head=False, sparse=lambda model, layer: True, experts_limit="tp",
         check=refuse_config,
     ),

@@ -35,8 +35,8 @@ What rank r holds (attn_tp = tp / attn_dp, moe_tp = tp / ep) is what SGLang 0.5.
   segmented piece's reference as SEGMENTS says), conv1d / A_log / dt_bias by their bytes;
   `--model` runs tpshard.verify.hybrid_model's decoder (tpshard.runtime.deltanet's GatedDeltaNet
   on each rank's heads, the gated attention, the MoE with the shared expert's gate).
-- Refused: pipeline stages (no per-stage layout on record for these classes), export to either
-  engine (no name table measured), dense MLP layers
+- Export: vLLM only (SGLang's sharded_state refuses routed experts); the tables below.
+- Refused: pipeline stages (no per-stage layout on record for these classes), dense MLP layers
   (mlp_only_layers, decoder_sparse_step). Not declared, so refused by name: MTP tensors (mtp.*),
   experts stored fused ([E, 2I, H] `experts.gate_up_proj`, which qwen3_5.py's loader also reads),
   (Qwen3_5MoeForConditionalGeneration's loader reads them too; transformers 5 saves experts one by one).
@@ -52,12 +52,14 @@ What rank r holds (attn_tp = tp / attn_dp, moe_tp = tp / ep) is what SGLang 0.5.
   (LANGUAGE_MODEL_ONLY_ARCHITECTURES, server_args.py L335; arg_groups/model_hook.py L1079), so the
   launch line carries --json-model-override-args (applied to the config before ModelConfig reads
   language_model_only, configs/model_config.py L674, utils/hf_transformers/config.py L405).
-  MTP tensors and fused experts are refused as for the text class. `verify --model` runs the hybrid
+  MTP tensors and fused experts are refused as for the text class, and export to either engine
+  (no name table measured for the wrapper). `verify --model` runs the hybrid
   decoder on the wrapper's names against transformers' AutoModelForCausalLM, which loads the
   wrapper's text model as Qwen3_5MoeForCausalLM.
 """
 
-from tpshard.arch.base import NORMS, QK_NORM, VOCAB, Arch, EngineNames, L, Rule
+from tpshard.arch.base import NORMS, QK_NORM, VOCAB, Arch, EngineNames, EngineTable, L, Piece, Rule
+from tpshard.arch.engine_names import NO_MLP, ROUTED, VLLM_MOE, bf16_only, vllm_mlp
 from tpshard.arch.qwen import EXPERTS, SHARED_EXPERT, refuse_dense_layers
 from tpshard.arch.router import RouterConfig
 from tpshard.arch.tensors import config_value, decoder_tensors, expert_tensors, mlp_tensors
@@ -191,10 +193,43 @@ VISION_DROPPED = (
 )
 
 
+# vLLM 0.33.0 (models/qwen3_next.py, qwen3_5.py; the linear attention is QwenGatedDeltaNetAttention,
+# layers/mamba/gdn/qwen_gdn_linear_attn.py), keys read from the models built on CPU (docs/deploy.md).
+# Each rank's tensors are the tpshard output's at attn_tp = tp: in_proj_qkvz / in_proj_ba are
+# MergedColumnParallelLinear cut over tp, with one output (Qwen3-Next's packed key-head groups, cut
+# contiguously: whole groups) or [K, K, V, V] / [V heads, V heads] (Qwen3.5: in_proj_qkv loads as
+# shards 0-2, in_proj_z as 3, in_proj_b / in_proj_a as 0 / 1: [q_r; k_r; v_r; z_r], [b_r; a_r]);
+# conv1d by mamba_v2_sharded_weight_loader over the [K, K, V] segments; A_log (a float32 Parameter:
+# written in float32) and dt_bias by value heads (sharded_weight_loader(0)); norm whole; out_proj by
+# columns. No attention buffers on the linear layers (they have no self_attn.o_proj). The MoE block
+# is Qwen3-MoE's (router kept as mlp.experts.gate) with Qwen2-MoE's shared expert and its gate.
+_LA = L + r"\.linear_attn\."
+_HYBRID_VLLM = (
+    NO_MLP
+    + (
+        (_LA + r"(conv1d|norm|out_proj)\.weight", Piece(r"\1.linear_attn.\2.weight", 0, 1)),
+        (_LA + r"A_log", Piece(r"\1.linear_attn.A_log", 0, 1, dtype="F32")),
+        (_LA + r"dt_bias", Piece(r"\1.linear_attn.dt_bias", 0, 1)),
+        (L + r"\.mlp\.gate\.weight", Piece(r"\1.mlp.experts.gate.weight", 0, 1)),
+        (L + r"\.mlp\.shared_expert_gate\.weight", Piece(r"\1.mlp.experts._shared_experts._layer.expert_gate.weight", 0, 1)),
+    )
+    + ROUTED
+    + vllm_mlp("mlp.shared_expert", "mlp.experts._shared_experts._layer")
+)
+QWEN3_NEXT_VLLM = _HYBRID_VLLM + (
+    (_LA + r"(in_proj_qkvz|in_proj_ba)\.weight", Piece(r"\1.linear_attn.\2.weight", 0, 1)),
+)
+QWEN3_5_VLLM = _HYBRID_VLLM + (
+    (_LA + r"in_proj_qkv\.weight", Piece(r"\1.linear_attn.in_proj_qkvz.weight", 0, 2)),
+    (_LA + r"in_proj_z\.weight", Piece(r"\1.linear_attn.in_proj_qkvz.weight", 1, 2)),
+    (_LA + r"in_proj_b\.weight", Piece(r"\1.linear_attn.in_proj_ba.weight", 0, 2)),
+    (_LA + r"in_proj_a\.weight", Piece(r"\1.linear_attn.in_proj_ba.weight", 1, 2)),
+)
+
 ARCHS = (
     Arch(
         "Qwen3_5MoeForCausalLM", COMMON + QWEN3_5_LINEAR, "qwen3_5_text.py", attn_group="attn_tp", embed_group="replicated",
-        model_type="qwen3_5_moe_text", expected=expected(fused=False), exports=EngineNames(vllm=None, sglang=None),
+        model_type="qwen3_5_moe_text", expected=expected(fused=False), exports=EngineNames(vllm=EngineTable(QWEN3_5_VLLM, refuse=bf16_only("models/qwen3_5.py"), **VLLM_MOE), sglang=None),
         verify="hybrid", router=renormalised_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config, dcp="kv",
     ),
     Arch(
@@ -205,7 +240,7 @@ ARCHS = (
     ),
     Arch(
         "Qwen3NextForCausalLM", COMMON + QWEN3_NEXT_LINEAR, "qwen3_next.py", attn_group="attn_tp", embed_group="attn_tp",
-        model_type="qwen3_next", expected=expected(fused=True), exports=EngineNames(vllm=None, sglang=None),
+        model_type="qwen3_next", expected=expected(fused=True), exports=EngineNames(vllm=EngineTable(QWEN3_NEXT_VLLM, refuse=bf16_only("models/qwen3_next.py"), **VLLM_MOE), sglang=None),
         verify="hybrid", router=next_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config,
     ),
 )  # fmt: skip

@@ -21,7 +21,6 @@ for vLLM (`split --engine vllm`) is exported: SGLang places lm_head and tied hea
 
 from __future__ import annotations
 
-import math
 import re
 import struct
 from array import array
@@ -29,7 +28,7 @@ from typing import Iterator, NamedTuple
 
 from tpshard.errors import PlanError
 from tpshard.export.dcp import dcp_refusal
-from tpshard.export.names import ENGINES, TABLES, NameMap
+from tpshard.export.names import ENGINES, REFUSED, TABLES, NameMap
 from tpshard.manifest import Cut, Plan, TensorPlan, shard_shape
 from tpshard.safetensors_format import nbytes_of
 from tpshard.errors import TopologyError
@@ -72,7 +71,7 @@ class EngineTensor(NamedTuple):
     shape: tuple[int, ...]
     parts: tuple[Part, ...]  # concatenated along `axis`; () for a constant
     value: float | tuple[float, ...] | None = None  # constant content: one value filling the shape, or every value
-    axis: int = 0  # quantized vLLM exports: AWQ's [K, N] tensors fuse along dim 1 (tpshard.export.quant)
+    axis: int = 0  # AWQ's [K, N] tensors fuse along dim 1 (tpshard.export.quant); fused experts transposed: -1 (tpshard.export.fused)
 
     @property
     def nbytes(self) -> int:
@@ -210,6 +209,8 @@ def refuse_unexportable(plan: Plan, engine: str, config_tied: bool) -> NameMap:
             " export cannot know; serve the HF checkpoint with SGLang's own loader, or export for vLLM (--format vllm)"
         )
     table = TABLES[engine].get(arch)
+    if arch in REFUSED[engine]:
+        raise ExportError(f"--format {engine}: {REFUSED[engine][arch]}")
     if table is None:
         raise ExportError(
             f"--format {engine}: no {engine} name table for {arch} yet (mapped: {', '.join(sorted(TABLES[engine]))});"
@@ -232,7 +233,7 @@ def refuse_unexportable(plan: Plan, engine: str, config_tied: bool) -> NameMap:
     if table.ep == "vllm" and topo.dense_tp != topo.tp:
         raise ExportError(
             f"--format vllm: split with --moe-dense-tp {topo.moe_dense_tp}; vLLM has no such option and cuts the"
-            f" dense layers' MLP over tp {topo.tp} (models/deepseek_v2.py L1339, DeepseekV2MLP); split again without it"
+            f" dense layers' MLP over tp {topo.tp} (DeepseekV2MLP, models/deepseek_v2.py L1339; Glm4MoeMLP, glm4_moe.py); split again without it"
         )
     if (why := dcp_refusal(plan, engine)) is not None:
         raise ExportError(why)
@@ -285,11 +286,12 @@ def refuse_quantized(plan: Plan, engine: str, quant: list[str], table) -> None:
             " its quant methods' process_weights_after_loading (srt/model_loader/loader.py ShardedStateLoader), i.e."
             f" kernel- and platform-specific layouts an offline export cannot know; {instead}"
         )
-    if (plan.model.num_experts or table.q_lora or table.drop_mtp) and quant != ["fp8_block"]:
-        raise ExportError(
-            f"--format vllm: the checkpoint is quantized ({', '.join(quant)}) and has routed experts or MLA attention;"
-            " tpshard maps those for vLLM in FP8 block format only (docs/deploy.md); serve the HF checkpoint with vLLM's own loader"
-        )
+    if plan.model.num_experts or table.q_lora or table.drop_mtp:  # routed experts, MLA (tpshard.export.quant_moe)
+        from tpshard.export.quant_moe import refuse_experts
+
+        why = refuse_experts(plan, table)
+        if why:
+            raise ExportError(f"--format vllm: the checkpoint is quantized ({', '.join(quant)}): {why}")
     for fmt in quant:
         why = refuse_method(fmt, [q for q in plan.quant_layers.values() if q.get("format") == fmt])
         if why:
@@ -303,19 +305,6 @@ def _order(name: str) -> tuple:
     if end > 13 and name[13:end].isdecimal():
         return (1, int(name[13:end]), name)
     return (0 if name.startswith("model.embed_tokens") else 2 if name.startswith("model.norm") else 3, 0, name)
-
-
-def refuse_router_bias(plan: Plan, engine: str, config: dict) -> None:
-    """vLLM's DeepSeek gate has e_score_correction_bias only for topk_method "noaux_tc"
-    (models/deepseek_v2.py L327-332): otherwise the key would be unknown to it (KeyError on load)."""
-    method = config.get("topk_method")
-    biased = any(t.name.endswith(".e_score_correction_bias") and t.cuts for t in plan.tensors)
-    if biased and method != "noaux_tc":
-        raise ExportError(
-            f"--format {engine}: the checkpoint has mlp.gate.e_score_correction_bias but config.json"
-            + (f" says topk_method {method!r}" if method is not None else " names no topk_method")
-            + f"; {engine} builds that parameter only for \"noaux_tc\", so its load would fail; fix config.json"
-        )
 
 
 def _layer_index(name: str) -> int:
@@ -339,17 +328,21 @@ def _route(plan: Plan, names: NameMap, anchor: re.Pattern, t: TensorPlan) -> tup
             raise ExportError(f"{name}: no pipeline stage of vLLM's {plan.model.architecture} holds it")
     if not t.quant:
         m = anchor.fullmatch(name)
+        piece = names.piece(name)
         param = None
-        if names.table.ep == "vllm" and name.endswith(".e_score_correction_bias"):
-            from tpshard.export.quant import ROUTER_BIAS as param
-        return held, names.piece(name), m.group(1) if m else None, param
+        if piece is not None and piece.dtype:  # built in another dtype by the engine: cast on export
+            from tpshard.export.quant import Param
+
+            param = Param(piece.engine.rpartition(".")[2], dtype=piece.dtype)
+        return held, piece, m.group(1) if m else None, param
     # A quantized module's tensors go where its `.weight` would, under the method's parameter names.
     from tpshard.export.quant import engine_param
+    from tpshard.export.quant_moe import expert_param
 
     module, _, suffix = name.rpartition(".")
     m = anchor.fullmatch(module + ".weight")
     base = names.piece(module + ".weight")
-    found = engine_param(base.engine, suffix, t.quant, base.stacked) if base is not None and base.engine else None
+    found = (expert_param if base.stacked else engine_param)(base.engine, suffix, t.quant) if base is not None and base.engine else None
     if found is None:
         return held, None, None, None
     return held, base._replace(engine=found[0]), m.group(1) if m else None, found[1]
@@ -489,8 +482,15 @@ def rank_tensors(plan: Plan, rank: int, shards: list[Part], known: _Known) -> li
             rows = n
             parts += slots
         param = params.get(engine)
-        if param is not None and not stacked:
-            out.append(_quantized(rank, engine, param, parts))
+        if param is not None:  # vLLM's create_weights layout (tpshard.export.quant, quant_moe)
+            from tpshard.export.quant import fused_tensor
+            from tpshard.export.quant_moe import stacked_tensors
+
+            try:
+                made = stacked_tensors(engine, param, by_expert, plan.model.dtype) if stacked else [fused_tensor(engine, param, parts)]
+            except ValueError as e:
+                raise ExportError(f"rank {rank}: {e}") from None
+            out += [EngineTensor(*t) for t in made]
             continue
         first = parts[0]
         if len(parts) > 1 and any(s.dtype != first.dtype or s.shape[1:] != first.shape[1:] or not s.shape for s in parts[1:]):
@@ -499,39 +499,11 @@ def rank_tensors(plan: Plan, rank: int, shards: list[Part], known: _Known) -> li
             shape = (len(by_expert), rows, *first.shape[1:])
         else:
             shape = (rows, *first.shape[1:]) if len(parts) > 1 else first.shape
-        out.append(EngineTensor(engine, param.dtype or first.dtype if param else first.dtype, shape, tuple(parts)))
+        out.append(EngineTensor(engine, first.dtype, shape, tuple(parts)))
     for layer in layers:
         out += known.layer_buffers(layer)
     out.sort(key=lambda t: _order(t.name))
     return out
-
-
-def _quantized(rank: int, engine: str, param, parts: list[Part]) -> EngineTensor:
-    """A quantized parameter of vLLM's create_weights layout from its slots (tpshard.export.quant.Param)."""
-    first = parts[0]
-    dtype = param.dtype or first.dtype
-    if param.source_shape:  # the source's [N, K] of the last slot: vLLM's loader keeps the last shard's value
-        last = parts[-1]
-        value = last.cut.value
-        if value is None or last.tensor.logical_dim is None:
-            raise ExportError(f"rank {rank}: {last.name}: no per-rank [N, K] value in the tpshard output")
-        full = list(value)
-        full[last.tensor.logical_dim] = last.tensor.logical_size
-        return EngineTensor(engine, "I64", (2,), (), tuple(float(v) for v in full))
-    if any(s.dtype != first.dtype for s in parts):
-        raise ExportError(f"rank {rank}: {engine}: pieces of dtypes {sorted({s.dtype for s in parts})} do not fuse")
-    if param.slots:  # one slot per fused matrix: PerTensorScaleParameter [len(output_partition_sizes)]
-        if any(math.prod(s.shape) != 1 for s in parts):
-            raise ExportError(f"rank {rank}: {engine}: per-tensor scales of shapes {[list(s.shape) for s in parts]}, not one value each")
-        return EngineTensor(engine, dtype, (len(parts),), tuple(parts))
-    if param.axis == 1:
-        if any(len(s.shape) != 2 or s.shape[0] != first.shape[0] for s in parts):
-            raise ExportError(f"rank {rank}: {engine}: pieces {[(s.name, list(s.shape)) for s in parts]} do not fuse along dim 1")
-        return EngineTensor(engine, dtype, (first.shape[0], sum(s.shape[1] for s in parts)), tuple(parts), axis=1)
-    if len(parts) > 1 and any(len(s.shape) < 1 or s.shape[1:] != first.shape[1:] for s in parts):
-        raise ExportError(f"rank {rank}: {engine}: pieces {[(s.name, list(s.shape)) for s in parts]} do not concatenate along dim 0")
-    shape = (sum(s.shape[0] for s in parts), *first.shape[1:]) if len(parts) > 1 else first.shape
-    return EngineTensor(engine, dtype, shape, tuple(parts))
 
 
 def split_parts(rank: int, tensors: list[EngineTensor], max_part_bytes: int, topology: Topology | None = None) -> list[PartFile]:
@@ -558,8 +530,9 @@ def rank_layouts(
     at that rank (a writer discards what it wrote). One rank's tensors are held at a time: every
     rank's were ~300 MB at 90k tensors and tp 8."""
     names = refuse_unexportable(plan, engine, config_tied)
-    if config is not None and names.table.drop_mtp:
-        refuse_router_bias(plan, engine, config)
+    why = names.table.refuse(plan, config) if config is not None and names.table.refuse else None
+    if why:
+        raise ExportError(f"--format {engine}: {why}")
     if max_part_bytes < 1:
         raise ExportError(f"--max-part-size {max_part_bytes}: must be positive")
     return _rank_layouts(plan, names, max_part_bytes)
@@ -569,6 +542,10 @@ def _rank_layouts(plan: Plan, names: NameMap, max_part_bytes: int) -> Iterator[l
     shards, known = _Shards(plan), _Known(plan, names)
     for rank in range(plan.topology.world_size):
         tensors = rank_tensors(plan, rank, shards.parts(rank), known)
+        if names.table.fused:  # experts stored fused: what vLLM's loader does beyond slicing (tpshard.export.fused)
+            from tpshard.export.fused import fused_experts
+
+            tensors = fused_experts(plan, rank, tensors, names.table.fused)
         problems = stage_problems({rank: {t.name for t in tensors}}, plan.topology) if plan.topology.pp > 1 else []
         if problems:  # the tpshard output lacks what a stage needs (or holds what it must not): a broken plan
             raise ExportError(f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))

@@ -15,11 +15,16 @@ from tpshard.arch.base import ENGINES, Buffer, EngineTable, Piece
 
 # engine -> {architecture: its table}, the architectures whose table for the engine is not None.
 TABLES: dict[str, dict[str, EngineTable]] = {
-    engine: {a.name: getattr(a.exports, engine) for a in ARCHITECTURES.values() if getattr(a.exports, engine) is not None}
+    engine: {a.name: getattr(a.exports, engine) for a in ARCHITECTURES.values() if isinstance(getattr(a.exports, engine), EngineTable)}
+    for engine in ENGINES
+}
+# engine -> {architecture: why its export is refused}, where the family says why (EngineNames).
+REFUSED: dict[str, dict[str, str]] = {
+    engine: {a.name: getattr(a.exports, engine) for a in ARCHITECTURES.values() if isinstance(getattr(a.exports, engine), str)}
     for engine in ENGINES
 }
 
-__all__ = ["ENGINES", "TABLES", "Buffer", "EngineTable", "NameMap", "Piece"]
+__all__ = ["ENGINES", "REFUSED", "TABLES", "Buffer", "EngineTable", "NameMap", "Piece"]
 
 
 def _format(template: str) -> str:

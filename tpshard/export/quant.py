@@ -144,26 +144,49 @@ def config_bytes(config: dict) -> bytes:
     return (json.dumps(config, indent=2) + "\n").encode()
 
 
-def engine_param(piece_engine: str, suffix: str, fmt: str, stacked: bool = False) -> tuple[str, Param] | None:
+def engine_param(piece_engine: str, suffix: str, fmt: str) -> tuple[str, Param] | None:
     """(vLLM key, Param) of the checkpoint tensor `<module>.<suffix>` whose module's `.weight` maps
-    to `piece_engine`; None when vLLM's method has no such tensor. Routed experts (`stacked`): the
-    FusedMoE parameter of the weight is `w13_weight`, its scale `w13_weight_scale_inv`
-    (fp8.py Fp8MoEMethod.create_weights)."""
+    to `piece_engine`; None when vLLM's method has no such tensor. Routed experts: quant_moe.expert_param."""
     param = METHODS[fmt].params.get(suffix)
     if param is None:
         return None
     if not param.name:
         return "", param
-    if stacked:
-        if param.axis or param.slots or param.source_shape or not piece_engine.endswith("_weight"):
-            return None  # not mapped for experts
-        return piece_engine.removesuffix("weight") + param.name, param
     return piece_engine.removesuffix(".weight") + "." + param.name, param
 
 
-# vLLM's DeepSeek gate builds e_score_correction_bias in float32 (models/deepseek_v2.py, DeepseekV2MoE):
-# written as such, not cast by the loader with a warning.
-ROUTER_BIAS = Param("e_score_correction_bias", dtype="F32")
+def fused_tensor(engine: str, param: Param, parts: list) -> tuple:
+    """A quantized parameter of vLLM's create_weights layout from its slots (tpshard.export.layout
+    Parts), as EngineTensor's fields (name, dtype, shape, parts, value, axis). ValueError: slots
+    that do not fuse."""
+    first = parts[0]
+    dtype = param.dtype or first.dtype
+    if param.source_shape:  # the source's [N, K] of the last slot: vLLM's loader keeps the last shard's value
+        return engine, "I64", (2,), (), tuple(source_shape(parts[-1])), 0
+    if any(s.dtype != first.dtype for s in parts):
+        raise ValueError(f"{engine}: pieces of dtypes {sorted({s.dtype for s in parts})} do not fuse")
+    if param.slots:  # one slot per fused matrix: PerTensorScaleParameter [len(output_partition_sizes)]
+        if any(int(np.prod(s.shape)) != 1 for s in parts):
+            raise ValueError(f"{engine}: per-tensor scales of shapes {[list(s.shape) for s in parts]}, not one value each")
+        return engine, dtype, (len(parts),), tuple(parts), None, 0
+    if param.axis == 1:
+        if any(len(s.shape) != 2 or s.shape[0] != first.shape[0] for s in parts):
+            raise ValueError(f"{engine}: pieces {[(s.name, list(s.shape)) for s in parts]} do not fuse along dim 1")
+        return engine, dtype, (first.shape[0], sum(s.shape[1] for s in parts)), tuple(parts), None, 1
+    if len(parts) > 1 and any(len(s.shape) < 1 or s.shape[1:] != first.shape[1:] for s in parts):
+        raise ValueError(f"{engine}: pieces {[(s.name, list(s.shape)) for s in parts]} do not concatenate along dim 0")
+    shape = (sum(s.shape[0] for s in parts), *first.shape[1:]) if len(parts) > 1 else first.shape
+    return engine, dtype, shape, tuple(parts), None, 0
+
+
+def source_shape(part) -> list[float]:
+    """The source's unsliced [N, K] of a compressed-tensors `weight_shape` shard (its per-rank value
+    with the cut dim put back to the whole)."""
+    if part.cut.value is None or part.tensor.logical_dim is None:
+        raise ValueError(f"{part.name}: no per-rank [N, K] value in the tpshard output")
+    full = list(part.cut.value)
+    full[part.tensor.logical_dim] = part.tensor.logical_size
+    return [float(v) for v in full]
 
 
 # ---- bytes ------------------------------------------------------------------------------------
@@ -195,10 +218,18 @@ def to_f32(dtype: str, data: np.ndarray) -> np.ndarray:
     return data.view(_NUMPY[dtype]).astype("<f4").view(np.uint8)
 
 
-def assemble(pieces: list[tuple[np.ndarray, tuple[int, ...]]], src_dtype: str, dtype: str, axis: int) -> np.ndarray:
+def assemble(pieces: list[tuple[np.ndarray, tuple[int, ...]]], src_dtype: str, dtype: str, axis: int, experts: int = 1) -> np.ndarray:
     """An engine tensor's bytes from its pieces' (bytes, shape): concatenated along `axis` (each
-    piece 2-D for axis 1), cast from `src_dtype` to `dtype` where they differ."""
-    if axis == 1:
+    piece 2-D for axis 1; axis 2: `experts` stacked experts, each its own pieces along dim 1; fused
+    experts' TRANSPOSED: tpshard.export.fused), cast from `src_dtype` to `dtype` where they differ."""
+    if axis < 0:
+        from tpshard.export.fused import transpose
+
+        return transpose(pieces[0][0], pieces[0][1])
+    if axis == 2:
+        per = len(pieces) // experts
+        data = np.concatenate([assemble(pieces[i : i + per], src_dtype, src_dtype, 1) for i in range(0, len(pieces), per)])
+    elif axis == 1:
         rows = pieces[0][1][0]
         data = np.concatenate([b.reshape(rows, -1) for b, _ in pieces], axis=1).reshape(-1)
     else:
@@ -206,12 +237,25 @@ def assemble(pieces: list[tuple[np.ndarray, tuple[int, ...]]], src_dtype: str, d
     return to_f32(src_dtype, data) if dtype != src_dtype else data
 
 
-def split_back(data: np.ndarray, shapes: list[tuple[int, ...]], nbytes: list[int], src_dtype: str, dtype: str, axis: int) -> list[np.ndarray]:
+def split_back(
+    data: np.ndarray, shapes: list[tuple[int, ...]], nbytes: list[int], src_dtype: str, dtype: str, axis: int, experts: int = 1
+) -> list[np.ndarray]:
     """The inverse of `assemble`: each piece's bytes as the checkpoint holds them, from the engine
     tensor's (for check: which slot differs). A cast back is exact for what `to_f32` made."""
     if dtype != src_dtype:
         f = data.view("<f4")
         data = (f.view("<u4") >> 16).astype("<u2").view(np.uint8) if src_dtype == "BF16" else f.astype(_NUMPY[src_dtype]).view(np.uint8)
+    if axis < 0:
+        from tpshard.export.fused import transpose_back
+
+        return [transpose_back(data, shapes[0])]
+    if axis == 2:
+        per, out, at = len(shapes) // experts, [], 0
+        for i in range(0, len(shapes), per):
+            n = sum(nbytes[i : i + per])
+            out += split_back(data[at : at + n], shapes[i : i + per], nbytes[i : i + per], src_dtype, src_dtype, 1)
+            at += n
+        return out
     if axis == 1:
         rows = shapes[0][0]
         view = data.reshape(rows, -1)

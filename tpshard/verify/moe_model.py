@@ -47,6 +47,14 @@ def unsupported_reason(plan: Plan, config: dict, tokens: int | None = None) -> s
     sinks = any(t.layer_class == "AttentionSinks" for t in plan.tensors)  # gpt-oss: windows by layer_types, modelled
     if window and tokens is not None and window < tokens and not sinks:
         return f"model-level verify has no sliding-window attention; the model's window {window} is shorter than --tokens {tokens}"
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if config.get("kv_lora_rank") and kv_heads not in (None, heads):
+        # MLA's k and v have every head (SGLang ignores the key); transformers' DeepSeek attention
+        # repeats them num_attention_heads / num_key_value_heads times and fails on the shapes.
+        return (
+            f"transformers' {plan.model.architecture} cannot run config.json's num_key_value_heads {kv_heads} with"
+            f" {heads} attention heads (MLA keys and values have every head; the released configs set them equal)"
+        )
     try:
         router_config(config)
     except (KeyError, ValueError) as e:
