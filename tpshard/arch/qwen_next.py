@@ -37,9 +37,10 @@ What rank r holds (attn_tp = tp / attn_dp, moe_tp = tp / ep) is what SGLang 0.5.
   on each rank's heads, the gated attention, the MoE with the shared expert's gate).
 - Export: vLLM only (SGLang's sharded_state refuses routed experts); the tables below.
 - Refused: pipeline stages (no per-stage layout on record for these classes), dense MLP layers
-  (mlp_only_layers, decoder_sparse_step). Not declared, so refused by name: MTP tensors (mtp.*),
-  experts stored fused ([E, 2I, H] `experts.gate_up_proj`, which qwen3_5.py's loader also reads),
-  (Qwen3_5MoeForConditionalGeneration's loader reads them too; transformers 5 saves experts one by one).
+  (mlp_only_layers, decoder_sparse_step), Qwen3.5's MTP layer (mtp.*: refuse_mtp, one line). Not
+  declared, so refused by name: Qwen3-Next's MTP tensors, experts stored fused ([E, 2I, H]
+  `experts.gate_up_proj`, which qwen3_5.py's loader, the wrapper's too, also reads; transformers 5
+  saves experts one by one).
 - Qwen3_5MoeForConditionalGeneration (the published checkpoints: transformers' multimodal wrapper,
   the text model under `model.language_model.`, `lm_head` at the top, the vision tower under
   `model.visual.`): in SGLang's language-model-only mode. Its class (qwen3_5.py L2586, built by
@@ -52,7 +53,7 @@ What rank r holds (attn_tp = tp / attn_dp, moe_tp = tp / ep) is what SGLang 0.5.
   (LANGUAGE_MODEL_ONLY_ARCHITECTURES, server_args.py L335; arg_groups/model_hook.py L1079), so the
   launch line carries --json-model-override-args (applied to the config before ModelConfig reads
   language_model_only, configs/model_config.py L674, utils/hf_transformers/config.py L405).
-  MTP tensors and fused experts are refused as for the text class, and export to either engine
+  The MTP layer and fused experts are refused as for the text class, and export to either engine
   (no name table measured for the wrapper). `verify --model` runs the hybrid
   decoder on the wrapper's names against transformers' AutoModelForCausalLM, which loads the
   wrapper's text model as Qwen3_5MoeForCausalLM.
@@ -163,6 +164,18 @@ def every_layer_sparse(model: ModelInfo, layer: int) -> bool:
     return True
 
 
+def refuse_mtp(names) -> None:
+    """Qwen3.5's MTP layer (mtp.*), by its tensors: one line saying what it is and what to do."""
+    found = sorted(n for n in names if n.startswith("mtp."))
+    if found:
+        raise PlanError(
+            f"Qwen3.5-MoE: the checkpoint holds the MTP layer ({found[0]} and {len(found) - 1} more), which tpshard has no"
+            " rule for: SGLang loads it into the speculative draft model (models/qwen3_5_mtp.py Qwen3_5ForCausalLMMTP),"
+            " whose cut tpshard has not measured, and its main model skips it; split a copy of the checkpoint whose"
+            " index leaves mtp.* out to serve without MTP"
+        )
+
+
 # Qwen3_5MoeForConditionalGeneration: the text model's `model.` is the wrapper's `model.language_model.`
 TEXT, WRAPPED, WRAPPER = "model.", "model.language_model.", "Qwen3_5MoeForConditionalGeneration"
 
@@ -231,12 +244,13 @@ ARCHS = (
         "Qwen3_5MoeForCausalLM", COMMON + QWEN3_5_LINEAR, "qwen3_5_text.py", attn_group="attn_tp", embed_group="replicated",
         model_type="qwen3_5_moe_text", expected=expected(fused=False), exports=EngineNames(vllm=EngineTable(QWEN3_5_VLLM, refuse=bf16_only("models/qwen3_5.py"), **VLLM_MOE), sglang=None),
         verify="hybrid", router=renormalised_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config, dcp="kv",
+        refuse_tensors=refuse_mtp,
     ),
     Arch(
         WRAPPER, tuple(map(wrapped, COMMON + QWEN3_5_LINEAR)), "qwen3_5.py", attn_group="attn_tp",
         embed_group="replicated", model_type="qwen3_5_moe", expected=wrapped_expected, exports=EngineNames(vllm=None, sglang=None),
         verify="hybrid", router=renormalised_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config, dcp="kv",
-        dropped=VISION_DROPPED, server_hint=f"start SGLang with {LANGUAGE_ONLY}: this output holds no vision tower",
+        dropped=VISION_DROPPED, refuse_tensors=refuse_mtp, server_hint=f"start SGLang with {LANGUAGE_ONLY}: this output holds no vision tower",
     ),
     Arch(
         "Qwen3NextForCausalLM", COMMON + QWEN3_NEXT_LINEAR, "qwen3_next.py", attn_group="attn_tp", embed_group="attn_tp",
