@@ -116,8 +116,8 @@ def test_mtp_and_fused_experts_refused_in_one_line(models, tmp_path, name):
     src = with_tensor(wrapper, tmp_path / "src", name, WRAPPED + "layers.0.mlp.gate.weight")
     r = cli("split", src, "-o", tmp_path / "out", "--tp", 2)
     assert r.returncode == 2 and name in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    if name.startswith("mtp."):  # what it is and what to do
-        assert "qwen3_5_mtp.py" in r.stderr and "leaves mtp.* out" in r.stderr, r.stderr
+    # what it is and what to do
+    assert ("qwen3_5_mtp.py" in r.stderr and "leaves mtp.* out" in r.stderr) if name.startswith("mtp.") else "one by one" in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -37,10 +37,10 @@ What rank r holds (attn_tp = tp / attn_dp, moe_tp = tp / ep) is what SGLang 0.5.
   on each rank's heads, the gated attention, the MoE with the shared expert's gate).
 - Export: vLLM only (SGLang's sharded_state refuses routed experts); the tables below.
 - Refused: pipeline stages (no per-stage layout on record for these classes), dense MLP layers
-  (mlp_only_layers, decoder_sparse_step), Qwen3.5's MTP layer (mtp.*: refuse_mtp, one line). Not
-  declared, so refused by name: Qwen3-Next's MTP tensors, experts stored fused ([E, 2I, H]
-  `experts.gate_up_proj`, which qwen3_5.py's loader, the wrapper's too, also reads; transformers 5
-  saves experts one by one).
+  (mlp_only_layers, decoder_sparse_step); Qwen3.5's MTP layer (mtp.*) and experts stored fused
+  ([E, 2I, H] `experts.gate_up_proj`, which qwen3_5.py's loader, the wrapper's too, also reads;
+  transformers 5 saves experts one by one), each in one line (refuse_unplaced). Not declared, so refused
+  by name: Qwen3-Next's MTP tensors and fused experts.
 - Qwen3_5MoeForConditionalGeneration (the published checkpoints: transformers' multimodal wrapper,
   the text model under `model.language_model.`, `lm_head` at the top, the vision tower under
   `model.visual.`): in SGLang's language-model-only mode. Its class (qwen3_5.py L2586, built by
@@ -164,8 +164,16 @@ def every_layer_sparse(model: ModelInfo, layer: int) -> bool:
     return True
 
 
-def refuse_mtp(names) -> None:
-    """Qwen3.5's MTP layer (mtp.*), by its tensors: one line saying what it is and what to do."""
+def refuse_unplaced(names) -> None:
+    """Qwen3.5's MTP layer (mtp.*) and experts stored fused, by their tensors: one line saying what
+    they are and what to do."""
+    fused = sorted(n for n in names if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")))
+    if fused:
+        raise PlanError(
+            f"Qwen3.5-MoE: experts stored fused ({fused[0]} and {len(fused) - 1} more): SGLang's qwen3_5.py load_weights"
+            " chunks gate_up_proj [E, 2I, H] into gate and up and feeds each expert to FusedMoE, a cut tpshard does not"
+            " make yet; save the experts one by one (transformers 5's save_pretrained does) and split that"
+        )
     found = sorted(n for n in names if n.startswith("mtp."))
     if found:
         raise PlanError(
@@ -244,13 +252,13 @@ ARCHS = (
         "Qwen3_5MoeForCausalLM", COMMON + QWEN3_5_LINEAR, "qwen3_5_text.py", attn_group="attn_tp", embed_group="replicated",
         model_type="qwen3_5_moe_text", expected=expected(fused=False), exports=EngineNames(vllm=EngineTable(QWEN3_5_VLLM, refuse=bf16_only("models/qwen3_5.py"), **VLLM_MOE), sglang=None),
         verify="hybrid", router=renormalised_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config, dcp="kv",
-        refuse_tensors=refuse_mtp,
+        refuse_tensors=refuse_unplaced,
     ),
     Arch(
         WRAPPER, tuple(map(wrapped, COMMON + QWEN3_5_LINEAR)), "qwen3_5.py", attn_group="attn_tp",
         embed_group="replicated", model_type="qwen3_5_moe", expected=wrapped_expected, exports=EngineNames(vllm=None, sglang=None),
         verify="hybrid", router=renormalised_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config, dcp="kv",
-        dropped=VISION_DROPPED, refuse_tensors=refuse_mtp, server_hint=f"start SGLang with {LANGUAGE_ONLY}: this output holds no vision tower",
+        dropped=VISION_DROPPED, refuse_tensors=refuse_unplaced, server_hint=f"start SGLang with {LANGUAGE_ONLY}: this output holds no vision tower",
     ),
     Arch(
         "Qwen3NextForCausalLM", COMMON + QWEN3_NEXT_LINEAR, "qwen3_next.py", attn_group="attn_tp", embed_group="attn_tp",
