@@ -146,3 +146,13 @@ def test_verify_model_and_another_ranks_piece(models, tmp_path):
     assert ok.ok and m is not None and m.ok and m.max_rel <= MODEL_TOLERANCE["max_rel"], (ok.failures(), m)
     assert broken.model is not None and not broken.model.ok and broken.model.batches > 0, broken.model
     assert {x.layer for x in broken.layers if not x.ok} == {WRAPPED + "layers.0.linear_attn.in_proj_qkvz"}
+
+
+@pytest.mark.slow
+def test_verify_model_tp4_attention_dp_and_ep(models, tmp_path):
+    """tp 4 with attention DP 2 and EP 2: each attention-DP replica its own tokens, the embedding whole."""
+    wrapper, _ = models
+    tpshard.split(wrapper, tmp_path / "out", Topology(tp=4, attn_dp=2, ep=2))
+    (report,) = verify_many([tmp_path / "out"], [wrapper], model=True)
+    m = report.model
+    assert report.ok and m is not None and m.ok and m.max_rel <= MODEL_TOLERANCE["max_rel"], (report.failures(), m)
