@@ -52,6 +52,7 @@ import shutil
 import sys
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -351,7 +352,8 @@ def run_case(name: str, args, log) -> dict:
         loads = {}
         for tp, deploy in deploys.items():
             r = cold_loads(source, deploy, args.rank, tp, args, lambda m: log(f"{name} tp {tp}: {m}"))
-            loads[tp] = {"rank": args.rank, "share": r["share"], "rows": load_rows(r)}
+            loads[tp] = {"rank": args.rank, "share": r["share"], "rows": load_rows(r),
+                         "samples": {k: [asdict(s) for s in ss] for k, ss in r["samples"].items()}}  # fmt: skip
     finally:
         if not args.keep:
             for tp in args.tp:
