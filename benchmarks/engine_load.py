@@ -265,15 +265,19 @@ def cold_loads(source: Path, deploy: Path, rank: int, tp: int, args, log) -> dic
     return {"share": rank_share(deploy, rank), "samples": samples, "resident_before": left}
 
 
+def _seconds(samples: list, name: str) -> float | None:
+    """The median time of vLLM's function `name` over the samples (the child's "times")."""
+    return _round(median([s.info["times"].get(name, {}).get("s") for s in samples]))
+
+
 def load_rows(result: dict) -> dict[str, dict]:
     """Medians per label; bytes against the rank's share; load_weights against the hf side's."""
     share, rows = result["share"], {}
     for label, ss in result["samples"].items():
-        t = lambda k: median([s.info["times"].get(k, {}).get("s") for s in ss])  # noqa: E731
         read = median([s.info["read_bytes_with_prefetch"] for s in ss])
         rows[label] = dict(
-            load_model_s=round(t("load_model"), 2), create_model_s=round(t("create_model"), 2),
-            load_weights_s=round(t("load_weights"), 2), wall_s=round(median([s.wall_s for s in ss]), 2),
+            load_model_s=_seconds(ss, "load_model"), create_model_s=_seconds(ss, "create_model"),
+            load_weights_s=_seconds(ss, "load_weights"), wall_s=round(median([s.wall_s for s in ss]), 2),
             read_mb=round(read / 1e6), rchar_mb=round(median([s.info["rchar"] for s in ss]) / 1e6),
             x_share=round(read / share, 2), resident_before=max(result["resident_before"][label]),
             prefetch_end_s=_round(median([s.info.get("prefetch_end_s") for s in ss])),
