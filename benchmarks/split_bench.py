@@ -192,6 +192,7 @@ class Sample:
     load_bytes: int | None = None
     out_gib: float | None = None
     error: str = ""
+    info: dict = field(default_factory=dict)  # the JSON object the child printed last, if any
 
     @property
     def total_s(self) -> float:
@@ -256,8 +257,8 @@ def measure(cmd: list[str], out: Path | None = None) -> Sample:
     lines = stdout.strip().splitlines()
     if lines and lines[-1].startswith("{"):
         try:
-            info = json.loads(lines[-1])
-            s.load_s, s.load_bytes = info.get("load_s"), info.get("bytes")
+            s.info = json.loads(lines[-1])
+            s.load_s, s.load_bytes = s.info.get("load_s"), s.info.get("bytes")
         except ValueError:
             pass
     if out is not None and out.exists():
@@ -539,14 +540,18 @@ class Bench:
                         log(f"  round {r + 1}/{runs} {n:16s} {state} {s.total_s:7.2f}s (sync {s.sync_s:.2f}s){extra} maxrss {s.maxrss_mib:8.0f} MiB anon {s.anon_mib:8.0f} MiB")
 
 
-def alternate(cases: dict[str, list[str]], out: Path, runs: int, log) -> dict[str, list[Sample]]:
+def alternate(cases: dict[str, list[str]], out: Path | None, runs: int, log, before=None) -> dict[str, list[Sample]]:
     """Each command of `cases` (label -> argv, writing `out`) once per round, in order, for `runs`
-    rounds, `out` dropped after each; the samples by label. A failed run raises RuntimeError."""
+    rounds, `before(label)` called before each and `out` (if any) dropped after each; the samples
+    by label. A failed run raises RuntimeError."""
     samples: dict[str, list[Sample]] = {k: [] for k in cases}
     for run in range(runs):
         for label, cmd in cases.items():
+            if before is not None:
+                before(label)
             s = measure(cmd, out)
-            drop(out)
+            if out is not None:
+                drop(out)
             if not s.ok:
                 raise RuntimeError(f"{label}: {s.error}")
             samples[label].append(s)

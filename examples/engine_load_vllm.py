@@ -13,6 +13,7 @@ loaders slice the HF tensors) and "sharded_state" from EXPORT. Exit 1 if any ran
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -23,9 +24,10 @@ import torch  # noqa: E402
 from engine_compare import args, compare_ranks  # noqa: E402
 
 
-def vllm_loader(model: str, *, expert_parallel: bool = False, post_process: bool = True):
+def vllm_loader(model: str, *, expert_parallel: bool = False, post_process: bool = True, **load_options):
     """Set vLLM up on a CPU in a one-process gloo world; return build(rank, size, path, load_format)
-    -> vLLM's model class for that TP rank, loaded in full by its own loader."""
+    -> vLLM's model class for that TP rank, loaded in full by its own loader. `load_options` go to
+    vLLM's LoadConfig as they are (e.g. safetensors_load_strategy="prefetch")."""
     torch.accelerator.empty_cache = lambda: None  # raises without an accelerator; load_model calls it
 
     from vllm.config import LoadConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
@@ -58,7 +60,7 @@ def vllm_loader(model: str, *, expert_parallel: bool = False, post_process: bool
         case.update(rank=rank, size=size)
         mc = ModelConfig(model=path, dtype="bfloat16", enforce_eager=True)
         vc = VllmConfig(
-            model_config=mc, load_config=LoadConfig(load_format=load_format),
+            model_config=mc, load_config=LoadConfig(load_format=load_format, **load_options),
             parallel_config=ParallelConfig(enable_expert_parallel=expert_parallel),
         )  # fmt: skip
         with set_current_vllm_config(vc):
@@ -126,16 +128,21 @@ def _emulated_when_refused(select):
     return choose
 
 
-def main(model: str, export: str, tp: int, ranks: list[int]) -> int:
-    import json
-
+def loader_for(model: str, *, expert_parallel: bool = False, **load_options):
+    """vllm_loader for the checkpoint `model`: a quantized one (config.json's quantization_config)
+    loads without post-processing and with the kernel selection replaced, since its files hold
+    create_weights' layout and vLLM has no CPU kernel for most methods."""
     quantized = "quantization_config" in json.loads(open(os.path.join(model, "config.json")).read())
-    # Quantized: the files hold create_weights' layout, so both loads stop before post-processing.
-    # An export split with --ep = tp is served with --enable-expert-parallel (docs/deploy.md).
-    ep = json.loads(open(os.path.join(export, "tpshard-export.json")).read())["from"]["topology"].get("ep", 1) > 1
-    build = vllm_loader(model, expert_parallel=ep, post_process=not quantized)
+    build = vllm_loader(model, expert_parallel=expert_parallel, post_process=not quantized, **load_options)
     if quantized:
         patch_kernel_selection()
+    return build
+
+
+def main(model: str, export: str, tp: int, ranks: list[int]) -> int:
+    # An export split with --ep = tp is served with --enable-expert-parallel (docs/deploy.md).
+    ep = json.loads(open(os.path.join(export, "tpshard-export.json")).read())["from"]["topology"].get("ep", 1) > 1
+    build = loader_for(model, expert_parallel=ep)
 
     def load(r: int, path: str, load_format: str) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in build(r, tp, path, load_format).state_dict().items()}
