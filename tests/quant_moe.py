@@ -10,7 +10,7 @@ weights come from its `decompress`; DeepSeek-style FP8 block (quant_method fp8, 
 compressed-tensors compressor writes) is packed by `tpshard.quant.formats.random_layer`. Returns
 {module: expected float32 weight [N, K]}.
 
-Schemes: `w4a16_g32` (Kimi-K2's release: pack-quantized INT4, group 32, symmetric, experts only),
+Schemes: `w4a16_g32` (Kimi-K2's release: pack-quantized INT4, group 32, symmetric, experts only; `w4a16_g128` the same with groups of 128),
 `w4a16_g32_actorder` (the same with actorder "group": weight_g_idx, packed by tpshard), `w8a8_int8` (int-quantized, channel scales, dynamic per-token int8
 activations), `w8a8_fp8` (float-quantized, FP8 channel scales, dynamic per-token FP8 activations:
 llm-compressor's FP8_DYNAMIC), `nvfp4` (nvfp4-pack-quantized with input_global_scale), `fp8_block` (DeepSeek-V3 /
@@ -45,6 +45,7 @@ def _args(**kw) -> dict:
 SCHEMES: dict[str, tuple[str, dict, dict | None]] = {
     # name: (compressed-tensors format, weights args, input_activations args)
     "w4a16_g32": ("pack-quantized", _args(), None),
+    "w4a16_g128": ("pack-quantized", _args(group_size=128), None),  # dense Llama at tp 8 (docs/deploy.md)
     "w4a16_g32_actorder": ("pack-quantized", _args(actorder="group"), None),  # packed by tpshard (TPSHARD_PACKED)
     "w8a8_int8": (
         "int-quantized", _args(num_bits=8, strategy="channel", group_size=None),
@@ -97,8 +98,8 @@ def _compress(name: str, w: torch.Tensor, gen: torch.Generator) -> tuple[dict[st
     scheme = _scheme(name)
     w = w.float()
     n, k = w.shape
-    if name == "w4a16_g32":
-        g = 32
+    if name in ("w4a16_g32", "w4a16_g128"):
+        g = SCHEMES[name][1]["group_size"]
         scale = (w.reshape(n, k // g, g).abs().amax(-1) / 7 + 1e-4).to(torch.bfloat16)
         out = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
         ref = PackedQuantizationCompressor.decompress({**out, "weight_scale": out["weight_scale"].float()}, scheme)["weight"]

@@ -64,18 +64,18 @@ def source_tensors(src: Path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def rank_slice(t: torch.Tensor, dim: int | None, rank: int) -> torch.Tensor:
-    return t if dim is None else torch.chunk(t, TP, dim=dim)[rank]
+def rank_slice(t: torch.Tensor, dim: int | None, rank: int, tp: int = TP) -> torch.Tensor:
+    return t if dim is None else torch.chunk(t, tp, dim=dim)[rank]
 
 
-def expected_rank(fmt: str, src: dict[str, torch.Tensor], shape: TinyLlama, rank: int) -> dict[str, torch.Tensor]:
+def expected_rank(fmt: str, src: dict[str, torch.Tensor], shape: TinyLlama, rank: int, tp: int = TP) -> dict[str, torch.Tensor]:
     """vLLM's create_weights state of one rank, from the checkpoint and the table above."""
     model_dtype = src["model.embed_tokens.weight"].dtype
     out: dict[str, torch.Tensor] = {}
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         padded = torch.zeros(-(-shape.vocab // 64) * 64, shape.hidden, dtype=model_dtype)
         padded[: shape.vocab] = src[name]
-        out[name] = rank_slice(padded, 0, rank)
+        out[name] = rank_slice(padded, 0, rank, tp)
     out["model.norm.weight"] = src["model.norm.weight"]
     for layer in range(shape.layers):
         p = f"model.layers.{layer}"
@@ -91,8 +91,8 @@ def expected_rank(fmt: str, src: dict[str, torch.Tensor], shape: TinyLlama, rank
                 parts = []
                 for m in members:
                     t = src[f"{p}.{block}.{m}.{suffix}"]
-                    parts.append(rank_slice(t, k_dim if fused in ROW_PARALLEL else n_dim, rank).reshape(-1) if n_dim is None else
-                                 rank_slice(t, k_dim if fused in ROW_PARALLEL else n_dim, rank))  # fmt: skip
+                    parts.append(rank_slice(t, k_dim if fused in ROW_PARALLEL else n_dim, rank, tp).reshape(-1) if n_dim is None else
+                                 rank_slice(t, k_dim if fused in ROW_PARALLEL else n_dim, rank, tp))  # fmt: skip
                 t = torch.cat(parts, dim=n_dim or 0)
                 out[f"{p}.{block}.{fused}.{vname}"] = t.to(TORCH[vdtype]) if vdtype else t
             if fmt == "ct_w4a16":  # the source's unsliced [N, K] of the last matrix vLLM's loader copies in
@@ -136,6 +136,36 @@ def test_each_rank_holds_vllms_create_weights_layout_bit_for_bit(exported, fmt):
         assert not bad, bad[:4]
     report = check(dest, src)
     assert report.ok and report.tensors_reassembled > 0, [p.message for p in report.problems]
+
+
+# Wide enough for tp 8 (docs/deploy.md's vLLM proof at tp 4 and 8): every row-parallel K per rank is
+# 256 (two groups of 128), every column-parallel N per rank a multiple of 128 (k/v: 8 heads x 128 / 8).
+WIDE = TinyLlama(hidden=1024, intermediate=2048, heads=16, kv_heads=8, head_dim=128, vocab=1024)
+
+
+def test_group_128_cut_at_tp_8_on_a_wider_llama(tmp_path, copy_of):
+    """CT W4A16 group 128 at tp 8: each rank holds vLLM's create_weights layout for its eighth (two
+    groups of o/down's K each); two ranks swapped are caught by check --source."""
+    src, dest = tmp_path / "ct_w4a16", tmp_path / "ct_w4a16-vllm"
+    write_quant_checkpoint(src, DEFAULT_SPECS["ct_w4a16"], shape=WIDE)
+    split_and_export(src, dest, tpshard.Topology(tp=8), "vllm")
+    source = source_tensors(src)
+    for rank in range(8):
+        want, got = expected_rank("ct_w4a16", source, WIDE, rank, tp=8), read_rank(dest, rank)
+        assert sorted(got) == sorted(want)
+        assert got["model.layers.0.mlp.down_proj.weight_scale"].shape == (1024, 2)  # K 256 per rank, 2 groups
+        bad = [(k, DTYPES[got[k].dtype], list(got[k].shape), DTYPES[want[k].dtype], list(want[k].shape)) for k in want if not same(got[k], want[k])]
+        assert not bad, bad[:4]
+    assert check(dest, src).ok
+
+    def swap(d: Path) -> None:
+        a, b, tmp = d / "model-rank-3-part-0.safetensors", d / "model-rank-6-part-0.safetensors", d / "swap"
+        shutil.move(a, tmp)
+        shutil.move(b, a)
+        shutil.move(tmp, b)
+
+    report = check(_broken(copy_of, dest, swap), src)
+    assert not report.ok and "(group tp rank 3/8, ranks [3]): holds the slice of group rank 6" in _findings(report), _findings(report)
 
 
 def test_launch_dtype_is_the_models_not_the_scales(exported):
