@@ -75,6 +75,16 @@ def qwen2_moe(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hybrid_models(tmp_path_factory) -> dict[str, Path]:
+    """Qwen3.5-MoE and Qwen3-Next, by architecture (tests/test_hybrid.py, test_hybrid_model.py)."""
+    root = tmp_path_factory.mktemp("hybrid")
+    return {
+        "Qwen3_5MoeForCausalLM": make_checkpoint(root / "qwen3_5_moe", "qwen3_5_moe", max_shard_size="100KB"),
+        "Qwen3NextForCausalLM": make_checkpoint(root / "qwen3_next", "qwen3_next", seed=1, max_shard_size="100KB"),
+    }
+
+
+@pytest.fixture(scope="session")
 def mixtral(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("mixtral") / "model", "mixtral", max_shard_size="100KB")
 

@@ -34,12 +34,8 @@ K, V = 8 * 4, 16 * 4  # linear attention: key heads x key dim, value heads x val
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hybrid")
-    return {
-        Q35: make_checkpoint(root / "qwen3_5_moe", "qwen3_5_moe", max_shard_size="100KB"),
-        NEXT: make_checkpoint(root / "qwen3_next", "qwen3_next", seed=1, max_shard_size="100KB"),
-    }
+def models(hybrid_models) -> dict[str, Path]:
+    return hybrid_models  # conftest: one pair of checkpoints for this module and its sibling
 
 
 def tpshard_cli(*args) -> subprocess.CompletedProcess:

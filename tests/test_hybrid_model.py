@@ -20,7 +20,6 @@ import torch
 import tpshard
 import tpshard.arch as arch
 from broken import overwrite_tensor, rewrite_checksums
-from checkpoints import make_checkpoint
 from tpshard.topology import Topology
 from tpshard.verify import MODEL_TOLERANCE, verify_many
 
@@ -28,12 +27,8 @@ Q35, NEXT = "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hybrid_model")
-    return {
-        Q35: make_checkpoint(root / "qwen3_5_moe", "qwen3_5_moe", max_shard_size="100KB"),
-        NEXT: make_checkpoint(root / "qwen3_next", "qwen3_next", seed=1, max_shard_size="100KB"),
-    }
+def models(hybrid_models) -> dict[str, Path]:
+    return hybrid_models  # conftest: one pair of checkpoints for this module and its sibling
 
 
 def from_other_rank(out: Path, name: str, rank: int = 0, other: int = 1) -> None:
