@@ -30,34 +30,43 @@ DIGEST_SIZE = {"crc32": 4, "sha256": 32}
 assert array("I").itemsize == 4  # digest_slots' crc32s
 
 
+@functools.cache
 def _libdeflate_crc32():
     """libdeflate's crc32 (PCLMUL / AVX-512 folding, about 4 x zlib 1.2's table-driven one on this
     project's VMs), or None where the system has no libdeflate (Debian's and Ubuntu's libdeflate0;
-    docs/performance.md). Same polynomial, same values: a manifest does not say which computed it."""
+    docs/performance.md). Same polynomial, same values: a manifest does not say which computed it.
+    Loaded on the first large buffer: a plan or a rank's reader never pays for it."""
+    import ctypes
+
     try:
-        import ctypes
+        lib = ctypes.CDLL("libdeflate.so.0")
+    except OSError:  # another soname or system: ask the linker cache (a subprocess, ~8 ms)
         import ctypes.util
 
-        fn = ctypes.CDLL(ctypes.util.find_library("deflate") or "libdeflate.so.0").libdeflate_crc32
-    except (OSError, AttributeError):
-        return None
-    fn.restype, fn.argtypes = ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        name = ctypes.util.find_library("deflate")
+        try:
+            lib = ctypes.CDLL(name) if name else None
+        except OSError:
+            lib = None
+    fn = getattr(lib, "libdeflate_crc32", None)
+    if fn is not None:
+        fn.restype, fn.argtypes = ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
     return fn
 
 
-_fast_crc32 = _libdeflate_crc32()
 # Below this a call through ctypes (the buffer's address from numpy: ~4 us) costs more than it saves.
 FAST_CRC_BYTES = 32 << 10
 
 
 def crc32(data, value: int = 0) -> int:
     """zlib.crc32(data, value), computed by libdeflate for large buffers where it is installed."""
-    if _fast_crc32 is None or len(data) < FAST_CRC_BYTES:
+    fast = _libdeflate_crc32() if len(data) >= FAST_CRC_BYTES else None
+    if fast is None:
         return zlib.crc32(data, value)
     import numpy as np  # only for buffers this large: a plan or a rank's reader need not import it
 
     a = np.frombuffer(data, np.uint8)  # any contiguous buffer, read-only ones (mmap, bytes) too
-    return _fast_crc32(value, a.ctypes.data, a.size)
+    return fast(value, a.ctypes.data, a.size)
 
 
 def new_hash(algorithm: str):
