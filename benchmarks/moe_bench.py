@@ -37,7 +37,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from split_bench import drop, measure, median, warm  # noqa: E402
+from split_bench import against_cp, drop, measure, warm  # noqa: E402
 
 class Dims(NamedTuple):
     H: int  # hidden
@@ -226,15 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             if target is not None:
                 drop(target)
         print(f"round {run + 1}/{args.runs} done", file=sys.stderr)
-    cp = median([s.total_s for s in samples["cp -r"]])
-    rows = {}
-    for name, ss in samples.items():
-        t = median([s.total_s for s in ss])
-        rows[name] = dict(
-            time_s=round(t, 2), x_cp=round(t / cp, 2), cpu_s=round(median([s.cpu_s for s in ss]), 2),
-            maxrss_mib=round(max(s.maxrss_mib for s in ss)), anon_mib=round(max(s.anon_mib for s in ss)),
-            loadavg=round(median([s.loadavg for s in ss]), 1),
-        )  # fmt: skip
+    rows = against_cp(samples)
     print(f"{'case':8} {'time s':>8} {'x cp':>6} {'cpu s':>7} {'maxrss MiB':>11} {'anon MiB':>9} {'load':>5}")
     for name, r in rows.items():
         print(f"{name:8} {r['time_s']:8.2f} {r['x_cp']:6.2f} {r['cpu_s']:7.2f} {r['maxrss_mib']:11d} {r['anon_mib']:9d} {r['loadavg']:5.1f}")
