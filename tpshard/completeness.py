@@ -13,6 +13,7 @@ quantized format's business: tpshard.plan refuses a partial one).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 
 from tpshard.arch import ARCHITECTURES
@@ -29,10 +30,14 @@ def check_complete(model: ModelInfo, config: dict, names: Iterable[str], quantiz
     if arch is None:
         return  # not an architecture tpshard knows: tpshard.arch.arch_for refuses it
     modules = {n.rpartition(".")[0] for n in names}
+    fused = _fused_alternatives(arch, names)
     missing = []
     for name in arch.expected(model, config):
         if name in names:
             continue
+        found = _EXPERT.fullmatch(name)
+        if found is not None and (found.group(1), found.group(2)) in fused:
+            continue  # this layer's experts stored fused, the fused tensor present
         module, _, param = name.rpartition(".")
         if param == "weight" and module in modules and quantized(module):
             continue  # stored as qweight/scales/...: the quantized format checks its own set
@@ -43,3 +48,19 @@ def check_complete(model: ModelInfo, config: dict, names: Iterable[str], quantiz
             f"the checkpoint lacks {', '.join(missing[:6])}{more}, which {model.architecture} with this"
             " config.json needs (incomplete download? a config from another model?)"
         )
+
+
+_EXPERT = re.compile(r"(.+\.experts)\.\d+\.(\w+)\.weight")  # one expert's projection, as Arch.expected names it
+
+
+def _fused_alternatives(arch, names: set[str]) -> set[tuple[str, str]]:
+    """(experts module, per-expert projection) that a fused tensor in the checkpoint stands for, where
+    the engine reads either form (FusedExperts.per_expert: Qwen3.5's gate_up_proj for gate_proj and
+    up_proj, down_proj for down_proj)."""
+    per = dict(arch.fused_experts.per_expert) if arch.fused_experts is not None else {}
+    out: set[tuple[str, str]] = set()
+    for n in names:
+        module, _, param = n.rpartition(".")
+        if param in per and module.endswith(".experts"):
+            out.update((module, p) for p in per[param])
+    return out

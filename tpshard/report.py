@@ -43,14 +43,14 @@ def slice_text(s: ShardSpec) -> str:
 
 def layer_index(name: str, num_layers: int = 0) -> int | None:
     """The decoder layer of a tensor: model.layers.N (DeepSeek-V4's native layers.N; its MTP layer
-    mtp.K is layer num_layers + K)."""
+    mtp.K is layer num_layers + K, as is Qwen3.5's / Qwen3-Next's mtp.layers.K)."""
     m = _LAYER_INDEX.search(name)
     if m is None:
         return None
-    return int(m.group(2)) + (num_layers if m.group(1) == "mtp" else 0)
+    return int(m.group(2)) + (num_layers if m.group(1) in ("mtp", "mtp.layers") else 0)
 
 
-_LAYER_INDEX = re.compile(r"(?:^|\.)(layers|mtp)\.(\d+)\.")
+_LAYER_INDEX = re.compile(r"(?:^|\.)(mtp\.layers|layers|mtp)\.(\d+)\.")
 _LAYER_NUMBER = re.compile(r"(^|\.)layers\.\d+\.")
 _EXPERT_NUMBER = re.compile(r"\.experts\.\d+\.")
 

@@ -60,6 +60,9 @@ class Rule(NamedTuple):
     # Head counts that must all divide the group (HEAD_COUNTS key), with `heads`; "" = the attention heads.
     head_counts: str = ""
     bias: bool = True  # False: the engine layer is built without a bias, so a checkpoint bias is refused
+    # A layer of the speculative draft (MTP) model, built with is_nextn: Qwen3.5's draft attention
+    # cuts K/V over attn_tp without --dcp's replication (qwen3_5.py L1287).
+    nextn: bool = False
 
 
 # [out, in] of a weight according to config.json.

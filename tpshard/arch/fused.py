@@ -51,6 +51,9 @@ FUSED_SHAPES = {
     "e_2i": lambda e, h, i: (e, 2 * i),
     "e_i_h": lambda e, h, i: (e, i, h),
     "e_h": lambda e, h, i: (e, h),
+    # Qwen3.5's [out, in] per expert: gate_up_proj [E, 2I, H] ([gate | up] rows), down_proj [E, H, I]
+    "e_2i_h": lambda e, h, i: (e, 2 * i, h),
+    "e_h_i": lambda e, h, i: (e, h, i),
     # MXFP4 (32 values a block, two per byte): blocks [..., blocks, 16] and one E8M0 scale a block
     "e_2i_hb_16": lambda e, h, i: (e, 2 * i, h // 32, 16),
     "e_2i_hb": lambda e, h, i: (e, 2 * i, h // 32),
@@ -65,3 +68,7 @@ class FusedExperts(NamedTuple):
     # refused with `ep_refusal`), "blocks" (block-quantized ones only: gpt-oss MXFP4), "always".
     ep_loads: Literal["never", "blocks", "always"] = "never"
     ep_refusal: str = ""  # why not, for the refusal
+    # Where the engine's loader reads the experts either fused or one by one (Qwen3.5): each fused
+    # parameter and the per-expert projections it stands for, so that a checkpoint holding either form
+    # is complete (tpshard.completeness); () = the fused form only (gpt-oss, Llama-4).
+    per_expert: tuple[tuple[str, tuple[str, ...]], ...] = ()

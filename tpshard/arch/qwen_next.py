@@ -61,6 +61,7 @@ What rank r holds (attn_tp = tp / attn_dp, moe_tp = tp / ep) is what SGLang 0.5.
 
 from tpshard.arch.base import NORMS, QK_NORM, VOCAB, Arch, EngineNames, EngineTable, L, Piece, Rule
 from tpshard.arch.engine_names import NO_MLP, ROUTED, VLLM_MOE, bf16_only, vllm_mlp
+from tpshard.arch.fused import FusedExperts, FusedParam
 from tpshard.arch.qwen import EXPERTS, SHARED_EXPERT, refuse_dense_layers
 from tpshard.arch.router import RouterConfig
 from tpshard.arch.tensors import config_value, decoder_tensors, expert_tensors, mlp_tensors
@@ -99,7 +100,45 @@ QWEN3_NEXT_LINEAR = LINEAR_COMMON + (
     _linear(LA + r"\.in_proj_qkvz", "ColumnParallelLinear", _QKVZ, shape="linear_qkvz"),  # whole key-head groups
     _linear(LA + r"\.in_proj_ba", "ColumnParallelLinear", _BA, shape="linear_ba"),
 )
+# Qwen3.5's experts stored fused (the release's form: mlp.experts.gate_up_proj [E, 2I, H], down_proj
+# [E, H, I]). Qwen3_5MoeForCausalLM.load_weights (qwen3_5.py L2281-2306; the wrapper's L2760-2790, the
+# MTP draft's qwen3_5_mtp.py L434-461) chunks gate_up_proj in two on dim -2 (rows [0, I) gate, [I, 2I)
+# up) and feeds each expert by its global id to FusedMoE.weight_loader as w1 / w3 / w2, which keeps the
+# rank's EP block and narrows each to its moe_tp rows (gate, up) or columns (down), as for experts
+# stored one by one: per rank a segmented cut of dim 1 (its slice of the gate half, then of the up
+# half) and down_proj on dim 2, inside its EP block of dim 0 (tpshard.plan.fused).
+FUSED_EXPERTS = (Rule(L + r"\.mlp\.experts", "FusedExperts", "expert", r"\1.mlp.experts", moe=True),)
+FUSED = FusedExperts(
+    params={
+        "gate_up_proj": FusedParam("w13", "segmented", 1, per_i=2, shape="e_2i_h"),
+        "down_proj": FusedParam("w2", "single", 2, shape="e_h_i"),
+    },
+    ep_loads="always",
+    per_expert=(("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))),
+)
 COMMON = VOCAB + NORMS + GATED_ATTENTION + QK_NORM + EXPERTS + SHARED_EXPERT
+
+
+def _in_mtp(rule: Rule) -> Rule:
+    """A decoder-layer rule at the MTP layer `mtp.layers.0` (the draft's model.layers.0)."""
+    return rule._replace(module=MTP + rule.module[len(L) :], nextn=True)
+
+
+# The MTP layer, as the draft classes load it (Qwen3_5ForCausalLMMTP, qwen3_5_mtp.py L364-375;
+# Qwen3NextForCausalLMMTP through Qwen3NextForCausalLM.load_weights(is_mtp=True), qwen3_next.py
+# L1173-1184): mtp.layers.0.* is the draft's model.layers.0, one full-attention MoE layer
+# (num_hidden_layers 1, full_attention_interval 1: qwen3_5_mtp.py L104-112, qwen3_next_mtp.py
+# L57-65) built by the main classes' own decoder layer with is_nextn, so cut as the main model's
+# full-attention layers (its K/V without --dcp's replication); mtp.norm the draft's final norm;
+# mtp.fc a plain nn.Linear [H, 2H] and mtp.pre_fc_norm_embedding / _hidden GemmaRMSNorms, all whole.
+# The draft reads no embedding or lm_head of its own: Qwen3.5's loads the target's
+# model.embed_tokens (qwen3_5_mtp.py L344-356), and both take the target's head.
+MTP = r"(mtp\.layers\.\d+)"
+MTP_RULES = tuple(_in_mtp(r) for r in NORMS + GATED_ATTENTION + QK_NORM + EXPERTS + SHARED_EXPERT if r.module.startswith(L)) + (
+    Rule(r"mtp\.fc", "ReplicatedLinear", "replicated", "mtp.fc", shape="eh_proj"),
+    Rule(r"mtp\.(pre_fc_norm_embedding|pre_fc_norm_hidden|norm)", "Replicated", "replicated", r"mtp.\1"),
+)
+QWEN3_5_MTP = MTP_RULES + tuple(_in_mtp(r) for r in FUSED_EXPERTS)
 
 
 def expected(fused: bool):
@@ -165,22 +204,26 @@ def every_layer_sparse(model: ModelInfo, layer: int) -> bool:
 
 
 def refuse_unplaced(names) -> None:
-    """Qwen3.5's MTP layer (mtp.*) and experts stored fused, by their tensors: one line saying what
-    they are and what to do."""
+    """An MTP layer past the first (the draft classes build one decoder layer: mtp.layers.1 would not
+    load), by its tensors: one line."""
+    extra = sorted(n for n in names if n.startswith("mtp.layers.") and not n.startswith("mtp.layers.0."))
+    if extra:
+        raise PlanError(
+            f"the checkpoint holds a second MTP layer ({extra[0]} and {len(extra) - 1} more); SGLang's MTP draft"
+            " (qwen3_5_mtp.py, qwen3_next_mtp.py) builds one layer, mtp.layers.0, so it would not load: split a copy"
+            " whose index leaves the others out"
+        )
+
+
+def refuse_next_fused(names) -> None:
+    """Qwen3-Next's experts stored fused: its loader has no mapping for them (one line)."""
+    refuse_unplaced(names)
     fused = sorted(n for n in names if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")))
     if fused:
         raise PlanError(
-            f"Qwen3.5-MoE: experts stored fused ({fused[0]} and {len(fused) - 1} more): SGLang's qwen3_5.py load_weights"
-            " chunks gate_up_proj [E, 2I, H] into gate and up and feeds each expert to FusedMoE, a cut tpshard does not"
-            " make yet; save the experts one by one (transformers 5's save_pretrained does) and split that"
-        )
-    found = sorted(n for n in names if n.startswith("mtp."))
-    if found:
-        raise PlanError(
-            f"Qwen3.5-MoE: the checkpoint holds the MTP layer ({found[0]} and {len(found) - 1} more), which tpshard has no"
-            " rule for: SGLang loads it into the speculative draft model (models/qwen3_5_mtp.py Qwen3_5ForCausalLMMTP),"
-            " whose cut tpshard has not measured, and its main model skips it; split a copy of the checkpoint whose"
-            " index leaves mtp.* out to serve without MTP"
+            f"Qwen3-Next: experts stored fused ({fused[0]} and {len(fused) - 1} more): SGLang's qwen3_next.py"
+            " load_weights maps experts stored one by one only (L1228-1249: no parameter takes the fused name),"
+            " so it would not load them; save the experts one by one and split that"
         )
 
 
@@ -249,20 +292,21 @@ QWEN3_5_VLLM = _HYBRID_VLLM + (
 
 ARCHS = (
     Arch(
-        "Qwen3_5MoeForCausalLM", COMMON + QWEN3_5_LINEAR, "qwen3_5_text.py", attn_group="attn_tp", embed_group="replicated",
+        "Qwen3_5MoeForCausalLM", COMMON + QWEN3_5_LINEAR + FUSED_EXPERTS + QWEN3_5_MTP, "qwen3_5_text.py", attn_group="attn_tp", embed_group="replicated",
         model_type="qwen3_5_moe_text", expected=expected(fused=False), exports=EngineNames(vllm=EngineTable(QWEN3_5_VLLM, refuse=bf16_only("models/qwen3_5.py"), **VLLM_MOE), sglang=None),
         verify="hybrid", router=renormalised_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config, dcp="kv",
-        refuse_tensors=refuse_unplaced,
+        refuse_tensors=refuse_unplaced, fused_experts=FUSED,
     ),
     Arch(
-        WRAPPER, tuple(map(wrapped, COMMON + QWEN3_5_LINEAR)), "qwen3_5.py", attn_group="attn_tp",
+        WRAPPER, tuple(map(wrapped, COMMON + QWEN3_5_LINEAR + FUSED_EXPERTS)) + QWEN3_5_MTP, "qwen3_5.py", attn_group="attn_tp",
         embed_group="replicated", model_type="qwen3_5_moe", expected=wrapped_expected, exports=EngineNames(vllm=None, sglang=None),
         verify="hybrid", router=renormalised_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config, dcp="kv",
-        dropped=VISION_DROPPED, refuse_tensors=refuse_unplaced, server_hint=f"start SGLang with {LANGUAGE_ONLY}: this output holds no vision tower",
+        dropped=VISION_DROPPED, refuse_tensors=refuse_unplaced, fused_experts=FUSED, server_hint=f"start SGLang with {LANGUAGE_ONLY}: this output holds no vision tower",
     ),
     Arch(
-        "Qwen3NextForCausalLM", COMMON + QWEN3_NEXT_LINEAR, "qwen3_next.py", attn_group="attn_tp", embed_group="attn_tp",
+        "Qwen3NextForCausalLM", COMMON + QWEN3_NEXT_LINEAR + MTP_RULES, "qwen3_next.py", attn_group="attn_tp", embed_group="attn_tp",
         model_type="qwen3_next", expected=expected(fused=True), exports=EngineNames(vllm=EngineTable(QWEN3_NEXT_VLLM, refuse=bf16_only("models/qwen3_next.py"), **VLLM_MOE), sglang=None),
         verify="hybrid", router=next_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config,
+        refuse_tensors=refuse_next_fused,
     ),
 )  # fmt: skip

@@ -98,8 +98,9 @@ def kv_replicas(rule: Rule, ctx: Layout) -> int:
     """Consecutive ranks of the attention group that hold the same K/V partition: Qwen3.5's
     QKVParallelLinear takes kv_parallel_group=ReplicatedParallelGroup("attn_tp", dcp) (SGLang
     models/qwen3_5.py L1287-1297; layers/linear.py _ReplicatedGroup: rank // dcp of size attn_tp / dcp),
-    every other class cuts K/V over the attention group itself (1)."""
-    return ctx.topology.dcp_size if ctx.arch.dcp == "kv" and rule.layer_class == "QKVParallelLinear" else 1
+    every other class cuts K/V over the attention group itself (1), and so does Qwen3.5's MTP draft
+    layer (`dcp_size = 1 if is_nextn`, qwen3_5.py L1287)."""
+    return ctx.topology.dcp_size if ctx.arch.dcp == "kv" and rule.layer_class == "QKVParallelLinear" and not rule.nextn else 1
 
 
 # Cut by whole heads along dim 0, kv pieces replicated when the group outnumbers the kv heads:

@@ -19,8 +19,9 @@ from tpshard.quant.formats import CODES_SUFFIXES
 # model.layers.N (HF names; Llama-4 nests the text model under language_model., Qwen3.5's wrapper under
 # model.language_model.); DeepSeek-V4's native
 # layers.N, and its MTP layers mtp.K, which SGLang's NextN loader reads as layer num_hidden_layers + K
-# (deepseek_v4.py remap_weight_name_to_dpsk_hf_format)
-_LAYER_INDEX = re.compile(r"(?:language_model\.)?(model\.)?(?:language_model\.)?(layers|mtp)\.(\d+)\.")
+# (deepseek_v4.py remap_weight_name_to_dpsk_hf_format); Qwen3.5's and Qwen3-Next's MTP layer
+# mtp.layers.K, which their draft classes load as the draft's own layer K (one: refused past it by the family)
+_LAYER_INDEX = re.compile(r"(?:language_model\.)?(model\.)?(?:language_model\.)?(layers|mtp|mtp\.layers)\.(\d+)\.")
 
 
 class Experts:
@@ -30,6 +31,7 @@ class Experts:
     def __init__(self, ctx: Layout):
         self.ctx = ctx
         self.seen: dict[int, set[tuple[int, str]]] = {}
+        self.fused: set[int] = set()  # layers whose experts are stored fused [E, ...] (Arch.fused_experts)
 
     def place(self, name: str, rule: Rule, expert: int | None) -> int | None:
         """The EP slot of `name` (None: not a routed expert); refuses tensors the config has no home for."""
@@ -40,7 +42,9 @@ class Experts:
         kind, index = found.group(2), int(found.group(3))
         # DeepSeek-V4's native names keep the MTP layers apart (mtp.K): its layers.N stop at num_hidden_layers
         apart = kind == "mtp" or found.group(1) is None
-        if kind == "mtp":
+        if kind == "mtp.layers":  # Qwen's draft layer: the family refuses any but mtp.layers.0 by name
+            index += m.num_layers
+        elif kind == "mtp":
             if index >= m.num_nextn_predict_layers:
                 raise PlanError(f"{name}: MTP layer {index}, but config.json has {m.num_nextn_predict_layers} MTP layer(s)")
             index += m.num_layers
@@ -53,6 +57,8 @@ class Experts:
                 f" {'dense' if rule.moe else 'MoE'} layer (first_k_dense_replace {m.first_k_dense_replace},"
                 f" moe_layer_freq {m.moe_layer_freq})"
             )
+        if rule.layer_class == "FusedExperts":
+            self.fused.add(index)
         if expert is None:
             return None
         if expert >= m.num_experts:
@@ -63,9 +69,10 @@ class Experts:
 
     def finish(self) -> None:
         m, a = self.ctx.model, self.ctx.arch
-        if a.sparse is None or not m.num_experts or a.fused_experts is not None:
+        if a.sparse is None or not m.num_experts or (a.fused_experts is not None and not a.fused_experts.per_expert):
             return  # fused [E, ...] tensors: Arch.expected names them (tpshard.completeness)
-        layers = {i for i in range(m.num_layers) if a.sparse(m, i)} | set(self.seen)
+        # a layer stored fused is complete when its fused tensors are (tpshard.completeness)
+        layers = ({i for i in range(m.num_layers) if a.sparse(m, i)} | set(self.seen)) - self.fused
         for index in sorted(layers):
             have = self.seen.get(index, set())
             missing = sorted({(e, p) for e in range(m.num_experts) for p in ("w1", "w3", "w2")} - have)

@@ -74,8 +74,9 @@ def build_layer(
     if cls == "QKVParallelLinear":
         (nq, _), (nk, _), (nv, _) = (lay.logical_shape(p) for p in ("q", "k", "v"))
         hd = model.head_dim
-        # SGLang's class decides the K/V group (Arch.dcp; qwen3_5.py: ReplicatedParallelGroup("attn_tp", dcp)), not the manifest
-        replicas = topo.dcp_size if arch_for(model).dcp == "kv" else 1
+        # SGLang's class decides the K/V group (Arch.dcp; qwen3_5.py: ReplicatedParallelGroup("attn_tp", dcp)), not the
+        # manifest; the MTP draft layer (mtp.*) is built with is_nextn, dcp 1 (qwen3_5.py L1287)
+        replicas = topo.dcp_size if arch_for(model).dcp == "kv" and not lay.layer.startswith("mtp.") else 1
         module = QKVParallelLinear(
             in_size, hd, nq // hd, nk // hd, bias=lay.has_bias(), v_head_size=nv // (nk // hd), kv_replicas=replicas, **kw,
         )  # fmt: skip
