@@ -41,6 +41,11 @@ SHARED_EXPERT = (
     + (Rule(L + r"\.mlp\.shared_expert_gate", "ReplicatedLinear", "replicated", r"\1.mlp.shared_expert_gate", shape="shared_gate", moe=True),)
 )  # fmt: skip
 QWEN2_MOE = VOCAB + NORMS + QKV_ATTENTION + EXPERTS + SHARED_EXPERT
+# Qwen2MoeSparseMoeBlock.__init__ (qwen2_moe.py L358-383) builds the shared expert with
+# parallel_group="replicated" under these --moe-a2a-backend choices (whole on every rank), over tp
+# under the others; Qwen3.5-MoE and Qwen3-Next build the same block (qwen3_5.py L1148, L1382;
+# qwen3_next.py L549, L706).
+A2A_SHARED = frozenset(("deepep", "mori", "deepep_v2", "flashinfer", "flashinfer_megamoe", "megamoe", "ascend_fuseep"))
 
 
 def every_layer_sparse(model: ModelInfo, layer: int) -> bool:
@@ -120,6 +125,6 @@ ARCHS = (
         expected=lambda m, c: moe_expected(m, c, qkv_bias=True, qk_norm=False, shared=True),
         exports=EngineNames(vllm=EngineTable(_QWEN2_MOE_VLLM, **VLLM_MOE), sglang=None), verify="moe", router=moe_router,
         sparse=every_layer_sparse, experts_limit="tp", check=refuse_dense_layers,
-        a2a_shared=frozenset(("deepep", "mori", "deepep_v2", "flashinfer", "flashinfer_megamoe", "megamoe", "ascend_fuseep")),
+        a2a_shared=A2A_SHARED,
     ),
 )  # fmt: skip

@@ -62,7 +62,7 @@ What rank r holds (attn_tp = tp / attn_dp, moe_tp = tp / ep) is what SGLang 0.5.
 from tpshard.arch.base import NORMS, QK_NORM, VOCAB, Arch, EngineNames, EngineTable, L, Piece, Rule
 from tpshard.arch.engine_names import NO_MLP, ROUTED, VLLM_MOE, bf16_only, vllm_mlp
 from tpshard.arch.fused import FusedExperts, FusedParam
-from tpshard.arch.qwen import EXPERTS, SHARED_EXPERT, refuse_dense_layers
+from tpshard.arch.qwen import A2A_SHARED, EXPERTS, SHARED_EXPERT, refuse_dense_layers
 from tpshard.arch.router import RouterConfig
 from tpshard.arch.tensors import config_value, decoder_tensors, expert_tensors, mlp_tensors
 from tpshard.errors import PlanError
@@ -203,15 +203,47 @@ def every_layer_sparse(model: ModelInfo, layer: int) -> bool:
     return True
 
 
+# The MTP layer's tensors besides its routed experts (tests/qwen_release.py builds them by these names).
+MTP_TENSORS = tuple(f"mtp.{n}.weight" for n in ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")) + tuple(
+    f"mtp.layers.0.{n}.weight" for n in (
+        "input_layernorm", "post_attention_layernorm", *(f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")),
+        "mlp.gate", *(f"mlp.shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj")), "mlp.shared_expert_gate",
+    )
+)  # fmt: skip
+_FUSED_NAMES = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
 def refuse_unplaced(names) -> None:
-    """An MTP layer past the first (the draft classes build one decoder layer: mtp.layers.1 would not
-    load), by its tensors: one line."""
+    """What SGLang would not load as the checkpoint has it, by the tensors' names, in one line: an MTP
+    layer past the first or one incomplete, and the main model's experts fused in some layers and one
+    by one in others (its load_weights switches to the fused mapping at the first fused name and keeps
+    it, qwen3_5.py L2241-2243, so the per-expert tensors after it would not load)."""
+    names = list(names)
     extra = sorted(n for n in names if n.startswith("mtp.layers.") and not n.startswith("mtp.layers.0."))
     if extra:
         raise PlanError(
             f"the checkpoint holds a second MTP layer ({extra[0]} and {len(extra) - 1} more); SGLang's MTP draft"
             " (qwen3_5_mtp.py, qwen3_next_mtp.py) builds one layer, mtp.layers.0, so it would not load: split a copy"
             " whose index leaves the others out"
+        )
+    mtp = {n for n in names if n.startswith("mtp.")}
+    experts = {n for n in mtp if n.startswith("mtp.layers.0.mlp.experts.")}
+    fused = {"mtp.layers.0" + f for f in _FUSED_NAMES}
+    lacking = [n for n in MTP_TENSORS if n not in mtp] + ([] if not mtp or fused <= experts or experts - fused else ["mtp.layers.0.mlp.experts.*"])
+    if mtp and lacking:
+        raise PlanError(
+            f"the checkpoint's MTP layer is incomplete: it lacks {', '.join(lacking[:4])}{' and more' if len(lacking) > 4 else ''};"
+            " SGLang's draft would run with weights never loaded: complete it, or split a copy whose index leaves mtp.*"
+            " out to serve without MTP"
+        )
+    main = [n for n in names if not n.startswith("mtp.") and ".mlp.experts." in n]
+    stored = [n for n in main if n.endswith(_FUSED_NAMES)]
+    if stored and len(stored) != len(main):
+        one = next(n for n in main if not n.endswith(_FUSED_NAMES))
+        raise PlanError(
+            f"the checkpoint stores some experts fused ({stored[0]}) and others one by one ({one}); SGLang's"
+            " qwen3_5.py load_weights keeps the fused mapping from the first fused tensor on, so the others would not"
+            " load: store every layer's experts the same way"
         )
 
 
@@ -294,19 +326,19 @@ ARCHS = (
     Arch(
         "Qwen3_5MoeForCausalLM", COMMON + QWEN3_5_LINEAR + FUSED_EXPERTS + QWEN3_5_MTP, "qwen3_5_text.py", attn_group="attn_tp", embed_group="replicated",
         model_type="qwen3_5_moe_text", expected=expected(fused=False), exports=EngineNames(vllm=EngineTable(QWEN3_5_VLLM, refuse=bf16_only("models/qwen3_5.py"), **VLLM_MOE), sglang=None),
-        verify="hybrid", router=renormalised_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config, dcp="kv",
+        verify="hybrid", router=renormalised_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config, a2a_shared=A2A_SHARED, dcp="kv",
         refuse_tensors=refuse_unplaced, fused_experts=FUSED,
     ),
     Arch(
         WRAPPER, tuple(map(wrapped, COMMON + QWEN3_5_LINEAR + FUSED_EXPERTS)) + QWEN3_5_MTP, "qwen3_5.py", attn_group="attn_tp",
         embed_group="replicated", model_type="qwen3_5_moe", expected=wrapped_expected, exports=EngineNames(vllm=None, sglang=None),
-        verify="hybrid", router=renormalised_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config, dcp="kv",
+        verify="hybrid", router=renormalised_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config, a2a_shared=A2A_SHARED, dcp="kv",
         dropped=VISION_DROPPED, refuse_tensors=refuse_unplaced, fused_experts=FUSED, server_hint=f"start SGLang with {LANGUAGE_ONLY}: this output holds no vision tower",
     ),
     Arch(
         "Qwen3NextForCausalLM", COMMON + QWEN3_NEXT_LINEAR + MTP_RULES, "qwen3_next.py", attn_group="attn_tp", embed_group="attn_tp",
         model_type="qwen3_next", expected=expected(fused=True), exports=EngineNames(vllm=EngineTable(QWEN3_NEXT_VLLM, refuse=bf16_only("models/qwen3_next.py"), **VLLM_MOE), sglang=None),
-        verify="hybrid", router=next_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config,
+        verify="hybrid", router=next_router, sparse=every_layer_sparse, experts_limit="tp", check=refuse_config, a2a_shared=A2A_SHARED,
         refuse_tensors=refuse_next_fused,
     ),
 )  # fmt: skip
