@@ -52,6 +52,12 @@ def _layout(plan: Plan) -> str:
     return ARCHITECTURES[plan.model.architecture].fused_experts.params["gate_up_proj"].layout
 
 
+def out_in(plan: Plan) -> bool:
+    """The family stores each expert [out, in] (Qwen3.5: gate_up_proj [E, 2I, H], down_proj [E, H, I]),
+    the transpose of the runtime's [E, in, out]: loaded and read transposed, the bytes as they are."""
+    return ARCHITECTURES[plan.model.architecture].fused_experts.params["gate_up_proj"].shape == "e_2i_h"
+
+
 def _experts_class(plan: Plan):
     return SegmentedExperts if _layout(plan) == "segmented" else InterleavedExperts
 
@@ -88,7 +94,7 @@ def build(lay, plan: Plan, rank: int, tensors, *, dtype: torch.dtype, device: to
         built.problems.append(f"{lay.layer} on rank {rank}: cannot dequantize its MXFP4 tensors: {e!r}")
     for param, t in held.items():
         try:
-            module.load(param, t.to(device=device, dtype=dtype))
+            module.load(param, (t.transpose(1, 2) if out_in(plan) else t).to(device=device, dtype=dtype))
         except (ValueError, KeyError) as e:
             built.problems.append(f"{lay.layer}.{param} on rank {rank}: {e.args[0]}")
     if module.missing_shards():
@@ -137,10 +143,10 @@ def rank_outputs(built: Built, x: torch.Tensor, lay, plan: Plan, *, seed: int, t
     return {"": (built.group.rank, out.double().cpu()), "partial": (built.group.rank, partial.double().cpu())}
 
 
-def _source_experts(lay, src, params: tuple[str, ...]) -> dict[str, torch.Tensor]:
+def _source_experts(lay, src, params: tuple[str, ...], transposed: bool = False) -> dict[str, torch.Tensor]:
     names = {_param(s): s.source for s in lay.specs}
     full = dequantized({p: src.raw(n) for p, n in names.items()})
-    return {p: full[p].double() for p in params if p in full}
+    return {p: (full[p].transpose(1, 2) if transposed else full[p]).double() for p in params if p in full}
 
 
 def _expert(w: dict, e: int, x: torch.Tensor, cols: slice, alpha: float, limit: float, bias: bool) -> torch.Tensor:
@@ -199,7 +205,7 @@ def _compare_sinks(lay, sent, src, tol, findings, problems) -> tuple[float, floa
 def _compare_experts(lay, plan, sent, src, *, seed, tokens, dtype, tol, findings, problems) -> tuple[float, float]:
     alpha, limit = swiglu_numbers(src.ckpt.config)
     params = _experts_class(plan).params
-    w = _source_experts(lay, src, params)
+    w = _source_experts(lay, src, params, out_in(plan))
     if set(w) != set(params):
         problems.setdefault(f"the manifest has no {sorted(set(params) - set(w))} for {lay.layer}")
         return 0.0, 1.0

@@ -123,8 +123,8 @@ class MoEDecoder(TPDecoder):
     def _mlp(self, p: str, x: torch.Tensor, b: int) -> torch.Tensor:
         attn_group = self._attn_group(p)
         prefix = next((f"{p}.{m}" for m in ("mlp", "block_sparse_moe") if f"{p}.{m}.experts" in self.layers), None)
-        if prefix is not None and self.layers[f"{prefix}.experts"].spec.layer_class == "FusedExperts":
-            return sinks_model.moe(self, prefix, x, attn_group, b)
+        if prefix is not None and self.layers[f"{prefix}.experts"].spec.layer_class == "FusedExperts" and f"{prefix}.gate" not in self.layers:
+            return sinks_model.moe(self, prefix, x, attn_group, b)  # gpt-oss's router; Qwen3.5's fused experts take _moe_block
         if prefix is not None:
             block = self._moe_block(prefix)
             big = block.experts.group  # tp: every rank runs every replica's tokens
