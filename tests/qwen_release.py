@@ -62,7 +62,8 @@ def mtp_tensors(tensors: dict[str, torch.Tensor], config: dict, seed: int = 7) -
     h = text["hidden_size"]
     ref = tensors[next(n for n in tensors if n.endswith("embed_tokens.weight"))]
     rnd = lambda *shape: (torch.randn(*shape, generator=g) * 0.05).to(ref.dtype)  # noqa: E731
-    out = {f"mtp.layers.0.{n[len(f'{prefix}{full}.') :]}": rnd(*t.shape) for n, t in tensors.items() if n.startswith(f"{prefix}{full}.")}
+    layer = {n[len(f"{prefix}{full}.") :]: t for n, t in tensors.items() if n.startswith(f"{prefix}{full}.")}
+    out = {f"mtp.layers.0.{n}": rnd(*layer[n].shape) for n in sorted(layer)}  # the same numbers under either prefix
     out["mtp.fc.weight"] = rnd(h, 2 * h)
     for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         out[f"mtp.{n}.weight"] = rnd(h)
