@@ -200,7 +200,7 @@ def test_next_fused_experts_refused_in_one_line(hybrid_models, tmp_path):
 
 @pytest.mark.parametrize("family, backend, whole", [(Q35, "deepep", True), (Q35, "pplx", False), (NEXT, "mori", True), (NEXT, "mooncake", False)])
 def test_a2a_backend_shared_expert(hybrid_models, family, backend, whole):
-    """Qwen2MoeSparseMoeBlock (qwen2_moe.py L358-383): the shared expert "replicated" under deepep /
+    """Qwen2MoeSparseMoeBlock (qwen2_moe.py L362-382): the shared expert "replicated" under deepep /
     mori / deepep_v2 / flashinfer / megamoe / ascend_fuseep, over tp under the others. Today refused
     ("where SGLang ... keeps the shared experts under an all-to-all backend is not established")."""
     from tpshard.checkpoint import open_checkpoint

@@ -1,6 +1,7 @@
 """Routed experts stored fused in the checkpoint: one tensor [E, ...] per projection of a layer's
-experts (gpt-oss `mlp.experts.gate_up_proj` [E, H, 2I], Llama-4 `feed_forward.experts.gate_up_proj`),
-instead of one tensor per expert and projection.
+experts (gpt-oss `mlp.experts.gate_up_proj` [E, H, 2I], Llama-4 `feed_forward.experts.gate_up_proj`,
+Qwen3.5's `mlp.experts.gate_up_proj` [E, 2I, H] with [gate | up] rows, which its loader reads as well
+as the per-expert form: `per_expert`), instead of one tensor per expert and projection.
 
 A family declares how each parameter of its fused-experts module is cut (`Arch.fused_experts`,
 param -> `FusedParam`); tpshard.plan.fused turns that into cuts and verify reads the same table

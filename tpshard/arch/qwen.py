@@ -41,7 +41,7 @@ SHARED_EXPERT = (
     + (Rule(L + r"\.mlp\.shared_expert_gate", "ReplicatedLinear", "replicated", r"\1.mlp.shared_expert_gate", shape="shared_gate", moe=True),)
 )  # fmt: skip
 QWEN2_MOE = VOCAB + NORMS + QKV_ATTENTION + EXPERTS + SHARED_EXPERT
-# Qwen2MoeSparseMoeBlock.__init__ (qwen2_moe.py L358-383) builds the shared expert with
+# Qwen2MoeSparseMoeBlock.__init__ (qwen2_moe.py L362-382) builds the shared expert with
 # parallel_group="replicated" under these --moe-a2a-backend choices (whole on every rank), over tp
 # under the others; Qwen3.5-MoE and Qwen3-Next build the same block (qwen3_5.py L1148, L1382;
 # qwen3_next.py L549, L706).

@@ -35,12 +35,20 @@ What rank r holds (attn_tp = tp / attn_dp, moe_tp = tp / ep) is what SGLang 0.5.
   segmented piece's reference as SEGMENTS says), conv1d / A_log / dt_bias by their bytes;
   `--model` runs tpshard.verify.hybrid_model's decoder (tpshard.runtime.deltanet's GatedDeltaNet
   on each rank's heads, the gated attention, the MoE with the shared expert's gate).
-- Export: vLLM only (SGLang's sharded_state refuses routed experts); the tables below.
+- Export: vLLM only (SGLang's sharded_state refuses routed experts); the tables below; an output with
+  the MTP layer or fused experts is refused there (no vLLM names measured for them).
+- The MTP layer (`mtp.*`, every release has one): cut as the draft classes load it (MTP_RULES below;
+  SGLang's main classes skip every name with "mtp", qwen3_5.py L2203, qwen3_next.py L1186): mtp.layers.0
+  a full-attention MoE layer cut as the main model's (its K/V over attn_tp without --dcp's replication,
+  Rule.nextn), mtp.fc and the norms whole; serve it with SGLang's --speculative-algorithm NEXTN (or
+  EAGLE) on the same output. Refused in one line: a second MTP layer, an incomplete one.
+- Qwen3.5's experts stored fused (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I], the
+  main layers' and the MTP layer's): FUSED below, the same FusedMoE parameters as the per-expert form;
+  a checkpoint mixing the two forms in the main model is refused (the loader's fused flag sticks).
+  Qwen3-Next's loader maps experts one by one only: its fused form refused in one line.
+- --moe-a2a-backend: Qwen2MoeSparseMoeBlock's shared expert whole under tpshard.arch.qwen.A2A_SHARED.
 - Refused: pipeline stages (no per-stage layout on record for these classes), dense MLP layers
-  (mlp_only_layers, decoder_sparse_step); Qwen3.5's MTP layer (mtp.*) and experts stored fused
-  ([E, 2I, H] `experts.gate_up_proj`, which qwen3_5.py's loader, the wrapper's too, also reads;
-  transformers 5 saves experts one by one), each in one line (refuse_unplaced). Not declared, so refused
-  by name: Qwen3-Next's MTP tensors and fused experts.
+  (mlp_only_layers, decoder_sparse_step).
 - Qwen3_5MoeForConditionalGeneration (the published checkpoints: transformers' multimodal wrapper,
   the text model under `model.language_model.`, `lm_head` at the top, the vision tower under
   `model.visual.`): in SGLang's language-model-only mode. Its class (qwen3_5.py L2586, built by
@@ -53,8 +61,9 @@ What rank r holds (attn_tp = tp / attn_dp, moe_tp = tp / ep) is what SGLang 0.5.
   (LANGUAGE_MODEL_ONLY_ARCHITECTURES, server_args.py L335; arg_groups/model_hook.py L1079), so the
   launch line carries --json-model-override-args (applied to the config before ModelConfig reads
   language_model_only, configs/model_config.py L674, utils/hf_transformers/config.py L405).
-  The MTP layer and fused experts are refused as for the text class, and export to either engine
-  (no name table measured for the wrapper). `verify --model` runs the hybrid
+  The MTP layer (top-level `mtp.*`, as the release names it: the draft reads the same names through
+  either class) and fused experts as for the text class; export refused to either engine (no name
+  table measured for the wrapper). `verify --model` runs the hybrid
   decoder on the wrapper's names against transformers' AutoModelForCausalLM, which loads the
   wrapper's text model as Qwen3_5MoeForCausalLM.
 """
@@ -101,7 +110,7 @@ QWEN3_NEXT_LINEAR = LINEAR_COMMON + (
     _linear(LA + r"\.in_proj_ba", "ColumnParallelLinear", _BA, shape="linear_ba"),
 )
 # Qwen3.5's experts stored fused (the release's form: mlp.experts.gate_up_proj [E, 2I, H], down_proj
-# [E, H, I]). Qwen3_5MoeForCausalLM.load_weights (qwen3_5.py L2281-2306; the wrapper's L2760-2790, the
+# [E, H, I]). Qwen3_5MoeForCausalLM.load_weights (qwen3_5.py L2270-2293; the wrapper's L2855-2880, the
 # MTP draft's qwen3_5_mtp.py L434-461) chunks gate_up_proj in two on dim -2 (rows [0, I) gate, [I, 2I)
 # up) and feeds each expert by its global id to FusedMoE.weight_loader as w1 / w3 / w2, which keeps the
 # rank's EP block and narrows each to its moe_tp rows (gate, up) or columns (down), as for experts
@@ -124,11 +133,11 @@ def _in_mtp(rule: Rule) -> Rule:
     return rule._replace(module=MTP + rule.module[len(L) :], nextn=True)
 
 
-# The MTP layer, as the draft classes load it (Qwen3_5ForCausalLMMTP, qwen3_5_mtp.py L364-375;
+# The MTP layer, as the draft classes load it (Qwen3_5ForCausalLMMTP, qwen3_5_mtp.py L362-370;
 # Qwen3NextForCausalLMMTP through Qwen3NextForCausalLM.load_weights(is_mtp=True), qwen3_next.py
 # L1173-1184): mtp.layers.0.* is the draft's model.layers.0, one full-attention MoE layer
-# (num_hidden_layers 1, full_attention_interval 1: qwen3_5_mtp.py L104-112, qwen3_next_mtp.py
-# L57-65) built by the main classes' own decoder layer with is_nextn, so cut as the main model's
+# (num_hidden_layers 1, full_attention_interval 1: qwen3_5_mtp.py L136-143, qwen3_next_mtp.py
+# L66-73) built by the main classes' own decoder layer with is_nextn, so cut as the main model's
 # full-attention layers (its K/V without --dcp's replication); mtp.norm the draft's final norm;
 # mtp.fc a plain nn.Linear [H, 2H] and mtp.pre_fc_norm_embedding / _hidden GemmaRMSNorms, all whole.
 # The draft reads no embedding or lm_head of its own: Qwen3.5's loads the target's
@@ -217,7 +226,7 @@ def refuse_unplaced(names) -> None:
     """What SGLang would not load as the checkpoint has it, by the tensors' names, in one line: an MTP
     layer past the first or one incomplete, and the main model's experts fused in some layers and one
     by one in others (its load_weights switches to the fused mapping at the first fused name and keeps
-    it, qwen3_5.py L2241-2243, so the per-expert tensors after it would not load)."""
+    it, qwen3_5.py L2228-2230, so the per-expert tensors after it would not load)."""
     names = list(names)
     extra = sorted(n for n in names if n.startswith("mtp.layers.") and not n.startswith("mtp.layers.0."))
     if extra:
@@ -254,7 +263,7 @@ def refuse_next_fused(names) -> None:
     if fused:
         raise PlanError(
             f"Qwen3-Next: experts stored fused ({fused[0]} and {len(fused) - 1} more): SGLang's qwen3_next.py"
-            " load_weights maps experts stored one by one only (L1228-1249: no parameter takes the fused name),"
+            " load_weights maps experts stored one by one only (L1232-1270: no parameter takes the fused name),"
             " so it would not load them; save the experts one by one and split that"
         )
 
