@@ -115,6 +115,22 @@ def test_another_ranks_mtp_slice_is_caught(release, tmp_path):
     assert any(name in p and "holds the slice of group rank 1" in p for p in found), found[:4]
 
 
+def test_explain_and_vllm_export_leave_the_draft_apart(release, hybrid_models, tmp_path):
+    """explain --layer 4 (num_hidden_layers) shows the MTP layer; the vLLM export leaves mtp.* out
+    (vLLM's target classes drop the prefix): its rank files are byte-equal to those of the
+    checkpoint without it."""
+    source, plain = release["q35_mtp"], hybrid_models[Q35]
+    p = cli("explain", source, "--tp", 2, "--layer", 4)
+    assert p.returncode == 0 and "mtp.layers.0.self_attn.q_proj.weight" in p.stdout and "model.layers.3." not in p.stdout, p.stdout[-2000:]
+    for src, name in ((source, "a"), (plain, "b")):
+        tpshard.split(src, tmp_path / name, Topology(tp=2))
+        r = cli("export", tmp_path / name, "--format", "vllm", "-o", tmp_path / f"x{name}")
+        assert r.returncode == 0, r.stderr
+    assert cli("check", tmp_path / "xa", "--source", source).returncode == 0
+    for f in sorted((tmp_path / "xb").glob("*.safetensors")):
+        assert (tmp_path / "xa" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
 FUSED_TOPOLOGIES = [Topology(tp=2), Topology(tp=4), Topology(tp=4, attn_dp=2, ep=2), Topology(tp=8, ep=4), Topology(tp=8, attn_dp=2, ep=8)]
 
 

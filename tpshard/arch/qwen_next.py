@@ -35,8 +35,8 @@ What rank r holds (attn_tp = tp / attn_dp, moe_tp = tp / ep) is what SGLang 0.5.
   segmented piece's reference as SEGMENTS says), conv1d / A_log / dt_bias by their bytes;
   `--model` runs tpshard.verify.hybrid_model's decoder (tpshard.runtime.deltanet's GatedDeltaNet
   on each rank's heads, the gated attention, the MoE with the shared expert's gate).
-- Export: vLLM only (SGLang's sharded_state refuses routed experts); the tables below; an output with
-  the MTP layer or fused experts is refused there (no vLLM names measured for them).
+- Export: vLLM only (SGLang's sharded_state refuses routed experts); the tables below; the MTP layer
+  left out (vLLM's target classes drop `mtp.`), fused experts refused (no vLLM names measured).
 - The MTP layer (`mtp.*`, every release has one): cut as the draft classes load it (MTP_RULES below;
   SGLang's main classes skip every name with "mtp", qwen3_5.py L2203, qwen3_next.py L1186): mtp.layers.0
   a full-attention MoE layer cut as the main model's (its K/V over attn_tp without --dcp's replication,
@@ -312,6 +312,9 @@ _LA = L + r"\.linear_attn\."
 _HYBRID_VLLM = (
     NO_MLP
     + (
+        # the MTP layer: not in the target model (hf_to_vllm_mapper's {"mtp.": None}, models/qwen3_5.py L327-329,
+        # qwen3_next.py L823), only in vLLM's draft model, which tpshard does not export
+        (r"mtp\..*", Piece("", 0, 1)),
         (_LA + r"(conv1d|norm|out_proj)\.weight", Piece(r"\1.linear_attn.\2.weight", 0, 1)),
         (_LA + r"A_log", Piece(r"\1.linear_attn.A_log", 0, 1, dtype="F32")),
         (_LA + r"dt_bias", Piece(r"\1.linear_attn.dt_bias", 0, 1)),
