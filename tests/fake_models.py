@@ -171,8 +171,9 @@ QWEN3_5 = dict(
 )  # fmt: skip
 
 
-def qwen3_5_moe(*, layers: int = 60, **overrides) -> Checkpoint:
-    """Qwen3_5MoeForCausalLM at Qwen3.5-397B-A17B's dims (bf16; A_log fp32 as the release keeps it)."""
+def qwen3_5_moe(*, layers: int = 60, fused: bool = False, mtp: bool = False, **overrides) -> Checkpoint:
+    """Qwen3_5MoeForCausalLM at Qwen3.5-397B-A17B's dims (bf16; A_log fp32 as the release keeps it);
+    `fused`: the experts as gate_up_proj [E, 2I, H] / down_proj [E, H, I]; `mtp`: the MTP layer mtp.*."""
     c = {**QWEN3_5, "num_hidden_layers": layers, **overrides}
     h, e, hd = c["hidden_size"], c["num_experts"], c["head_dim"]
     k, v, nv = c["linear_num_key_heads"] * c["linear_key_head_dim"], c["linear_num_value_heads"] * c["linear_value_head_dim"], c["linear_num_value_heads"]
@@ -198,7 +199,9 @@ def qwen3_5_moe(*, layers: int = 60, **overrides) -> Checkpoint:
                 f"{a}.q_norm.weight": ((hd,), "BF16"), f"{a}.k_norm.weight": ((hd,), "BF16"),
             }  # fmt: skip
         shapes[f"{p}.mlp.gate.weight"] = ((e, h), "BF16")
-        for x in range(e):
+        if fused:
+            shapes |= {f"{p}.mlp.experts.gate_up_proj": ((e, 2 * i_e, h), "BF16"), f"{p}.mlp.experts.down_proj": ((e, h, i_e), "BF16")}
+        for x in range(0 if fused else e):
             shapes |= {
                 f"{p}.mlp.experts.{x}.gate_proj.weight": ((i_e, h), "BF16"), f"{p}.mlp.experts.{x}.up_proj.weight": ((i_e, h), "BF16"),
                 f"{p}.mlp.experts.{x}.down_proj.weight": ((h, i_e), "BF16"),
@@ -208,5 +211,9 @@ def qwen3_5_moe(*, layers: int = 60, **overrides) -> Checkpoint:
             f"{p}.mlp.shared_expert.down_proj.weight": ((h, s), "BF16"), f"{p}.mlp.shared_expert_gate.weight": ((1, h), "BF16"),
         }  # fmt: skip
     shapes |= {"model.norm.weight": ((h,), "BF16"), "lm_head.weight": ((c["vocab_size"], h), "BF16")}
+    if mtp:  # the last full-attention layer's tensors at mtp.layers.0, fc and the three norms
+        last = max(i for i in range(layers) if (i + 1) % c["full_attention_interval"] == 0)
+        shapes |= {"mtp.layers.0." + n.split(".", 3)[3]: v for n, v in list(shapes.items()) if n.startswith(f"model.layers.{last}.")}
+        shapes |= {"mtp.fc.weight": ((h, 2 * h), "BF16")} | {f"mtp.{n}.weight": ((h,), "BF16") for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
     config = dict(c, architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", dtype="bfloat16")
     return _checkpoint(config, shapes, files=8)

@@ -166,6 +166,21 @@ def test_fused_experts_byte_equal_to_the_per_expert_split(release, hybrid_models
                 assert got[f"{module}.down_proj"].view(torch.uint8).equal(down.view(torch.uint8)), (topo, r, module)
 
 
+def test_reshard_of_the_release_form_is_a_split(release, tmp_path):
+    """reshard reads the MTP layer and the fused experts back from the output (tp 2 -> tp 4, attention DP 2, EP 2)."""
+    from tpshard.reshard import reshard
+
+    source = release["q35_both"]
+    topo = Topology(tp=4, attn_dp=2, ep=2)
+    tpshard.split(source, tmp_path / "tp2", Topology(tp=2))
+    reshard(tmp_path / "tp2", tmp_path / "re", topo)
+    tpshard.split(source, tmp_path / "direct", topo)
+    assert tpshard.check(tmp_path / "re", source).ok
+    for r in range(4):
+        got, want = tpshard.open_rank(tmp_path / "re", r), tpshard.open_rank(tmp_path / "direct", r)
+        assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want), r
+
+
 def test_gate_up_read_as_one_slice_is_caught(release, tmp_path, monkeypatch):
     """[gate | up] cut as one contiguous slice of the 2I rows (gpt-oss's interleaved reading) at tp 2."""
     source, out = release["q35_fused"], tmp_path / "out"
@@ -254,3 +269,26 @@ def test_verify_model_on_mtp_and_fused(release, tmp_path):
     assert {x.layer_class for x in both.layers if x.layer.endswith(".mlp.experts")} == {"FusedExperts"}
     assert not bad.ok and bad.model is not None and not bad.model.ok
     assert {x.layer for x in bad.layers if not x.ok} == {"model.layers.0.mlp.experts"}, bad.failures()
+
+
+@pytest.mark.parametrize("ep", [8, 2])
+def test_qwen3_5_397b_release_dims_tp8(ep):
+    """The release's form at Qwen3.5-397B-A17B's dims (512 experts of 1024, H 4096; 4 layers), from
+    headers alone: at tp 8, ep 8 each rank its 64 experts whole; at ep 2 its slot's 256 experts, its
+    moe_tp 4 slice of gate and of up (256 + 256 rows), and the MTP layer's alike."""
+    import fake_models as fm
+    from tpshard.plan import make_plan
+
+    plan = make_plan(fm.qwen3_5_moe(layers=4, fused=True, mtp=True), Topology(tp=8, ep=ep))
+    moe_tp, per = 8 // ep, 512 // ep
+    for r in (0, 5):
+        rank = {s.name: s for s in plan.rank_shards(r)}
+        for p in ("model.layers.1", "mtp.layers.0"):
+            gu, down = rank[f"{p}.mlp.experts.gate_up_proj"], rank[f"{p}.mlp.experts.down_proj"]
+            assert gu.shape == (per, 2 * 1024 // moe_tp, 4096) and down.shape == (per, 4096, 1024 // moe_tp), (gu, down)
+            first = (r // moe_tp) * per  # the slot's first expert
+            if moe_tp == 1:  # a cut of dim 0 alone
+                assert (gu.dim, gu.start, gu.length) == (0, first, per), gu
+            else:  # the slot's block (a leading-dim range) cut on dim 1: its 256 gate rows, then its 256 up rows
+                assert (gu.lead_start, gu.dim, gu.segments, gu.start, gu.length) == (first, 1, (1, 1), (r % moe_tp) * 256, 256), gu
+        assert rank["mtp.fc.weight"].shape == (4096, 8192) and rank["mtp.norm.weight"].shape == (4096,)

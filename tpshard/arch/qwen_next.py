@@ -40,8 +40,10 @@ What rank r holds (attn_tp = tp / attn_dp, moe_tp = tp / ep) is what SGLang 0.5.
 - The MTP layer (`mtp.*`, every release has one): cut as the draft classes load it (MTP_RULES below;
   SGLang's main classes skip every name with "mtp", qwen3_5.py L2203, qwen3_next.py L1186): mtp.layers.0
   a full-attention MoE layer cut as the main model's (its K/V over attn_tp without --dcp's replication,
-  Rule.nextn), mtp.fc and the norms whole; serve it with SGLang's --speculative-algorithm NEXTN (or
-  EAGLE) on the same output. Refused in one line: a second MTP layer, an incomplete one.
+  Rule.nextn), mtp.fc and the norms whole; SGLang builds the draft from the same model path (its
+  architecture rewritten, configs/model_config.py L1134-1136, L1159-1181): serve it with
+  --speculative-algorithm NEXTN (or EAGLE) on the same output. Refused in one line: a second MTP
+  layer, an incomplete one.
 - Qwen3.5's experts stored fused (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I], the
   main layers' and the MTP layer's): FUSED below, the same FusedMoE parameters as the per-expert form;
   a checkpoint mixing the two forms in the main model is refused (the loader's fused flag sticks).
@@ -257,15 +259,17 @@ def refuse_unplaced(names) -> None:
 
 
 def refuse_next_fused(names) -> None:
-    """Qwen3-Next's experts stored fused: its loader has no mapping for them (one line)."""
-    refuse_unplaced(names)
-    fused = sorted(n for n in names if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")))
+    """Qwen3-Next's experts stored fused: its loader has no mapping for them (one line); then the MTP
+    layer's refusals."""
+    names = list(names)
+    fused = sorted(n for n in names if n.endswith(_FUSED_NAMES))
     if fused:
         raise PlanError(
             f"Qwen3-Next: experts stored fused ({fused[0]} and {len(fused) - 1} more): SGLang's qwen3_next.py"
             " load_weights maps experts stored one by one only (L1232-1270: no parameter takes the fused name),"
             " so it would not load them; save the experts one by one and split that"
         )
+    refuse_unplaced(names)
 
 
 # Qwen3_5MoeForConditionalGeneration: the text model's `model.` is the wrapper's `model.language_model.`
