@@ -128,9 +128,10 @@ def shard_bytes(data: np.ndarray, shape: tuple[int, ...], dim: int | None, cut, 
     data = data[first : first + n]
     outer, rows, inner = cut_geometry(shape, len(data), dim)
     pieces = runs(segments, rows, cut)
-    if outer == 1 and len(pieces) == 1:
-        piece = data[cut.start * inner : (cut.start + cut.length) * inner]
-        return np.concatenate((piece, np.zeros(cut.pad * inner, np.uint8))) if cut.pad else piece
+    if outer == 1 and len(pieces) == 1:  # one run (of a segment's units, for a one-segment cut)
+        start, length, pad = pieces[0]
+        piece = data[start * inner : (start + length) * inner]
+        return np.concatenate((piece, np.zeros(pad * inner, np.uint8))) if pad else piece
     piece = np.empty((outer, sum(n + p for _, n, p in pieces), inner), np.uint8)
     _gather(piece, data.reshape(outer, rows, inner), pieces)
     return piece.reshape(-1)
@@ -138,11 +139,24 @@ def shard_bytes(data: np.ndarray, shape: tuple[int, ...], dim: int | None, cut, 
 
 def _gather(piece: np.ndarray, view: np.ndarray, pieces: list[tuple[int, int, int]]) -> None:
     """Fill `piece` [outer, shard dim, bytes] from `view` [outer, source dim, bytes] run after run
-    (tpshard.cuts.runs), each run's padding zeroed."""
+    (tpshard.cuts.runs), each run's padding zeroed.
+
+    Both are seen as rows of wide elements, the largest byte count that every run's start, length
+    and padding and both rows are whole multiples of (for an even cut: a run's bytes), so numpy
+    copies one element per run and row instead of a byte at a time: 3-4 x faster for the short runs
+    of row-parallel cuts of small tensors, about 1.25 x for long ones (docs/performance.md)."""
+    outer, rows, inner = view.shape
+    width = piece.shape[1]
+    unit = math.gcd(rows * inner, width * inner, *(n * inner for run in pieces for n in run))
+    wide = np.dtype((np.void, unit))
+    src = view.reshape(outer, rows * inner).view(wide)  # whole rows: view is row-contiguous
+    dst = piece.reshape(outer, width * inner).view(wide)
     at = 0
     for start, length, pad in pieces:
-        piece[:, at : at + length] = view[:, start : start + length]
-        piece[:, at + length : at + length + pad] = 0
+        a, n, z = at * inner // unit, length * inner // unit, pad * inner // unit
+        dst[:, a : a + n] = src[:, start * inner // unit : start * inner // unit + n]
+        if z:
+            piece[:, at + length : at + length + pad] = 0
         at += length + pad
 
 
