@@ -94,6 +94,29 @@ def test_shard_bytes_and_cut_pieces_match_the_reference(seed, tmp_path, monkeypa
             os.close(fd)
 
 
+@pytest.mark.parametrize("parts", [2, 3, 8])
+def test_every_piece_of_a_row_parallel_cut_at_once_is_each_piece(parts, monkeypatch):
+    """shards_bytes' one-copy path (equal, unpadded pieces of an inner dim) against the reference,
+    for every piece and for a subset of them (a split of some ranks)."""
+    rng = random.Random(parts)
+    for _ in range(30):
+        shape = [rng.randint(1, 5) for _ in range(rng.randint(2, 4))]
+        dim = rng.randint(1, len(shape) - 1)
+        shape[dim] = parts * rng.randint(1, 4)
+        itemsize = rng.choice((1, 2, 4))
+        data = np.frombuffer(bytearray(rng.randbytes(int(np.prod(shape)) * itemsize)), np.uint8)
+        n = shape[dim] // parts
+        cuts = [SimpleNamespace(dim=dim, start=k * n, length=n, pad=0, segments=(), lead_start=0, lead_length=0) for k in range(parts)]
+        some = rng.sample(cuts, rng.randint(1, parts))
+        for chosen in (cuts, some):
+            want = [reference(data, tuple(shape), itemsize, c) for c in chosen]
+            with monkeypatch.context() as m:
+                if len(chosen) > 1:  # the one-copy path, not the cut-by-cut one
+                    m.setattr(pieces, "shard_bytes", None)
+                got = pieces.shards_bytes(data, tuple(shape), dim, chosen)
+            assert [g.tobytes() for g in got] == want
+
+
 def test_a_cut_one_index_off_is_not_the_reference():
     """The reference tells cuts apart: the same cut moved by one index gives other bytes."""
     data = np.arange(2 * 8 * 2, dtype=np.uint8)

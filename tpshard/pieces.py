@@ -137,6 +137,23 @@ def shard_bytes(data: np.ndarray, shape: tuple[int, ...], dim: int | None, cut, 
     return piece.reshape(-1)
 
 
+def shards_bytes(data: np.ndarray, shape: tuple[int, ...], dim: int | None, cuts: list, segments: tuple[int, ...] = ()) -> list[np.ndarray]:
+    """shard_bytes of each of several cuts of one tensor, in order. Where the cuts are equal,
+    unpadded, whole pieces of an inner dim (a row-parallel cut), every piece of the tensor is
+    gathered in one copy, a transpose, instead of one gather per cut: at tp 8, a tenth of the
+    time for the small tensors of a model of many layers."""
+    n = cuts[0].length if cuts else 0
+    if dim and n and not segments and len(cuts) > 1 and all(c.length == n and not c.pad and not c.lead_length and c.start % n == 0 for c in cuts):
+        outer, rows, inner = cut_geometry(shape, len(data), dim)
+        if rows % n == 0:
+            parts, wide = rows // n, np.dtype((np.void, n * inner))
+            every = np.empty(len(data), np.uint8)  # [parts, outer, n * inner]
+            every.view(wide).reshape(parts, outer)[:] = data.view(wide).reshape(outer, parts).T
+            size = outer * n * inner
+            return [every[c.start // n * size : (c.start // n + 1) * size] for c in cuts]
+    return [shard_bytes(data, shape, dim, c, segments) for c in cuts]
+
+
 def _gather(piece: np.ndarray, view: np.ndarray, pieces: list[tuple[int, int, int]]) -> None:
     """Fill `piece` [outer, shard dim, bytes] from `view` [outer, source dim, bytes] run after run
     (tpshard.cuts.runs), each run's padding zeroed.
