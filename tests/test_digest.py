@@ -12,7 +12,9 @@ import tpshard.digest as digest
 
 
 def _sizes(rng: random.Random) -> list[int]:
-    edge = [0, 1, digest.FAST_CRC_BYTES - 1, digest.FAST_CRC_BYTES, digest.FAST_CRC_BYTES + 1, 1 << 20]
+    edge = [0, 1, 1 << 20]
+    for threshold in (digest.FAST_CRC_BYTES, digest.FAST_CRC_READONLY_BYTES):
+        edge += [threshold - 1, threshold, threshold + 1]
     return edge + [rng.randrange(1, 3 << 20) for _ in range(8)]
 
 

@@ -14,6 +14,7 @@ reshard's read of an old output); the writer hashes what it writes as it writes 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import sys
@@ -36,14 +37,12 @@ def _libdeflate_crc32():
     project's VMs), or None where the system has no libdeflate (Debian's and Ubuntu's libdeflate0;
     docs/performance.md). Same polynomial, same values: a manifest does not say which computed it.
     Loaded on the first large buffer: a plan or a rank's reader never pays for it."""
-    import ctypes
-
     try:
         lib = ctypes.CDLL("libdeflate.so.0")
     except OSError:  # another soname or system: ask the linker cache (a subprocess, ~8 ms)
-        import ctypes.util
+        from ctypes.util import find_library
 
-        name = ctypes.util.find_library("deflate")
+        name = find_library("deflate")
         try:
             lib = ctypes.CDLL(name) if name else None
         except OSError:
@@ -54,19 +53,25 @@ def _libdeflate_crc32():
     return fn
 
 
-# Below this a call through ctypes (the buffer's address from numpy: ~4 us) costs more than it saves.
-FAST_CRC_BYTES = 32 << 10
+# Below these a call through ctypes costs more than it saves: ~1 us with the address of a writable
+# buffer (what the writer and check hash: their own buffers), ~4 us through numpy for a read-only one.
+FAST_CRC_BYTES, FAST_CRC_READONLY_BYTES = 8 << 10, 32 << 10
 
 
 def crc32(data, value: int = 0) -> int:
     """zlib.crc32(data, value), computed by libdeflate for large buffers where it is installed."""
-    fast = _libdeflate_crc32() if len(data) >= FAST_CRC_BYTES else None
+    view = data if isinstance(data, memoryview) else memoryview(data)
+    n = view.nbytes
+    fast = _libdeflate_crc32() if n >= FAST_CRC_BYTES else None
     if fast is None:
-        return zlib.crc32(data, value)
+        return zlib.crc32(view, value)
+    if not view.readonly:
+        return fast(value, ctypes.addressof(ctypes.c_char.from_buffer(view)), n)
+    if n < FAST_CRC_READONLY_BYTES:
+        return zlib.crc32(view, value)
     import numpy as np  # only for buffers this large: a plan or a rank's reader need not import it
 
-    a = np.frombuffer(data, np.uint8)  # any contiguous buffer, read-only ones (mmap, bytes) too
-    return fast(value, a.ctypes.data, a.size)
+    return fast(value, np.frombuffer(view, np.uint8).ctypes.data, n)  # mmap, bytes: no ctypes view of them
 
 
 def new_hash(algorithm: str):
