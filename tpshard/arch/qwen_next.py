@@ -72,9 +72,9 @@ LA = L + r"\.linear_attn"
 _QKVZ, _BA = r"\1.linear_attn.in_proj_qkvz", r"\1.linear_attn.in_proj_ba"
 
 
-def _linear(at: str, cls, layer: str, piece: str = "", shape: str = "", segments: str = "") -> Rule:
+def _linear(at: str, cls, layer: str, piece: str = "", shape: str = "", segments: str = "", quantized: bool = True) -> Rule:
     """A linear-attention rule: over the attention group, cut by whole key / value heads."""
-    return Rule(at, cls, "attn", layer, piece, shape, heads=True, head_counts="linear", segments=segments)
+    return Rule(at, cls, "attn", layer, piece, shape, heads=True, head_counts="linear", segments=segments, quantized=quantized)
 
 
 GATED_ATTENTION = (
@@ -84,7 +84,8 @@ GATED_ATTENTION = (
     Rule(A + r"\.o_proj", "RowParallelLinear", "attn", r"\1.self_attn.o_proj", shape="o"),
 )
 LINEAR_COMMON = (
-    _linear(LA + r"\.conv1d", "ColumnParallelLinear", r"\1.linear_attn.conv1d", segments="linear_qkv"),
+    # built with quant_config=None (qwen3_next.py L157-164, qwen3_5.py L398-405): bf16 in every release
+    _linear(LA + r"\.conv1d", "ColumnParallelLinear", r"\1.linear_attn.conv1d", segments="linear_qkv", quantized=False),
     _linear(LA, "HeadParameter", r"\1.linear_attn", shape="linear_head"),  # A_log, dt_bias
     Rule(LA + r"\.norm", "Replicated", "replicated", r"\1.linear_attn.norm"),
     _linear(LA + r"\.out_proj", "RowParallelLinear", r"\1.linear_attn.out_proj", shape="linear_out"),
