@@ -271,3 +271,40 @@ def test_verify_model_every_family(releases, tp2, tmp_path, copy_of):
     for r in reports[:3]:
         assert r.ok and r.model.top1 == 1.0 and r.model.max_rel < 1e-4, r.failures()
     assert not reports[3].ok
+
+
+def test_reshard_matches_a_split(releases, tp2, tmp_path):
+    """Qwen3.5's segmented FP8 in_proj_qkv and its scale read back from a tp 2 output and re-cut for tp 8 / ep 4."""
+    from tpshard.reshard import reshard
+
+    topo = Topology(tp=8, ep=4)
+    reshard(tp2[Q35], tmp_path / "re", topo)
+    tpshard.split(releases[Q35], tmp_path / "split", topo)
+    assert tpshard.check(tmp_path / "re", releases[Q35]).ok
+    for r in (0, 5):
+        a, b = tpshard.open_rank(tmp_path / "re", r), tpshard.open_rank(tmp_path / "split", r)
+        assert sorted(a) == sorted(b) and all(torch.equal(raw(a[n]), raw(b[n])) for n in a)
+
+
+@pytest.mark.parametrize("family", [NEXT, Q35])
+def test_experts_only_release_with_conv1d_unlisted(tmp_path, family):
+    """An experts-only compressed-tensors release (W4A16 group 32, packed by compressed-tensors'
+    own compressor, tests/quant_moe.py) whose ignore list covers the linear attention's projections
+    but not conv1d: SGLang builds conv1d with quant_config=None, so it is bf16 and splits as such
+    (tpshard used to refuse it as a quantized ColumnParallelLinear)."""
+    from quant_moe import quantize_linears
+
+    src = make_checkpoint(tmp_path / "src", "qwen3_next" if family == NEXT else "qwen3_5_moe", max_shard_size="100KB")
+    quantize_linears(src, "w4a16_g32")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"]["ignore"].append(r"re:.*linear_attn\.(in_proj_\w+|out_proj)$")
+    (src / "config.json").write_text(json.dumps(config))
+    topo = Topology(tp=4, ep=2)
+    tpshard.split(src, tmp_path / "out", topo)
+    assert tpshard.check(tmp_path / "out", src).ok
+    name = "model.layers.0.linear_attn.conv1d.weight"
+    full = source_tensors(src)[name]
+    k, v = (8 * 4, 16 * 4)  # tests/checkpoints.py's hybrid linear attention: K 32, V 64
+    held = tpshard.open_rank(tmp_path / "out", 1)[name]
+    assert torch.equal(held, torch.cat([chunk(x, 1, 4) for x in full.split((k, k, v))]))
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight_packed" in tpshard.open_rank(tmp_path / "out", 0)

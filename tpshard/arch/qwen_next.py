@@ -27,6 +27,10 @@ What rank r holds (attn_tp = tp / attn_dp, moe_tp = tp / ep) is what SGLang 0.5.
 - MoE: Qwen2MoeSparseMoeBlock: the router whole, FusedMoE experts in contiguous blocks of E / ep
   per EP slot cut over moe_tp, the shared expert over the full tp (even under attention DP or EP),
   shared_expert_gate whole. It refuses tp greater than the routed experts.
+- Quantized releases (docs/quantization.md): conv1d is built with quant_config=None (bf16 whatever
+  the config lists); FP8 block scales are cut on their weight's 128-blocks, Qwen3.5's in_proj_qkv
+  scale by segments like its weight, and every merged partition ([K, K, V, V], [nv, nv]) per rank
+  must be whole blocks (fp8.py's block check; tpshard.arch.base.PARTITIONS).
 - Embedding: Qwen3.5 builds it whole (padded rows) under attention DP (enable_tp = not DP
   attention), over tp otherwise; Qwen3-Next over attn_tp. lm_head over tp.
 - Router (transformers' Qwen3_5MoeTopKRouter, Qwen3NextTopKRouter): softmax, top-k; Qwen3.5 always
