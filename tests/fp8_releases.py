@@ -47,11 +47,11 @@ def fp8_block(w: torch.Tensor, block: int = 128, scale_dtype=torch.float32) -> t
     return codes.reshape(rn * block, rk * block)[:n, :k].contiguous(), scale, dequant
 
 
-def _layers(n: int, *names: str) -> list[str]:
-    return [f"model.layers.{i}.{name}" for i in range(n) for name in names]
+def _layers(n: int, *names: str, prefix: str = "model.") -> list[str]:
+    return [f"{prefix}layers.{i}.{name}" for i in range(n) for name in names]
 
 
-def release_config(release: str, num_layers: int) -> dict:
+def release_config(release: str, num_layers: int, prefix: str = "model.") -> dict:
     base = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     if release == "minimax_m2":
         return {**base, "fmt": "float8_e4m3fn", "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
@@ -59,8 +59,9 @@ def release_config(release: str, num_layers: int) -> dict:
         skip = _layers(num_layers, "linear_attn.in_proj_ba", "linear_attn.conv1d", "mlp.gate", "mlp.shared_expert_gate")
         return {**base, "fmt": "e4m3", "modules_to_not_convert": ["lm_head", *skip]}
     if release == "qwen3_5":
-        skip = _layers(num_layers, "linear_attn.in_proj_a", "linear_attn.in_proj_b", "linear_attn.conv1d", "mlp.gate", "mlp.shared_expert_gate")
-        return {**base, "fmt": "e4m3", "modules_to_not_convert": ["lm_head", "model.embed_tokens", *skip]}
+        skip = _layers(num_layers, "linear_attn.in_proj_a", "linear_attn.in_proj_b", "linear_attn.conv1d", "mlp.gate", "mlp.shared_expert_gate", prefix=prefix)
+        wrapper = ["model.visual"] if prefix != "model." else []  # Qwen3_5MoeForConditionalGeneration: the vision tower bf16
+        return {**base, "fmt": "e4m3", "modules_to_not_convert": ["lm_head", f"{prefix}embed_tokens", *skip, *wrapper]}
     raise ValueError(release)
 
 
@@ -71,8 +72,8 @@ QUANTIZED = {
         r"model\.layers\.\d+\.(linear_attn\.(in_proj_qkvz|out_proj)|self_attn\.[qkvo]_proj"
         r"|mlp\.shared_expert\.(gate|up|down)_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)"
     ),
-    "qwen3_5": re.compile(
-        r"model\.layers\.\d+\.(linear_attn\.(in_proj_qkv|in_proj_z|out_proj)|self_attn\.[qkvo]_proj"
+    "qwen3_5": re.compile(  # the text class's names, or the multimodal wrapper's (model.language_model.)
+        r"model\.(?:language_model\.)?layers\.\d+\.(linear_attn\.(in_proj_qkv|in_proj_z|out_proj)|self_attn\.[qkvo]_proj"
         r"|mlp\.shared_expert\.(gate|up|down)_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)"
     ),
 }
@@ -100,7 +101,9 @@ def quantize_release(path: Path, release: str) -> dict[str, torch.Tensor]:
     if index:
         index_path.write_text(json.dumps(index, indent=1))
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = release_config(release, config["num_hidden_layers"])
+    text = config.get("text_config", config)
+    prefix = "model.language_model." if "text_config" in config else "model."
+    config["quantization_config"] = release_config(release, text["num_hidden_layers"], prefix)
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return expected
 

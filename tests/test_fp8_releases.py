@@ -308,3 +308,24 @@ def test_experts_only_release_with_conv1d_unlisted(tmp_path, family):
     held = tpshard.open_rank(tmp_path / "out", 1)[name]
     assert torch.equal(held, torch.cat([chunk(x, 1, 4) for x in full.split((k, k, v))]))
     assert "model.layers.0.mlp.experts.0.gate_proj.weight_packed" in tpshard.open_rank(tmp_path / "out", 0)
+
+
+def test_qwen3_5_wrapper_release(tmp_path):
+    """The published form, Qwen3_5MoeForConditionalGeneration (model.language_model.*, the vision tower
+    bf16 and not written): each rank holds the text class's FP8 split under the wrapper's names."""
+    from checkpoints import make_qwen3_5_wrapper
+
+    wrapper, text = make_qwen3_5_wrapper(tmp_path / "wrapper", tmp_path / "text", max_shard_size="2MB", **HYBRID)
+    quantize_release(wrapper, "qwen3_5")
+    quantize_release(text, "qwen3_5")
+    skip = json.loads((wrapper / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert "model.language_model.layers.0.linear_attn.in_proj_a" in skip and "model.visual" in skip
+    topo = Topology(tp=4, ep=2)
+    tpshard.split(wrapper, tmp_path / "w", topo)
+    tpshard.split(text, tmp_path / "t", topo)
+    assert tpshard.check(tmp_path / "w", wrapper).ok
+    for r in (0, 3):
+        w, t = tpshard.open_rank(tmp_path / "w", r), tpshard.open_rank(tmp_path / "t", r)
+        renamed = {n.replace("model.language_model.", "model.", 1): x for n, x in w.items()}
+        assert sorted(renamed) == sorted(t) and all(torch.equal(raw(renamed[n]), raw(t[n])) for n in t)
+        assert "model.layers.0.linear_attn.in_proj_qkv.weight_scale_inv" in t
