@@ -168,6 +168,14 @@ def test_qwen3_next_partition_off_a_block_refused(tmp_path):
     tpshard.split(src, tmp_path / "ok", Topology(tp=8, attn_dp=2, ep=8))  # attn_tp 4: [128, 128, 512, 512]
 
 
+def test_qwen3_5_segment_slice_off_a_block_refused(tmp_path):
+    """Key dim 8 x 64: at attn_tp 8 a rank's slice of each of q and k is 64 rows, half a block (SGLang's
+    merged loader narrows the scale to ceil(64 / 128) blocks per shard: a block of another rank's rows)."""
+    src = make_release(tmp_path / "src", Q35, linear_key_head_dim=64)
+    with pytest.raises(PlanError, match=r"in_proj_qkv\.weight_scale_inv: N 512 over attn_tp of 8 gives 64 per rank"):
+        tpshard.split(src, tmp_path / "out", Topology(tp=8, ep=4))
+
+
 def test_conv1d_never_quantized(releases, tmp_path):
     """SGLang builds conv1d with quant_config=None: a config that does not list it keeps it bf16 all the
     same; a conv1d stored FP8 with a scale is refused."""

@@ -27,7 +27,7 @@ import msgspec
 
 from tpshard.cuts import Cutting, even_cuts
 from tpshard.errors import PlanError
-from tpshard.quant.formats import QuantSpec, alignment, step_ratio
+from tpshard.quant.formats import QuantSpec, alignment
 from tpshard.quant.shards import (
     ENGINE_MULTIPLES, PAD_BLOCK_FORMATS, engine_warnings, expected_physical_shape, fp4_expert_blocks, group_findings,
     misalignment_message, misalignments, moe_engine_note, pad_blocks_per, physical_cut,
@@ -139,8 +139,8 @@ class QuantLayers(Generic[K]):
             full = _cut_extent(layer, cutting)
             roles = qspec.roles()
             bad = misalignments(qspec, roles, cutting.dim, full, cutting.cuts)
-            if cutting.segments and not bad:
-                bad = segment_breaks(qspec, roles, full, cutting.cuts)
+            # A segmented cut is in units of the segments' gcd: whole blocks of each rank's slice of every
+            # segment (checked here) put every segment boundary on a block too.
             if not bad and qspec.format == "dsv4_fp4" and layer.layer_class == "FusedMoE":
                 bad = fp4_expert_blocks(qspec, cutting.dim, cutting.cuts)
             if bad and qspec.format in PAD_BLOCK_FORMATS and layer.padded:
@@ -289,19 +289,6 @@ def _cut_extent(layer: LogicalLayer, cutting: Cutting) -> int:
     segment holds segments[i] units of it; Qwen3.5's in_proj_qkv: [q | k | v] of K, K, V rows)."""
     full = (layer.n, layer.k)[cutting.dim or 0]
     return full // sum(cutting.segments) if cutting.segments else full
-
-
-def segment_breaks(spec: QuantSpec, roles, unit: int, cuts: list) -> list[tuple]:
-    """A segmented cut whose segments do not start on the format's atom (a block of the scale would
-    span two segments, so no rank's slice of a segment is whole blocks): the rank holding each
-    segment's end, as (role, cut, step, atom), as `misalignments` names them."""
-    found = []
-    for role in roles:
-        if role.rewrite_shape or role.output is None:
-            continue
-        _, atom = step_ratio(spec, role, role.output.step, unit)
-        found += [(role, c, role.output.step, atom) for c in cuts if unit % atom and c.start + c.length == unit]
-    return found
 
 
 # The same quantized cut recurs for every expert and layer; Fraction arithmetic is worth caching.
