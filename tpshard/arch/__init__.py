@@ -8,7 +8,7 @@ Each family's module declares its `Arch`s: everything tpshard knows about an eng
 from __future__ import annotations
 
 from tpshard.arch import deepseek, deepseek_v4, glm, gpt_oss, llama, llama4, minimax, mixtral, qwen, qwen_next
-from tpshard.arch.base import DROPPED, ENGINES, HEAD_COUNTS, SEGMENTS, SHAPES, Arch, Matcher, Rule
+from tpshard.arch.base import DROPPED, ENGINES, HEAD_COUNTS, PARTITIONS, SEGMENTS, SHAPES, Arch, Matcher, Rule
 from tpshard.arch.router import RouterConfig
 from tpshard.arch.tensors import config_value
 from tpshard.errors import PlanError
@@ -59,4 +59,4 @@ def router_config(config: dict) -> RouterConfig:
     return rule(config, e, k)
 
 
-__all__ = ["ARCHITECTURES", "DROPPED", "ENGINES", "HEAD_COUNTS", "SEGMENTS", "SHAPES", "Arch", "Matcher", "RouterConfig", "Rule", "arch_for", "refuse_architecture", "router_config"]
+__all__ = ["ARCHITECTURES", "DROPPED", "ENGINES", "HEAD_COUNTS", "PARTITIONS", "SEGMENTS", "SHAPES", "Arch", "Matcher", "RouterConfig", "Rule", "arch_for", "refuse_architecture", "router_config"]

@@ -63,6 +63,9 @@ class Rule(NamedTuple):
     # A layer of the speculative draft (MTP) model, built with is_nextn: Qwen3.5's draft attention
     # cuts K/V over attn_tp without --dcp's replication (qwen3_5.py L1287).
     nextn: bool = False
+    # False: the engine builds the layer with quant_config=None, so it is bf16 whatever the quantization
+    # config says (the gated DeltaNet's conv1d: SGLang qwen3_next.py L157-164, qwen3_5.py L398-405).
+    quantized: bool = True
 
 
 # [out, in] of a weight according to config.json.
@@ -120,6 +123,19 @@ def _lin_v(m: ModelInfo) -> int:
 # The segments of dim 0 a segmented rule cuts each of (Rule.segments), in rows.
 SEGMENTS: dict[str, Callable[[ModelInfo], tuple[int, ...]]] = {
     "linear_qkv": lambda m: (_lin_k(m), _lin_k(m), _lin_v(m)),  # q | k | v of a gated DeltaNet
+}
+
+# The output partitions (output_sizes) of the engine's merged layer that a rule's weight (by its
+# SHAPES key) loads into, each cut over the layer's group. SGLang's FP8 block method refuses a rank
+# whose partition is off block_n, at any tp, once the layer has several (fp8.py L600-610), even
+# where the rank's rows as a whole are whole blocks: the gated DeltaNet's in_proj_qkvz [K, K, V, V]
+# and in_proj_ba [nv, nv] (qwen3_next.py L166-183, L350-366; qwen3_5.py L409-424, L635-668).
+PARTITIONS: dict[str, Callable[[ModelInfo], tuple[int, ...]]] = {
+    "linear_qkvz": lambda m: (_lin_k(m), _lin_k(m), _lin_v(m), _lin_v(m)),  # Qwen3-Next: packed, fused on disk
+    "linear_ba": lambda m: (m.linear_num_value_heads,) * 2,
+    "linear_qkv": lambda m: (_lin_k(m), _lin_k(m), _lin_v(m)),  # Qwen3.5: shards 0-2 of in_proj_qkvz
+    "linear_z": lambda m: (_lin_v(m),),  # shard 3 of in_proj_qkvz
+    "linear_head": lambda m: (m.linear_num_value_heads,),  # in_proj_b / in_proj_a: shards 0 / 1 of in_proj_ba
 }
 
 # The head counts a rule's cut must keep whole (Rule.head_counts): (what, count) each.

@@ -27,6 +27,10 @@ What rank r holds (attn_tp = tp / attn_dp, moe_tp = tp / ep) is what SGLang 0.5.
 - MoE: Qwen2MoeSparseMoeBlock: the router whole, FusedMoE experts in contiguous blocks of E / ep
   per EP slot cut over moe_tp, the shared expert over the full tp (even under attention DP or EP),
   shared_expert_gate whole. It refuses tp greater than the routed experts.
+- Quantized releases (docs/quantization.md): conv1d is built with quant_config=None (bf16 whatever
+  the config lists); FP8 block scales are cut on their weight's 128-blocks, Qwen3.5's in_proj_qkv
+  scale by segments like its weight, and every merged partition ([K, K, V, V], [nv, nv]) per rank
+  must be whole blocks (fp8.py's block check; tpshard.arch.base.PARTITIONS).
 - Embedding: Qwen3.5 builds it whole (padded rows) under attention DP (enable_tp = not DP
   attention), over tp otherwise; Qwen3-Next over attn_tp. lm_head over tp.
 - Router (transformers' Qwen3_5MoeTopKRouter, Qwen3NextTopKRouter): softmax, top-k; Qwen3.5 always
@@ -84,9 +88,9 @@ LA = L + r"\.linear_attn"
 _QKVZ, _BA = r"\1.linear_attn.in_proj_qkvz", r"\1.linear_attn.in_proj_ba"
 
 
-def _linear(at: str, cls, layer: str, piece: str = "", shape: str = "", segments: str = "") -> Rule:
+def _linear(at: str, cls, layer: str, piece: str = "", shape: str = "", segments: str = "", quantized: bool = True) -> Rule:
     """A linear-attention rule: over the attention group, cut by whole key / value heads."""
-    return Rule(at, cls, "attn", layer, piece, shape, heads=True, head_counts="linear", segments=segments)
+    return Rule(at, cls, "attn", layer, piece, shape, heads=True, head_counts="linear", segments=segments, quantized=quantized)
 
 
 GATED_ATTENTION = (
@@ -96,7 +100,8 @@ GATED_ATTENTION = (
     Rule(A + r"\.o_proj", "RowParallelLinear", "attn", r"\1.self_attn.o_proj", shape="o"),
 )
 LINEAR_COMMON = (
-    _linear(LA + r"\.conv1d", "ColumnParallelLinear", r"\1.linear_attn.conv1d", segments="linear_qkv"),
+    # built with quant_config=None (qwen3_next.py L157-164, qwen3_5.py L398-405): bf16 in every release
+    _linear(LA + r"\.conv1d", "ColumnParallelLinear", r"\1.linear_attn.conv1d", segments="linear_qkv", quantized=False),
     _linear(LA, "HeadParameter", r"\1.linear_attn", shape="linear_head"),  # A_log, dt_bias
     Rule(LA + r"\.norm", "Replicated", "replicated", r"\1.linear_attn.norm"),
     _linear(LA + r"\.out_proj", "RowParallelLinear", r"\1.linear_attn.out_proj", shape="linear_out"),

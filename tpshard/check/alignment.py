@@ -171,7 +171,7 @@ def _logical_findings(name: str, specs: list[ShardSpec]) -> list[tuple[str, str]
         num, den = s.ratio
         end = lo + n
         why = []
-        if n and (lo % s.atom or (end % s.atom and end != s.logical_size)):
+        if n and (lo % s.atom or (end % s.atom and end != s.logical_size // (sum(s.segments) or 1))):
             why.append(f"logical range [{lo}, {end}) is off the {s.step} atom {s.atom}")
         if n and s.start * den != lo * num:
             why.append(f"physical start {s.start} != logical start {lo} x {num}/{den}")
@@ -188,6 +188,6 @@ def _logical_findings(name: str, specs: list[ShardSpec]) -> list[tuple[str, str]
                 found.append(("logical", f"{shard_text(s)}: logical start {s.logical_start}, but group ranks before it end at {covered}"))
             if s.logical_length:
                 covered = max(covered, s.logical_start + s.logical_length)
-        if covered != tiles[0].logical_size:
+        if covered * (sum(tiles[0].segments) or 1) != tiles[0].logical_size:  # a segmented cut covers each segment's unit
             found.append(("logical", f"{name}: logical ranges cover {covered} of {tiles[0].logical_size}"))
     return found

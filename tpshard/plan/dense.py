@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from tpshard.arch import HEAD_COUNTS, SEGMENTS, SHAPES, Arch, Rule
+from tpshard.arch import HEAD_COUNTS, PARTITIONS, SEGMENTS, SHAPES, Arch, Rule
 from tpshard.cuts import Cutting, ceil_div, even_cuts
 from tpshard.errors import PlanError
 from tpshard.manifest import Cut, Kind, ModelInfo, Options
@@ -258,7 +258,9 @@ def logical_layers(ctx: Layout) -> Callable[[str, TensorInfo, QuantSpec, Rule], 
         if key not in layers:
             cutting = cut_tensor(f"{module}.weight", msgspec.structs.replace(info, shape=(n, k)), rule, "weight", ctx)
             group = group_of(rule, ctx) if cutting.dim is not None else "replicated"
-            layers[key] = LogicalLayer(rule.layer_class, rule.piece, rule.role in PADDED_ROLES, n, k, cutting, group)
+            g = ctx.topology.group_size(group)
+            partitions = tuple(p // g for p in PARTITIONS[rule.shape](ctx.model)) if rule.shape in PARTITIONS else ()
+            layers[key] = LogicalLayer(rule.layer_class, rule.piece, rule.role in PADDED_ROLES, n, k, cutting, group, partitions)
         return layers[key]
 
     return layer_of

@@ -88,7 +88,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
         rule, layer, expert = found
         ep_slot = experts.place(name, rule, expert)
         stages = stages_of(name) if stages_of else None
-        qspec = quant.spec_for(module, rule.layer_class in _LINEAR) if quant else None
+        qspec = quant.spec_for(module, rule.layer_class in _LINEAR and rule.quantized) if quant else None
         if qspec is not None and rule.layer_class in ("ReplicatedLinear", "ParallelLMHead"):
             # Quantized only if the checkpoint stores it so: DeepSeek-V3's FP8 checkpoint keeps the MTP
             # layer's eh_proj and shared_head.head in bf16 though its config names no exception.

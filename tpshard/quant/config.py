@@ -70,6 +70,8 @@ def read_quant_config(folder: str | Path, config: dict) -> QuantConfig | None:
     v4 = method == "fp8" and config.get("model_type") == "deepseek_v4"
     if v4:  # its scales are `<module>.scale`, its experts FP4 per config.json's top-level expert_dtype
         raw = {**raw, "expert_dtype": config.get("expert_dtype")}
+    if method in _REFUSED:
+        raise CheckpointError(f"quantization_config ({method}): {_REFUSED[method]}")
     try:
         parser = _deepseek_v4 if v4 else _PARSERS[method]
     except KeyError:
@@ -381,6 +383,21 @@ def _mxfp4(raw: dict):
     beside their bf16 biases, cut by the family's FusedExperts rule in whole 32-blocks
     (tpshard.arch.fused, tpshard.plan.fused); no linear is a tpshard.quant layer."""
     return lambda module: None
+
+
+# Methods the engine cannot load, refused by name with why (no parser: no layout is read).
+# fbgemm_fp8 (Meta's Llama-4 Maverick FP8 release, transformers' FbgemmFp8Config): per-channel FP8
+# experts, the fused ones' scales `experts.gate_up_proj_scale` [E, 1, 2I] / `down_proj_scale`
+# [E, H, 1]; SGLang 0.5.23 registers no such method, and mllama4.py's loader would skip those scales
+# (`experts.w13_scale` is no parameter of its FusedMoE).
+_REFUSED = {
+    "fbgemm_fp8": (
+        "SGLang 0.5.23 registers no fbgemm_fp8 method (layers/quantization/__init__.py L63-91) and refuses this"
+        " checkpoint at start-up (configs/model_config.py L2152, 'Unknown quantization method'); its Llama-4"
+        " loader would also skip the fused experts' *_proj_scale tensors (models/mllama4.py L847-889): split"
+        " the bf16 release instead"
+    ),
+}
 
 
 _PARSERS = {

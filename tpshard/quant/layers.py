@@ -36,6 +36,7 @@ from tpshard.safetensors_format import TensorInfo
 from tpshard.topology import GroupName, Topology
 
 _LAYER_OR_EXPERT = re.compile(r"\.\d+\.")
+_BLOCK_FORMATS = ("fp8_block", "ct_fp8_block")  # block_n-scaled rows
 
 K = TypeVar("K")
 
@@ -54,6 +55,9 @@ class LogicalLayer:
     k: int
     cutting: Cutting  # along N (dim 0) or K (dim 1); dim None: whole
     group: GroupName  # "replicated" when whole
+    # The engine's merged partitions per rank, where the engine checks each against an FP8 block
+    # (tpshard.arch.base.PARTITIONS); () = the rank's rows are checked as one range.
+    partitions: tuple[int, ...] = ()
 
 
 class QuantLayers(Generic[K]):
@@ -94,7 +98,7 @@ class QuantLayers(Generic[K]):
             self.moe_notes.add(note)
         cuts = cutting.cuts
         if cutting.dim is not None:
-            full = (layer.n, layer.k)[cutting.dim]
+            full = _cut_extent(layer, cutting)
             by_role: dict[str, tuple] = {}
             for role, c, step, atom in bad:
                 ranks = self.topology.ranks_of(layer.group, c.group_rank, cutting.factor, ep_slot)
@@ -104,21 +108,39 @@ class QuantLayers(Generic[K]):
                     module, qspec, role, cut_ranks, step, atom, cutting.dim, full, layer.group, cutting.group_size, pad_hint,
                 )))  # fmt: skip
             self._engine_check(module, qspec, layer, cutting)
+            if layer.partitions and qspec.format in _BLOCK_FORMATS and not bad:
+                self._partition_check(module, qspec, layer)
             if bad:
                 cuts = []  # refused in finish(); no spec is made from a misaligned cut
         self.layers[module] = (layer, cutting, cuts)
         return self.layers[module]
 
+    def _partition_check(self, module: str, qspec: QuantSpec, layer: LogicalLayer) -> None:
+        bn = qspec.block[0]
+        off = [p for p in layer.partitions if p % bn]
+        if off:
+            self.errors.append((f"{module}.weight", (
+                f"{module}: {qspec.format} with block_n {bn}, and SGLang loads it into a merged layer whose per-rank"
+                f" partitions are {list(layer.partitions)} rows over {layer.group} ({off[0]} % {bn} = {off[0] % bn}):"
+                f" its FP8 block method refuses this (layers/quantization/fp8.py L600-610, 'output_partition_size"
+                f" = {off[0]} is not divisible by weight quantization block_n = {bn}'); choose a smaller attention"
+                " tp (--attn-dp) or keep this module bf16 (modules_to_not_convert), as the releases do"
+            )))
+
     def _fit(self, layer: LogicalLayer, qspec: QuantSpec):
         """(cutting, misalignments, --pad-blocks hint) of a layer in this format: the dense rules'
         cutting, or under --pad-blocks its re-cut to whole blocks."""
         cutting = layer.cutting
+        if cutting.segments and cutting.group_size == 1:  # one rank holds every segment whole: one run
+            cutting = cutting._replace(kind="column", segments=(), cuts=even_cuts(layer.n, 1, layer.n))
         bad, pad_hint = [], ""
         if cutting.dim is not None:
             n, k = layer.n, layer.k
-            full = (n, k)[cutting.dim]
+            full = _cut_extent(layer, cutting)
             roles = qspec.roles()
             bad = misalignments(qspec, roles, cutting.dim, full, cutting.cuts)
+            # A segmented cut is in units of the segments' gcd: whole blocks of each rank's slice of every
+            # segment (checked here) put every segment boundary on a block too.
             if not bad and qspec.format == "dsv4_fp4" and layer.layer_class == "FusedMoE":
                 bad = fp4_expert_blocks(qspec, cutting.dim, cutting.cuts)
             if bad and qspec.format in PAD_BLOCK_FORMATS and layer.padded:
@@ -205,20 +227,22 @@ class QuantLayers(Generic[K]):
                 group_size=cutting.group_size, ranks=self.topology.ranks_of(group, c.group_rank, cutting.factor, ep_slot, stages),
                 logical_start=c.start, logical_length=c.length, logical_pad=c.pad,
             )  # fmt: skip
+            units = sum(cutting.segments) or 1  # a segmented cut holds its slice of each segment
             if role.rewrite_shape:  # CT weight_shape: the rank's own [N_r, K] / [N, K_r]
                 value = [n, k]
-                value[cutting.dim] = c.length + c.pad
+                value[cutting.dim] = (c.length + c.pad) * units
                 out.append(dict(per_rank, shape=info.shape, dim=None, start=0, length=info.shape[0], pad=0, value=tuple(value)))
                 continue
-            phys = _physical_cut(qspec, role, cutting.dim, (n, k)[cutting.dim], c)
+            phys = _physical_cut(qspec, role, cutting.dim, _cut_extent(layer, cutting), c)
             if phys is None:
                 return [dict(whole(), logical_dim=None)]
             dim, start, length, pad, ratio, atom, step = phys
             shape = list(info.shape)
-            shape[dim] = length + pad
+            shape[dim] = (length + pad) * units
+            segments = {"segments": cutting.segments} if cutting.segments else {}
             out.append(dict(
                 per_rank, shape=tuple(shape), dim=dim, start=start, length=length, pad=pad,
-                step=step, ratio=(ratio.numerator, ratio.denominator), atom=atom,
+                step=step, ratio=(ratio.numerator, ratio.denominator), atom=atom, **segments,
             ))  # fmt: skip
         return out
 
@@ -258,6 +282,13 @@ class QuantLayers(Generic[K]):
                 f"{len(self.errors)} quantized tensor cut(s) do not align at {self.topology.describe()}; nothing was written:\n  {shown}{more}"
             )
         return engine_warnings(self.engine) + [f"{n}; the split is exact" for n in sorted(self.moe_notes)]
+
+
+def _cut_extent(layer: LogicalLayer, cutting: Cutting) -> int:
+    """The logical extent the cuts index: the cut dim's size, or a segmented cut's unit (each
+    segment holds segments[i] units of it; Qwen3.5's in_proj_qkv: [q | k | v] of K, K, V rows)."""
+    full = (layer.n, layer.k)[cutting.dim or 0]
+    return full // sum(cutting.segments) if cutting.segments else full
 
 
 # The same quantized cut recurs for every expert and layer; Fraction arithmetic is worth caching.

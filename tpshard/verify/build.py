@@ -194,7 +194,7 @@ def _load_quant(built: Built, s: ShardSpec, rank: int, tensor: torch.Tensor) -> 
             built.problems.append(f"{s.name}: {e.args[0]}")
             return
         logical = [n, k]
-        logical[s.logical_dim] = s.logical_length + s.logical_pad
+        logical[s.logical_dim] = (s.logical_length + s.logical_pad) * (sum(s.segments) or 1)  # a segmented cut: each segment's slice
         _compare_info(built, f"{s.name} ({s.quant}, logical)", rank, s, tuple(logical), info)
     method.load_quant(module, shard_id, suffix, tensor)  # on the CPU, bit patterns untouched
 

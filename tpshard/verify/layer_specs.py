@@ -99,9 +99,10 @@ class LayerSpecs:
         return nk[0], nk[1]
 
     def per_rank(self, piece: str = "") -> int:
-        """A quantized piece's logical size per rank along its cut dim, padding included."""
+        """A quantized piece's logical size per rank along its cut dim, padding included (a segmented
+        cut's slices of every segment together)."""
         w = self.main(piece)
-        return w.logical_length + w.logical_pad
+        return (w.logical_length + w.logical_pad) * (sum(w.segments) or 1)
 
     def stages(self, topo: Topology) -> tuple[int, ...]:
         """The pipeline stages whose ranks hold any tensor of the layer, as the manifest records them:
