@@ -50,7 +50,9 @@ moe_tp = tp) is what SGLang 0.5.23 builds for it:
 - Refused: Llama4ForCausalLM checkpoints (transformers' text-only class, names without
   `language_model.`): SGLang's Llama4ForCausalLM loads through LlamaForCausalLM.load_weights, which
   has no mapping for the fused experts (models/llama.py); pipeline stages (no per-stage layout on
-  record); export to either engine (SGLang: routed experts; vLLM: VLLM_REFUSAL below).
+  record); export for SGLang (routed experts: SGLang's sharded_state loads post-processed layouts).
+- vLLM export (VLLM_TABLE below, docs/deploy.md): the language model only (`--language-model-only`),
+  each q/k head's rows in vLLM's rotary order, the fused experts as vLLM's FusedMoE holds them.
 - `verify --model` runs tpshard.verify.llama4_model's decoder (rotary on adjacent pairs, the L2 q/k
   norm, NoPE layers' temperature tuning, chunked attention, the sigmoid router weight on the
   experts' input, the shared expert) against transformers' Llama4ForCausalLM on the same weights;
