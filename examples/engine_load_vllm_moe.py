@@ -5,7 +5,8 @@ the pre-processing layout). docs/deploy.md lists what was loaded so.
 
     python examples/engine_load_vllm_moe.py MODEL EXPORT TP [RANKS]
 
-Two stand-ins, no weight loader touched: gpt-oss's unquantized MoE backend choice (vLLM's CPU
+Llama-4 is built with `language_model_only=True` (`vllm serve --language-model-only`: its export
+holds no vision tower). Two stand-ins, no weight loader touched: gpt-oss's unquantized MoE backend choice (vLLM's CPU
 backends refuse its activation when the layer is built; the model is only loaded, never run), and
 an empty `torchvision` package for Qwen3.5-MoE (models/qwen3_5.py imports the Qwen3-VL image
 processor, which imports torchvision; so does Llama-4's mllama4.py), put on PYTHONPATH so that vLLM's model-inspection
