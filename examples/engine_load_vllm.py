@@ -57,6 +57,11 @@ def vllm_loader(model: str, *, expert_parallel: bool = False, post_process: bool
                     mod.get_tensor_model_parallel_rank = lambda *a, **k: case["rank"]
                 if hasattr(mod, "get_tensor_model_parallel_world_size"):
                     mod.get_tensor_model_parallel_world_size = lambda *a, **k: case["size"]
+                # With --enable-expert-parallel the EP group is the TP group (dp 1): the model classes
+                # that slice experts themselves (models/gpt_oss.py load_weights) read its rank and size;
+                # imported when the model is built, they bind it from vllm.distributed then.
+                if expert_parallel and (name.startswith("vllm.model_executor.models.") or name in ("vllm.distributed", "vllm.distributed.parallel_state")) and hasattr(mod, "get_ep_group"):
+                    mod.get_ep_group = lambda *a, **k: _PosedGroup(case["rank"], case["size"])
 
     def build(rank: int, size: int, path: str, load_format: str):
         case.update(rank=rank, size=size)
@@ -70,6 +75,20 @@ def vllm_loader(model: str, *, expert_parallel: bool = False, post_process: bool
             return get_model_loader(vc.load_config).load_model(vllm_config=vc, model_config=mc)
 
     return build
+
+
+class _PosedGroup:
+    """An EP group handle that answers rank and size only (the model is built and loaded, never run)."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank_in_group, self.world_size = rank, size
+        self.device_group = self
+
+    def size(self) -> int:
+        return self.world_size
+
+    def rank(self) -> int:
+        return self.rank_in_group
 
 
 class _NoKernel:

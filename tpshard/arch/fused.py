@@ -65,3 +65,7 @@ class FusedExperts(NamedTuple):
     # refused with `ep_refusal`), "blocks" (block-quantized ones only: gpt-oss MXFP4), "always".
     ep_loads: Literal["never", "blocks", "always"] = "never"
     ep_refusal: str = ""  # why not, for the refusal
+    # vLLM's loader slices every checkpoint's experts by EP rank (gpt-oss bf16: models/gpt_oss.py
+    # _load_weights_other's use_ep branch), so an output placed for vLLM (--engine / --format vllm) may
+    # use --ep where `ep_loads` refuses it for SGLang (tpshard.plan.fused.engine_placed)
+    vllm_ep: bool = False

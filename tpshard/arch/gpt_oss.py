@@ -85,6 +85,8 @@ FUSED = FusedExperts(
         " layers/moe/fused_moe_triton/layer.py L1559), which copies all of them into each rank's [E / ep, ...] parameter"
         " (_load_w13 L879): it cannot load --ep > 1; split with --ep 1 (the MXFP4 release loads with --ep)"
     ),
+    vllm_ep=True,  # vLLM 0.33.0 models/gpt_oss.py L1186-1235: weight[ep_rank_start:ep_rank_end] of every fused tensor
+
 )
 
 
