@@ -24,10 +24,12 @@ import torch  # noqa: E402
 from engine_compare import args, compare_ranks  # noqa: E402
 
 
-def vllm_loader(model: str, *, expert_parallel: bool = False, post_process: bool = True, **load_options):
+def vllm_loader(model: str, *, expert_parallel: bool = False, post_process: bool = True, model_options: dict | None = None, **load_options):
     """Set vLLM up on a CPU in a one-process gloo world; return build(rank, size, path, load_format)
     -> vLLM's model class for that TP rank, loaded in full by its own loader. `load_options` go to
-    vLLM's LoadConfig as they are (e.g. safetensors_load_strategy="prefetch")."""
+    vLLM's LoadConfig as they are (e.g. safetensors_load_strategy="prefetch"), `model_options` to its
+    ModelConfig (e.g. language_model_only=True, `vllm serve --language-model-only`)."""
+    model_options = model_options or {}
     torch.accelerator.empty_cache = lambda: None  # raises without an accelerator; load_model calls it
 
     from vllm.config import LoadConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
@@ -37,7 +39,7 @@ def vllm_loader(model: str, *, expert_parallel: bool = False, post_process: bool
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with set_current_vllm_config(VllmConfig(model_config=ModelConfig(model=model, dtype="bfloat16", enforce_eager=True))):
+    with set_current_vllm_config(VllmConfig(model_config=ModelConfig(model=model, dtype="bfloat16", enforce_eager=True, **model_options))):
         init_distributed_environment(world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
         ensure_model_parallel_initialized(1, 1)
     if not post_process:  # vLLM's CPU MoE post-processing needs its C ops; the files hold the pre-processing layout
@@ -55,10 +57,15 @@ def vllm_loader(model: str, *, expert_parallel: bool = False, post_process: bool
                     mod.get_tensor_model_parallel_rank = lambda *a, **k: case["rank"]
                 if hasattr(mod, "get_tensor_model_parallel_world_size"):
                     mod.get_tensor_model_parallel_world_size = lambda *a, **k: case["size"]
+                # With --enable-expert-parallel the EP group is the TP group (dp 1): the model classes
+                # that slice experts themselves (models/gpt_oss.py load_weights) read its rank and size;
+                # imported when the model is built, they bind it from vllm.distributed then.
+                if expert_parallel and (name.startswith("vllm.model_executor.models.") or name in ("vllm.distributed", "vllm.distributed.parallel_state")) and hasattr(mod, "get_ep_group"):
+                    mod.get_ep_group = lambda *a, **k: _PosedGroup(case["rank"], case["size"])
 
     def build(rank: int, size: int, path: str, load_format: str):
         case.update(rank=rank, size=size)
-        mc = ModelConfig(model=path, dtype="bfloat16", enforce_eager=True)
+        mc = ModelConfig(model=path, dtype="bfloat16", enforce_eager=True, **model_options)
         vc = VllmConfig(
             model_config=mc, load_config=LoadConfig(load_format=load_format, **load_options),
             parallel_config=ParallelConfig(enable_expert_parallel=expert_parallel),
@@ -68,6 +75,20 @@ def vllm_loader(model: str, *, expert_parallel: bool = False, post_process: bool
             return get_model_loader(vc.load_config).load_model(vllm_config=vc, model_config=mc)
 
     return build
+
+
+class _PosedGroup:
+    """An EP group handle that answers rank and size only (the model is built and loaded, never run)."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank_in_group, self.world_size = rank, size
+        self.device_group = self
+
+    def size(self) -> int:
+        return self.world_size
+
+    def rank(self) -> int:
+        return self.rank_in_group
 
 
 class _NoKernel:

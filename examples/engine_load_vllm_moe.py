@@ -5,10 +5,11 @@ the pre-processing layout). docs/deploy.md lists what was loaded so.
 
     python examples/engine_load_vllm_moe.py MODEL EXPORT TP [RANKS]
 
-Two stand-ins, no weight loader touched: gpt-oss's unquantized MoE backend choice (vLLM's CPU
+Llama-4 is built with `language_model_only=True` (`vllm serve --language-model-only`: its export
+holds no vision tower). Two stand-ins, no weight loader touched: gpt-oss's unquantized MoE backend choice (vLLM's CPU
 backends refuse its activation when the layer is built; the model is only loaded, never run), and
 an empty `torchvision` package for Qwen3.5-MoE (models/qwen3_5.py imports the Qwen3-VL image
-processor, which imports torchvision), put on PYTHONPATH so that vLLM's model-inspection
+processor, which imports torchvision; so does Llama-4's mllama4.py), put on PYTHONPATH so that vLLM's model-inspection
 subprocess sees it too. Exit 1 if any rank differs.
 """
 
@@ -70,7 +71,7 @@ def stand_in_moe_backend() -> None:
 
 def main(model: str, export: str, tp: int, ranks: list[int]) -> int:
     model_type = json.loads(open(os.path.join(model, "config.json")).read()).get("model_type", "")
-    if model_type.startswith("qwen3_5"):
+    if model_type.startswith("qwen3_5") or model_type == "llama4":  # llama4: transformers' image processor
         stub_torchvision()
     from engine_compare import compare_ranks
     from engine_load_vllm import vllm_loader
@@ -80,7 +81,9 @@ def main(model: str, export: str, tp: int, ranks: list[int]) -> int:
     if model_type == "gpt_oss":
         stand_in_moe_backend()
     ep = json.loads(open(os.path.join(export, "tpshard-export.json")).read())["from"]["topology"].get("ep", 1) > 1
-    build = vllm_loader(model, expert_parallel=ep, post_process=False)
+    # Llama-4: the export holds the language model only, served with --language-model-only (docs/deploy.md)
+    options = {"language_model_only": True} if model_type == "llama4" else {}
+    build = vllm_loader(model, expert_parallel=ep, post_process=False, model_options=options)
 
     def load(r: int, path: str, load_format: str) -> dict:
         state = ShardedStateLoader._filter_subtensors(build(r, tp, path, load_format).state_dict())

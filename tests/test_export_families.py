@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 import tpshard
 from tpshard.check import check
+from tpshard.errors import PlanError
 from tpshard.export import ExportError, export
 from test_export import VLLM_BUFFERS, _source, headers
 from test_export_quant import _broken, _bytes, _findings, _replace
@@ -417,6 +418,39 @@ def test_gpt_oss_down_bias_on_rank_1_is_caught(gpt_oss_vllm, copy_of):
     rewrite_export_checksums(broken)
     text = _findings(check(broken))
     assert f"{key} does not hold the constant 0.0" in text, text
+
+
+def test_gpt_oss_ep_equals_tp_is_vllm_expert_parallel(gpt_oss, tmp_path, copy_of):
+    """bf16 gpt-oss split for vLLM with --ep 2 (tp 2): vLLM's _load_weights_other under
+    --enable-expert-parallel (models/gpt_oss.py L1186-1235) gives rank r experts [4r, 4r + 4) whole:
+    w13 / w2 each expert transposed, w13_bias and w2_bias their rows, the down bias on every rank
+    (no zeroing under EP). Without --engine vllm the split is refused (SGLang cannot load it); rank 1's
+    down bias zeroed, as the ep-1 layout would hold it, is caught by check --source."""
+    with pytest.raises(PlanError, match=r"--ep 2: .* cannot load --ep > 1; .* or split for vLLM \(--format vllm or --engine vllm\)"):
+        tpshard.split(gpt_oss, tmp_path / "sglang", tpshard.Topology(tp=2, ep=2))
+    dest = split_export(gpt_oss, tmp_path, tp=2, ep=2, engine="vllm")
+    experts = {
+        "mlp.experts.routed_experts.w13_weight": (BF, (4, 192, 64)), "mlp.experts.routed_experts.w13_bias": (BF, (4, 192)),
+        "mlp.experts.routed_experts.w2_weight": (BF, (4, 64, 96)), "mlp.experts.routed_experts.w2_bias": (BF, (4, 64)),
+    }  # fmt: skip
+    want = {**worked({0: {**GPT_OSS_TP2[0], **experts}}, 2), "model.embedding.weight": GLOBAL["model.embed_tokens.weight"]}
+    del want["model.embed_tokens.weight"]
+    w = _source(gpt_oss)
+    for r in (0, 1):
+        assert headers(dest, r) == want
+        got = load_file(dest / f"model-rank-{r}-part-0.safetensors")
+        mine = slice(4 * r, 4 * r + 4)
+        for layer in (0, 1):
+            x = f"model.layers.{layer}.mlp.experts."
+            assert torch.equal(got[x + "routed_experts.w13_weight"], w[x + "gate_up_proj"][mine].transpose(1, 2))
+            assert torch.equal(got[x + "routed_experts.w2_weight"], w[x + "down_proj"][mine].transpose(1, 2))
+            assert torch.equal(got[x + "routed_experts.w13_bias"], w[x + "gate_up_proj_bias"][mine])
+            assert torch.equal(got[x + "routed_experts.w2_bias"], w[x + "down_proj_bias"][mine]) and got[x + "routed_experts.w2_bias"].abs().sum() > 0
+    assert check(dest, gpt_oss).ok
+    key = "model.layers.0.mlp.experts.routed_experts.w2_bias"
+    broken = _broken(copy_of, dest, lambda d: _replace(d / "model-rank-1-part-0.safetensors", key, bytes(4 * 64 * 2)))
+    report = check(broken, gpt_oss)
+    assert not report.ok and "model.layers.0.mlp.experts.down_proj_bias (group tp rank 1/2, ranks [1]): differs from the source" in _findings(report)
 
 
 def test_gpt_oss_more_ranks_than_kv_heads_refused(gpt_oss, tmp_path):

@@ -19,7 +19,10 @@ keeps the ranks of the stages holding a tensor. The partition (decoder layers pe
 output made without pipeline stages is byte for byte what it was before they existed. `engine`
 names whose placement the stages follow (which stages hold the embedding, norm and lm_head,
 tpshard.stages.placement): UNSET for SGLang, the default, and at one stage, where the engines place
-every tensor alike; so only a vLLM pipeline output records it.
+every tensor alike; so only a vLLM pipeline output records it. At one stage with --ep > 1 a vLLM
+engine is kept until the plan, which drops it too unless the family's experts are placed otherwise
+by vLLM (tpshard.plan.fused.engine_placed: bf16 gpt-oss, whose fused experts only vLLM slices by EP
+rank), so that only such an output records it.
 
 All-to-all MoE backends (`moe_a2a_backend`, SGLang --moe-a2a-backend): every one of A2A_BACKENDS
 makes SGLang set ep to tp (sglang/srt/arg_groups/overrides.py, _a2a_ep_size), so a topology naming
@@ -176,7 +179,7 @@ class Topology(PublicStruct, frozen=True, kw_only=True):
             engine = self.engine
             if engine not in ("sglang", "vllm"):
                 return lambda name: f"{name('engine', repr(engine))}: choose sglang or vllm"
-            if engine == "sglang" or self.pp_layers is UNSET:  # the default, or one stage: placed alike
+            if engine == "sglang" or (self.pp_layers is UNSET and ep == 1):  # the default, or one stage without EP: placed alike
                 msgspec.structs.force_setattr(self, "engine", UNSET)
         if self.moe_a2a_backend is not UNSET:
             backend = self.moe_a2a_backend

@@ -180,8 +180,8 @@ class EngineTable(NamedTuple):
     # (plan, config.json) -> why the engine would build other keys than the table's for this
     # checkpoint, or None: the family's own refusals, called before anything is written.
     refuse: Callable[..., str | None] | None = None
-    # experts stored fused: (engine key regex, "transpose" | "rank0"), what vLLM's loader does to
-    # the rank's slice beyond slicing it (tpshard.export.fused)
+    # experts stored fused: (engine key regex, "transpose" | "rank0" | "rotary"), what vLLM's loader
+    # does to the rank's slice beyond slicing it (tpshard.export.fused; "rotary": Llama-4's q/k rows)
     fused: tuple[tuple[str, str], ...] = ()
 
 

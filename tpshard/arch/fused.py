@@ -73,3 +73,7 @@ class FusedExperts(NamedTuple):
     # parameter and the per-expert projections it stands for, so that a checkpoint holding either form
     # is complete (tpshard.completeness); () = the fused form only (gpt-oss, Llama-4).
     per_expert: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # vLLM's loader slices every checkpoint's experts by EP rank (gpt-oss bf16: models/gpt_oss.py
+    # _load_weights_other's use_ep branch), so an output placed for vLLM (--engine / --format vllm) may
+    # use --ep where `ep_loads` refuses it for SGLang (tpshard.plan.fused.engine_placed)
+    vllm_ep: bool = False

@@ -24,7 +24,7 @@ What a rank holds is what SGLang 0.5.23's GptOssForCausalLM builds for it:
   dim 2), replace gate_up_proj / down_proj; the intermediate axis is cut in whole 32-blocks,
   ceil(I/32 / moe_tp) a rank and the last rank short (`end = min(.., I)`), the gate/up bias alike,
   the down bias whole. A rank left empty is refused; SGLang asserts I % 32 == 0.
-- Expert parallelism: bf16 refused. Its experts load through FusedMoE.weight_loader_fused
+- Expert parallelism: bf16 refused for SGLang (for vLLM see below). Its experts load through FusedMoE.weight_loader_fused
   (models/gpt_oss.py L237 `use_weight_loader_fused` for every quant method but mxfp4;
   layers/moe/fused_moe_triton/layer.py L1559), which narrows the moe_tp slice only and copies the
   whole [E, ...] tensor into the rank's [E / ep, ...] parameter (_load_w13 L879, _load_w2 L969): no
@@ -45,9 +45,13 @@ What a rank holds is what SGLang 0.5.23's GptOssForCausalLM builds for it:
   layers by make_layers; lm_head on every stage (pp_head "every").
 - `verify --model` runs tpshard.verify.moe_model's decoder with the gpt-oss layers
   (tpshard.verify.sinks_model: attention sinks, sliding windows by config.json layer_types, yarn
-  RoPE from transformers' own tables, the fused experts' clamped SwiGLU). Export: refused for both
-  engines (vLLM's models/gpt_oss.py renames and transposes the experts; its table is not measured
-  here; SGLang's sharded_state refuses every family with routed experts).
+  RoPE from transformers' own tables, the fused experts' clamped SwiGLU). Export: vLLM bf16 (EXPORTS
+  below, docs/deploy.md); SGLang's sharded_state refuses every family with routed experts.
+- vLLM bf16 with expert parallelism: vLLM's _load_weights_other (models/gpt_oss.py L1186-1235) slices
+  every fused tensor by EP rank under --enable-expert-parallel (`weight[ep_rank_start:ep_rank_end]`,
+  whole experts, the down bias too and not zeroed), so a split placed for vLLM (`--format vllm`,
+  `--engine vllm`) takes --ep = --tp (FUSED.vllm_ep; tpshard.plan.fused.engine_placed records the
+  engine in its topology), where one placed for SGLang is refused.
 """
 
 from tpshard.arch.base import NORMS, QKV_ATTENTION, VOCAB, Arch, EngineNames, EngineTable, L, Piece, Rule
@@ -85,6 +89,8 @@ FUSED = FusedExperts(
         " layers/moe/fused_moe_triton/layer.py L1559), which copies all of them into each rank's [E / ep, ...] parameter"
         " (_load_w13 L879): it cannot load --ep > 1; split with --ep 1 (the MXFP4 release loads with --ep)"
     ),
+    vllm_ep=True,  # vLLM 0.33.0 models/gpt_oss.py L1186-1235: weight[ep_rank_start:ep_rank_end] of every fused tensor
+
 )
 
 

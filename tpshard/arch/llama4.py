@@ -50,7 +50,9 @@ moe_tp = tp) is what SGLang 0.5.23 builds for it:
 - Refused: Llama4ForCausalLM checkpoints (transformers' text-only class, names without
   `language_model.`): SGLang's Llama4ForCausalLM loads through LlamaForCausalLM.load_weights, which
   has no mapping for the fused experts (models/llama.py); pipeline stages (no per-stage layout on
-  record); export to either engine (SGLang: routed experts; vLLM: VLLM_REFUSAL below).
+  record); export for SGLang (routed experts: SGLang's sharded_state loads post-processed layouts).
+- vLLM export (VLLM_TABLE below, docs/deploy.md): the language model only (`--language-model-only`),
+  each q/k head's rows in vLLM's rotary order, the fused experts as vLLM's FusedMoE holds them.
 - `verify --model` runs tpshard.verify.llama4_model's decoder (rotary on adjacent pairs, the L2 q/k
   norm, NoPE layers' temperature tuning, chunked attention, the sigmoid router weight on the
   experts' input, the shared expert) against transformers' Llama4ForCausalLM on the same weights;
@@ -62,7 +64,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from tpshard.arch.base import Arch, EngineNames, Rule
+from tpshard.arch.base import Arch, EngineNames, EngineTable, Piece, Rule
+from tpshard.arch.engine_names import VLLM_ATTENTION_BUFFERS, bf16_only
 from tpshard.arch.fused import FusedExperts, FusedParam
 from tpshard.arch.router import RouterConfig
 from tpshard.arch.tensors import config_value
@@ -200,19 +203,48 @@ def llama4_router(config: dict, e: int, k: int) -> RouterConfig:
     return RouterConfig(num_experts=e, top_k=k, scoring="sigmoid", renormalize=False)
 
 
-# vLLM 0.33.0 holds other bytes than the tpshard output (docs/deploy.md): its loader permutes each
-# head's q_proj / k_proj rows for its rotary kernel before the cut, and its
-# Llama4ForConditionalGeneration builds the vision tower, which tpshard does not split.
-VLLM_REFUSAL = (
-    "Llama4ForConditionalGeneration: vLLM's loader permutes the rows of each head of q_proj and k_proj for its rotary"
-    " kernel (models/llama4.py permute_qk_weight_for_rotary), so its ranks hold other bytes than the tpshard output,"
-    " and builds the vision tower (models/mllama4.py), which tpshard does not split; serve the HF checkpoint with vLLM's own loader"
-)
+# vLLM 0.33.0 (models/mllama4.py Llama4ForConditionalGeneration, models/llama4.py), keys read from
+# the model built on CPU (docs/deploy.md). The text model is `language_model` (Llama4ForCausalLM,
+# mllama4.py L779-786) under the checkpoint's names; q/k/v one QKVParallelLinear `qkv_proj` whose q
+# and k heads' rows vLLM reorders for its rotary kernel (permute_qk_weight_for_rotary L805-844:
+# "rotary", tpshard.export.rotary); the L2 q/k norm has no weight; the dense MLP and the shared expert
+# LlamaMLPs (the shared expert kept under FusedMoE's `_shared_experts._layer`, the name the state
+# dict's storage dedup keeps); the router a GateLinear in the checkpoint's dtype; the fused experts
+# FusedMoE's routed_experts, each expert's shard transposed (load_moe_expert_weights L432-442).
+# The vision tower and projector are built under _mark_tower_model (mllama4.py L765-777), which
+# leaves them out (StageMissingLayer, no state-dict keys) when every image limit is 0, i.e. under
+# `--language-model-only` (config/multimodal.py MultiModalConfig.get_limit_per_prompt): the export
+# holds the language model only, served so (tpshard.export.launch).
+_T = r"(language_model\.model\.layers\.\d+)"
+_TA, _TF = _T + r"\.self_attn\.", _T + r"\.feed_forward\."
+VLLM_PIECES = (
+    (r"language_model\.(model\.embed_tokens|model\.norm|lm_head)\.weight", Piece(r"language_model.\1.weight", 0, 1)),
+    (_T + r"\.(input_layernorm|post_attention_layernorm)\.weight", Piece(r"\1.\2.weight", 0, 1)),
+    (_TA + r"q_proj\.weight", Piece(r"\1.self_attn.qkv_proj.weight", 0, 3)),
+    (_TA + r"k_proj\.weight", Piece(r"\1.self_attn.qkv_proj.weight", 1, 3)),
+    (_TA + r"v_proj\.weight", Piece(r"\1.self_attn.qkv_proj.weight", 2, 3)),
+    (_TA + r"o_proj\.weight", Piece(r"\1.self_attn.o_proj.weight", 0, 1)),
+    (_TF + r"gate_proj\.weight", Piece(r"\1.feed_forward.gate_up_proj.weight", 0, 2)),
+    (_TF + r"up_proj\.weight", Piece(r"\1.feed_forward.gate_up_proj.weight", 1, 2)),
+    (_TF + r"down_proj\.weight", Piece(r"\1.feed_forward.down_proj.weight", 0, 1)),
+    (_TF + r"shared_expert\.gate_proj\.weight", Piece(r"\1.feed_forward.experts._shared_experts._layer.gate_up_proj.weight", 0, 2)),
+    (_TF + r"shared_expert\.up_proj\.weight", Piece(r"\1.feed_forward.experts._shared_experts._layer.gate_up_proj.weight", 1, 2)),
+    (_TF + r"shared_expert\.down_proj\.weight", Piece(r"\1.feed_forward.experts._shared_experts._layer.down_proj.weight", 0, 1)),
+    (_TF + r"router\.weight", Piece(r"\1.feed_forward.router.weight", 0, 1)),
+    (_TF + r"experts\.gate_up_proj", Piece(r"\1.feed_forward.experts.routed_experts.w13_weight", 0, 1)),
+    (_TF + r"experts\.down_proj", Piece(r"\1.feed_forward.experts.routed_experts.w2_weight", 0, 1)),
+)  # fmt: skip
+VLLM_FUSED = ((r".*\.routed_experts\.w(13|2)_weight", "transpose"), (r".*\.self_attn\.qkv_proj\.weight", "rotary"))
+VLLM_TABLE = EngineTable(
+    VLLM_PIECES, tied="language_model.lm_head.weight", ep="vllm", fused=VLLM_FUSED, refuse=bf16_only("models/llama4.py"),
+    buffers=VLLM_ATTENTION_BUFFERS,
+    buffers_at=_T + r"\.self_attn\.o_proj\.weight",
+)  # fmt: skip
 
 ARCHS = (
     Arch(
         "Llama4ForConditionalGeneration", RULES, "mllama4.py", attn_group="attn_tp", embed_group="replicated",
-        model_type="llama4", expected=expected, exports=EngineNames(vllm=VLLM_REFUSAL, sglang=None), verify="llama4",
+        model_type="llama4", expected=expected, exports=EngineNames(vllm=VLLM_TABLE, sglang=None), verify="llama4",
         router=llama4_router, sparse=sparse, check=refuse_config, fused_experts=FUSED, refuse_tensors=refuse_tensors,
     ),
 )  # fmt: skip

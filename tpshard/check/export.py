@@ -294,7 +294,7 @@ def _check_transformed(ckpt: Checkpoint, plan: Plan, tensors: list, report: Chec
 
     def cut_of(part, cut) -> np.ndarray:
         name = part.tensor.source or part.tensor.name
-        return shard_bytes(source_bytes(name), ckpt.tensors[name].shape, part.tensor.dim, cut)
+        return shard_bytes(source_bytes(name), ckpt.tensors[name].shape, part.tensor.dim, cut, part.tensor.segments)
 
     seen, bad = set(), set()
     for file_name, path, t, at in tensors:
@@ -307,7 +307,7 @@ def _check_transformed(ckpt: Checkpoint, plan: Plan, tensors: list, report: Chec
             report.add("files", f"{file_name}: {t.name} ends early")
             bad.update(names)
             continue
-        held = split_back(data, [p.shape for p in t.parts], [p.nbytes for p in t.parts], t.parts[0].dtype, t.dtype, t.axis, t.shape[0] if t.axis == 2 else 1)
+        held = split_back(data, [p.shape for p in t.parts], [p.nbytes for p in t.parts], t.parts[0].dtype, t.dtype, t.axis, t.shape[0] if t.axis == 2 else 1, t.rotary)
         want = [cut_of(p, p.cut) for p in t.parts]
         for i, (part, h, w) in enumerate(zip(t.parts, held, want)):
             if np.array_equal(h, w):

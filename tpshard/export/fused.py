@@ -6,8 +6,12 @@ rank's slice of `gate_up_proj` [E, H, 2I] (dim 2: its (gate_j, up_j) pairs) and 
 [E, I, H] (dim 1) are `permute(0, 2, 1)`-ed into `w13_weight` [E, 2I/tp, H] and `w2_weight`
 [E, H, I/tp]: each expert's matrix transposed ("transpose"); `down_proj_bias` is copied whole on
 moe-tp rank 0 and zeroed on the others (`weight.zero_()`, so that the bias is added once after the
-reduction): "rank0". A table names these engine keys (EngineTable.fused); everything else about
-them (names, the cut) is the table's and the plan's.
+reduction): "rank0". Llama-4 (models/llama4.py): `w13_weight` / `w2_weight` the same transposes
+of its segmented [gate | up] slices (load_moe_expert_weights L432-442: `transpose(-1, -2)`, then
+`chunk(2)` of the rows into w1 / w3, each narrowed to the rank's rows: gate_r then up_r, what the
+transposed segmented cut holds), and `qkv_proj` with each q/k head's rows reordered for the rotary
+kernel: "rotary" (tpshard.export.rotary). A table names these engine keys (EngineTable.fused);
+everything else about them (names, the cut) is the table's and the plan's.
 
 A transposed engine tensor has `axis` TRANSPOSED: its bytes are not its shard's, so the writer
 builds them in memory (assemble) and check reads them back into the shard's layout (split_back)
@@ -29,7 +33,7 @@ TRANSPOSED = -1  # EngineTensor.axis of a tensor whose every expert matrix is it
 
 def fused_experts(plan, rank: int, tensors: list, rules: Iterable[tuple[str, str]]) -> list:
     """One rank's engine tensors (tpshard.export.layout.EngineTensor) with the table's fused-expert
-    rules applied: (engine key regex, "transpose" | "rank0")."""
+    rules applied: (engine key regex, "transpose" | "rank0" | "rotary")."""
     compiled = [(re.compile(pattern), kind) for pattern, kind in rules]
     topo = plan.topology
     zeroed = topo.ep == 1 and topo.tp_rank(rank) != 0  # with --enable-expert-parallel vLLM slices experts and zeroes nothing
@@ -43,7 +47,12 @@ def fused_experts(plan, rank: int, tensors: list, rules: Iterable[tuple[str, str
             t = t._replace(shape=(e, b, a), axis=TRANSPOSED)
         elif kind == "rank0" and zeroed:
             t = t._replace(parts=(), value=0.0)
-        elif kind not in (None, "rank0"):
+        elif kind == "rotary":
+            hd = plan.model.head_dim
+            if len(t.parts) != 3 or hd % 2 or any(p.shape[0] % hd for p in t.parts[:2]):
+                raise PlanError(f"{t.name}: q/k rows permuted for the rotary kernel need [q; k; v] of whole heads of an even head_dim {hd}, not {[list(p.shape) for p in t.parts]}")
+            t = t._replace(rotary=hd)
+        elif kind not in (None, "rank0", "rotary"):
             raise PlanError(f"{t.name}: unknown fused-expert rule {kind!r}")
         out.append(t)
     return out

@@ -11,7 +11,9 @@ and --dp-size alone (alias --data-parallel-size, fields/parallel.py L73-80) star
 replicas of the whole model. vLLM (vllm/engine/arg_utils.py):
 --tensor-parallel-size, --pipeline-parallel-size, --enable-expert-parallel (EP size = tp: the only
 EP an export for vLLM has, tpshard.export.layout), --decode-context-parallel-size (a DeepSeek
---dcp split: tpshard.export.dcp). Both: --load-format sharded_state and --dtype of the exported
+--dcp split: tpshard.export.dcp), --language-model-only where every key is under `language_model.`
+(Llama-4: the export holds no vision tower, which vLLM then builds none of: config/multimodal.py
+MultiModalConfig.get_limit_per_prompt, models/interfaces.py _mark_tower_model). Both: --load-format sharded_state and --dtype of the exported
 weights (another one is cast while loading).
 """
 
@@ -39,6 +41,12 @@ def weights_dtype(manifest: ExportManifest) -> str | None:
     return ENGINE_DTYPE[counts.most_common(1)[0][0]] if counts else None
 
 
+def language_model_only(manifest: ExportManifest) -> bool:
+    """Every key of the export is the text model's of a multimodal class (`language_model.*`)."""
+    names = [t.name for f in manifest.files for t in f.tensors]
+    return bool(names) and all(n.startswith("language_model.") for n in names)
+
+
 def launch_line(manifest: ExportManifest, dest: Path) -> str:
     """The shell command that starts manifest.engine on the export at `dest`."""
     topo, options = manifest.from_.topology, manifest.from_.options
@@ -49,6 +57,7 @@ def launch_line(manifest: ExportManifest, dest: Path) -> str:
         flags += [f"--pipeline-parallel-size {topo.pp}"] * (topo.pp > 1)
         flags += ["--enable-expert-parallel"] * (topo.ep > 1)
         flags += [f"--decode-context-parallel-size {topo.dcp}"] * bool(topo.dcp)  # UNSET (1) is falsy
+        flags += ["--language-model-only"] * language_model_only(manifest)
         command = f"vllm serve {path} --load-format sharded_state"
     else:
         flags = [f"--tp-size {topo.tp}"]

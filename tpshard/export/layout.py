@@ -72,6 +72,7 @@ class EngineTensor(NamedTuple):
     parts: tuple[Part, ...]  # concatenated along `axis`; () for a constant
     value: float | tuple[float, ...] | None = None  # constant content: one value filling the shape, or every value
     axis: int = 0  # AWQ's [K, N] tensors fuse along dim 1 (tpshard.export.quant); fused experts transposed: -1 (tpshard.export.fused)
+    rotary: int = 0  # the head dim of q/k pieces whose rows vLLM reorders for its rotary kernel (tpshard.export.rotary); 0: none
 
     @property
     def nbytes(self) -> int:
@@ -79,8 +80,8 @@ class EngineTensor(NamedTuple):
 
     @property
     def transformed(self) -> bool:
-        """Not the parts' bytes back to back: fused along dim 1, or cast (tpshard.export.quant.assemble)."""
-        return bool(self.parts) and (self.axis != 0 or self.dtype != self.parts[0].dtype)
+        """Not the parts' bytes back to back: fused along dim 1, cast (tpshard.export.quant.assemble), or q/k rows permuted."""
+        return bool(self.parts) and (self.axis != 0 or self.rotary != 0 or self.dtype != self.parts[0].dtype)
 
 
 def constant_bytes(dtype: str, value: float | tuple[float, ...], shape: tuple[int, ...] = ()) -> bytes:

@@ -218,10 +218,17 @@ def to_f32(dtype: str, data: np.ndarray) -> np.ndarray:
     return data.view(_NUMPY[dtype]).astype("<f4").view(np.uint8)
 
 
-def assemble(pieces: list[tuple[np.ndarray, tuple[int, ...]]], src_dtype: str, dtype: str, axis: int, experts: int = 1) -> np.ndarray:
+def assemble(
+    pieces: list[tuple[np.ndarray, tuple[int, ...]]], src_dtype: str, dtype: str, axis: int, experts: int = 1, rotary: int = 0
+) -> np.ndarray:  # fmt: skip
     """An engine tensor's bytes from its pieces' (bytes, shape): concatenated along `axis` (each
     piece 2-D for axis 1; axis 2: `experts` stacked experts, each its own pieces along dim 1; fused
-    experts' TRANSPOSED: tpshard.export.fused), cast from `src_dtype` to `dtype` where they differ."""
+    experts' TRANSPOSED: tpshard.export.fused), cast from `src_dtype` to `dtype` where they differ;
+    `rotary`: the head dim of the q and k pieces whose rows are permuted first (tpshard.export.rotary)."""
+    if rotary:
+        from tpshard.export.rotary import PERMUTED_PIECES, permute
+
+        pieces = [(permute(b, s, rotary), s) if i < PERMUTED_PIECES else (b, s) for i, (b, s) in enumerate(pieces)]
     if axis < 0:
         from tpshard.export.fused import transpose
 
@@ -238,10 +245,16 @@ def assemble(pieces: list[tuple[np.ndarray, tuple[int, ...]]], src_dtype: str, d
 
 
 def split_back(
-    data: np.ndarray, shapes: list[tuple[int, ...]], nbytes: list[int], src_dtype: str, dtype: str, axis: int, experts: int = 1
-) -> list[np.ndarray]:
+    data: np.ndarray, shapes: list[tuple[int, ...]], nbytes: list[int], src_dtype: str, dtype: str, axis: int, experts: int = 1,
+    rotary: int = 0,
+) -> list[np.ndarray]:  # fmt: skip
     """The inverse of `assemble`: each piece's bytes as the checkpoint holds them, from the engine
     tensor's (for check: which slot differs). A cast back is exact for what `to_f32` made."""
+    if rotary:
+        from tpshard.export.rotary import PERMUTED_PIECES, unpermute
+
+        out = split_back(data, shapes, nbytes, src_dtype, dtype, axis, experts)
+        return [unpermute(b, shapes[i], rotary) if i < PERMUTED_PIECES else b for i, b in enumerate(out)]
     if dtype != src_dtype:
         f = data.view("<f4")
         data = (f.view("<u4") >> 16).astype("<u2").view(np.uint8) if src_dtype == "BF16" else f.astype(_NUMPY[src_dtype]).view(np.uint8)

@@ -338,7 +338,7 @@ def _transform(tensor: EngineTensor, into: np.ndarray, source: _Source, algorith
         if tensor_digest(algorithm, data) != source.digest(part):
             raise OutputError(f"{part.name}: a shard in the tpshard output differs from its {algorithm} in the manifest; run tpshard check on it")
         pieces.append((data, part.shape))
-    into[:] = assemble(pieces, tensor.parts[0].dtype, tensor.dtype, tensor.axis, tensor.shape[0] if tensor.axis == 2 else 1)
+    into[:] = assemble(pieces, tensor.parts[0].dtype, tensor.dtype, tensor.axis, tensor.shape[0] if tensor.axis == 2 else 1, tensor.rotary)
     return tensor_digest(algorithm, into)
 
 

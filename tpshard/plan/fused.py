@@ -13,6 +13,7 @@ is gathered from whole rows of the outer dims, so a strided per-expert slice cos
 
 from __future__ import annotations
 
+from msgspec import UNSET
 from msgspec.structs import replace
 
 from tpshard.arch import Arch
@@ -35,8 +36,9 @@ def fused_cut(name: str, shape: tuple[int, ...], param: str, arch: Arch, model: 
         kind = "a block-quantized (MXFP4)" if spec.blocks else "an unquantized"
         raise PlanError(f"{name}: {kind} expert tensor, but config.json's quantization_config says the experts are {'MXFP4' if b else 'unquantized'}")
     ep = topology.ep
-    if ep > 1 and (fused.ep_loads == "never" or (fused.ep_loads == "blocks" and not b)):
-        raise PlanError(f"--ep {ep}: {name} holds every expert in one tensor; {fused.ep_refusal}")
+    if ep > 1 and _sglang_refuses_ep(fused, model) and not (fused.vllm_ep and topology.placed_for == "vllm"):
+        why = fused.ep_refusal + (", or split for vLLM (--format vllm or --engine vllm), whose loader slices them by EP rank" if fused.vllm_ep else "")
+        raise PlanError(f"--ep {ep}: {name} holds every expert in one tensor; {why}")
     e, h, i = model.num_experts, model.hidden_size, model.moe_intermediate_size
     want = FUSED_SHAPES[spec.shape](e, h, i)
     if tuple(shape) != want:
@@ -45,6 +47,22 @@ def fused_cut(name: str, shape: tuple[int, ...], param: str, arch: Arch, model: 
         return Cutting("column", 0, 1, ep, even_cuts(e, ep, e // ep))
     inner = _moe_tp_cut(name, shape, spec, model, topology)
     return inner if ep == 1 else _in_ep_blocks(inner, e, ep)
+
+
+def _sglang_refuses_ep(fused, model: ModelInfo) -> bool:
+    return fused.ep_loads == "never" or (fused.ep_loads == "blocks" and not model.expert_block)
+
+
+def engine_placed(topology: Topology, arch: Arch, model: ModelInfo) -> Topology:
+    """The topology the plan records: a vLLM engine at one stage (kept there at --ep > 1,
+    tpshard.topology) only where the family's fused experts are placed by EP rank for vLLM alone
+    (FusedExperts.vllm_ep), else dropped as at ep 1, so that every other output stays as it was."""
+    if topology.pp > 1 or topology.engine is UNSET:
+        return topology
+    fused = arch.fused_experts
+    if fused is not None and fused.vllm_ep and topology.ep > 1 and _sglang_refuses_ep(fused, model):
+        return topology
+    return replace(topology, engine=UNSET)
 
 
 def _in_ep_blocks(inner: Cutting, e: int, ep: int) -> Cutting:

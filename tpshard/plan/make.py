@@ -16,6 +16,7 @@ from array import array
 
 from tpshard.arch import Matcher, Rule, arch_for
 from tpshard.arch.base import DROPPED, VOCAB
+from tpshard.plan.fused import engine_placed
 from tpshard.checkpoint import Checkpoint, model_info
 from tpshard.collector import paused
 from tpshard.completeness import check_complete
@@ -38,6 +39,7 @@ def make_plan(ckpt: Checkpoint, topology: Topology, options: Options | None = No
     options = options or Options()
     model = model_info(ckpt)
     arch = arch_for(model)
+    topology = engine_placed(topology, arch, model)
     ctx = Layout(topology, model, options, arch)
     warnings = refuse_topology(ctx, ckpt.config)
     stages_of, where = refuse_pipeline(ctx, ckpt.tensors) or (None, None)  # None: one stage
