@@ -1,4 +1,4 @@
-"""An independent statement of the load contract (LOAD_CONTRACT.md §10, MOE_MLA.md §1-2), written
+"""An independent statement of the load contract (SGLang's and vLLM's weight loaders, docs/contracts.md), written
 with torch indexing and no tpshard code, that the tests hold every rank's tensors to."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""make_plan against the worked examples of LOAD_CONTRACT.md, from headers alone (no tensor data)."""
+"""make_plan against the worked examples of docs/contracts.md §2, from headers alone (no tensor data)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def rows(plan, name):
 
 @pytest.mark.parametrize(
     "tp, q_rows, kv_rows, replicas",
-    [(4, 1024, 256, 1), (8, 512, 128, 1), (16, 256, 128, 2)],  # LOAD_CONTRACT.md §2 worked examples
+    [(4, 1024, 256, 1), (8, 512, 128, 1), (16, 256, 128, 2)],  # docs/contracts.md §2 worked examples
 )
 def test_llama3_8b_qkv(tp, q_rows, kv_rows, replicas):
     plan = make_plan(fake_checkpoint(), Topology(tp=tp))
@@ -86,7 +86,7 @@ def test_qwen3_30b_attention_dp():
 
 
 @pytest.mark.parametrize(
-    "vocab, tp, per_rank, last_real",  # LOAD_CONTRACT.md §5.3, vLLM/SGLang column
+    "vocab, tp, per_rank, last_real",  # vocab padding (docs/contracts.md §2), vLLM/SGLang
     [(50257, 2, 25152, 25105), (50257, 8, 6288, 6241), (32000, 8, 4000, 4000), (128256, 8, 16032, 16032)],
 )
 def test_vocab_padding(vocab, tp, per_rank, last_real):

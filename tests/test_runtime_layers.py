@@ -294,7 +294,7 @@ def test_run_local_reports_the_failing_rank():
 
 
 def test_logical_groups_match_the_contract_table():
-    """LOAD_CONTRACT 1.5: tp=8, attn_dp=2, world rank 7; and the collective members of each group."""
+    """docs/contracts.md §1: tp=8, attn_dp=2, world rank 7; and the collective members of each group."""
     t = Topology(tp=8, attn_dp=2)
     cases = {("tp", 2): (3, 4), ("tp", 4): (1, 2), ("attn_tp", 2): (1, 2), ("attn_tp", 4): (0, 1), ("replicated", 1): (0, 1)}
     for (name, k), (rank, size) in cases.items():
@@ -308,7 +308,7 @@ def test_logical_groups_match_the_contract_table():
 
 
 def test_qkv_head_math():
-    """LOAD_CONTRACT 2 worked examples (Llama-3-8B 32/8 heads at tp 4, 8, 16; Qwen3 32/4 at attn_tp 4)."""
+    """docs/contracts.md §2 worked examples (Llama-3-8B 32/8 heads at tp 4, 8, 16; Qwen3 32/4 at attn_tp 4)."""
     for tp, attn_dp, h_kv, rank, want in [
         (4, 1, 8, 3, (8, 2, 1, 3)),
         (8, 1, 8, 5, (4, 1, 1, 5)),

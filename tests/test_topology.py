@@ -1,4 +1,4 @@
-"""Rank math against the tables in LOAD_CONTRACT.md §1.2 and §1.5 (SGLang dp_attention.py)."""
+"""Rank math against the tables of docs/contracts.md §1 (SGLang layers/dp_attention.py)."""
 
 import pytest
 
