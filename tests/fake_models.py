@@ -1,4 +1,4 @@
-"""Checkpoints of headers only, shaped like the real MoE / MLA models of MOE_MLA.md §7 (DeepSeek-V3,
+"""Checkpoints of headers only, shaped like the real MoE / MLA models of the MoE and MLA worked tables of docs/contracts.md (DeepSeek-V3,
 Qwen3-30B-A3B, Mixtral-8x7B), so that the worked per-rank tables can be planned without the bytes."""
 
 from __future__ import annotations

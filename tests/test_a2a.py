@@ -43,7 +43,7 @@ def shared_specs(plan, rank: int) -> list:
 
 
 def test_deepep_lets_v3_fp8_run_tp32_ep32_with_the_shared_experts_whole():
-    """MOE_MLA §4: DeepSeek-V3 FP8 at tp 32 ep 32 needs the shared experts off the tp group (2048 / 32
+    """SGLang 0.5.23's MoE refusals: DeepSeek-V3 FP8 at tp 32 ep 32 needs the shared experts off the tp group (2048 / 32
     = 64 rows, half an FP8 block); only an all-to-all backend gives that."""
     ckpt = fm.deepseek_v3(layers=4)
     with pytest.raises(PlanError, match=r"shared_experts\..*128"):

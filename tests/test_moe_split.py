@@ -78,7 +78,7 @@ def test_every_rank_matches_the_contract(request, tmp_path, fixture, topo):
 
 
 def test_deepseek_v3_tp8_attn_dp2_ep8_per_rank(deepseek_v3, tmp_path):
-    """MOE_MLA.md §7.1 at tiny scale: experts [r, r+1) whole, MLA heads of a = r % 4 (shared by r and
+    """the MoE and MLA worked tables of docs/contracts.md at tiny scale: experts [r, r+1) whole, MLA heads of a = r % 4 (shared by r and
     r + 4), shared experts and lm_head over tp 8, the MTP layer cut like a MoE layer."""
     out = tmp_path / "out"
     tpshard.split(deepseek_v3, out, Topology(tp=8, attn_dp=2, ep=8))

@@ -1,4 +1,4 @@
-"""make_plan against the worked tables of MOE_MLA.md §7 (SGLang 0.5.23), from headers alone; the
+"""make_plan against the worked tables of the MoE and MLA worked tables of docs/contracts.md (SGLang 0.5.23), from headers alone; the
 topologies the engine refuses (§4), each a one-line PlanError / TopologyError."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def v3_tp8_dp2_ep8():
 
 
 def test_v3_tp8_attn_dp2_ep8_table(v3_tp8_dp2_ep8):
-    """MOE_MLA.md §7.1, row by row, for every rank."""
+    """the MoE and MLA worked tables of docs/contracts.md, row by row, for every rank."""
     p = v3_tp8_dp2_ep8
     L, D, M = "model.layers.3", "model.layers.0", "model.layers.4"  # MoE, dense, MTP
     for r in range(8):
@@ -237,7 +237,7 @@ def test_attention_and_embedding_group_per_architecture():
         assert {s.group for s in p.shards if s.name == "model.embed_tokens.weight"} == {"attn_tp"}
 
 
-# ---- refusals (MOE_MLA.md §4) ---------------------------------------------------------------------
+# ---- refusals (SGLang 0.5.23's MoE refusals) ---------------------------------------------------------------------
 
 
 def config_says(ckpt, **changes):

@@ -130,7 +130,7 @@ def test_gptq_v1_masks_zero_point_zero():
 
 
 def test_gptq_matches_compressed_tensors_layouts():
-    """GPTQ sym qweight.T == CT weight_packed; GPTQ v2 qzeros == CT weight_zero_point.T (QUANT_FORMATS §8)."""
+    """GPTQ sym qweight.T == CT weight_packed; GPTQ v2 qzeros == CT weight_zero_point.T (docs/quantization.md)."""
     codes = _codes(4, (64, 128))  # [N, K]
     gptq = QuantSpec(format="gptq_v2", bits=4, group_size=32, sym=False)
     zeros = _codes(4, (64, 4))
@@ -154,7 +154,7 @@ def test_awq_interleave():
 
 
 def _marlin_reference(w: torch.Tensor, s: torch.Tensor, channelwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A literal transcription of QUANT_FORMATS.md §3.1 with Python loops (codes [K, N], s [K/G, N])."""
+    """A literal transcription of docs/quantization.md with Python loops (codes [K, N], s [K/G, N])."""
     perm = []
     for i in range(32):
         base = []
@@ -190,7 +190,7 @@ def test_marlin_matches_literal_reference(channelwise):
 
 
 def test_marlin_column_slices_commute_at_64_only():
-    """pack(W[:, n0:n0+64]) == B[:, 2n0 : 2n0+128] at n0 % 64 == 0; not at 32 (QUANT_FORMATS §3.2)."""
+    """pack(W[:, n0:n0+64]) == B[:, 2n0 : 2n0+128] at n0 % 64 == 0; not at 32 (docs/quantization.md)."""
     w = _codes(4, (32, 256))
     b = packing.pack_marlin(w)
     for n0 in (0, 64, 128):
@@ -375,7 +375,7 @@ def test_physical_range_examples(name, suffix, side, start, length, full, expect
         ("marlin_g128", "B", "output", 32, 64, 512, 64),
         ("marlin_g128", "s", "output", 32, 64, 512, 64),
         ("fp8_block", "weight_scale_inv", "output", 64, 64, 1152, 128),  # 1152 rows at tp 18
-        ("fp8_block", "weight_scale_inv", "output", 576, 576, 1152, 128),  # QUANT_FORMATS §4.3 rank 1
+        ("fp8_block", "weight_scale_inv", "output", 576, 576, 1152, 128),  # docs/quantization.md rank 1
         ("gptq_b3_g64_act0_sym1", "qweight", "input", 8, 24, 512, 32),
         ("gptq_b4_g64_act0_sym1", "qweight", "input", 4, 8, 512, 8),
         ("gptq_b4_g64_act0_sym1", "scales", "input", 32, 64, 512, 64),
