@@ -1,5 +1,5 @@
 """Pipeline stages (--pp, --pp-layers) on real transformers checkpoints, against the tables of
-reference/PIPELINE.md (SGLang 0.5.23): which stage's ranks hold which tensors, every tensor of a
+docs/pipeline.md (SGLang 0.5.23): which stage's ranks hold which tensors, every tensor of a
 stage cut exactly as at pp 1 with tp_rank in place of the world rank, refusals in one line, and
 `check` catching a layer or a norm on the wrong stage."""
 
@@ -23,7 +23,7 @@ from tpshard.errors import OutputError, TpshardError
 from tpshard.manifest import MANIFEST_NAME, encode_manifest, rank_dir, read_manifest
 from tpshard.topology import Topology
 
-# SGLang's default partition of 7 layers (PIPELINE.md §2: the last L % pp stages get one more).
+# SGLang's default partition of 7 layers (docs/pipeline.md: the last L % pp stages get one more).
 SGLANG_7 = {2: (3, 4), 3: (2, 2, 3), 4: (1, 2, 2, 2)}
 
 
@@ -54,7 +54,7 @@ def llama7_pp2(llama7, tmp_path_factory) -> Path:
 
 
 def expected_stages(name: str, counts: tuple[int, ...], lm_head_everywhere: bool) -> set[int]:
-    """PIPELINE.md §2-§3 written out: layer i on the stage whose range holds it; the embedding on
+    """docs/pipeline.md written out: layer i on the stage whose range holds it; the embedding on
     the first stage, the final norm on the last, lm_head on the last (every stage for Llama)."""
     last = len(counts) - 1
     found = re.match(r"model\.layers\.(\d+)\.", name)
@@ -76,7 +76,7 @@ def expected_stages(name: str, counts: tuple[int, ...], lm_head_everywhere: bool
 @pytest.mark.parametrize("pp", [2, 3, 4])
 @pytest.mark.parametrize("which", ["llama7", "qwen3_7_tied"])
 def test_stage_tables_of_an_uneven_layer_count(request, which, pp):
-    """Every tensor on the stages PIPELINE.md names, cut as at pp 1 on each of them (ranks offset by
+    """Every tensor on the stages docs/pipeline.md names, cut as at pp 1 on each of them (ranks offset by
     pp_rank x tp); a tied Qwen3's last stage holds lm_head.weight cut from the embedding."""
     model = request.getfixturevalue(which)
     ckpt = open_checkpoint(model)
@@ -113,7 +113,7 @@ def test_rank_order_puts_tp_fastest():
 
 
 def test_deepseek_mtp_layer_and_second_embedding_on_the_last_stage(deepseek_v3):
-    """3 layers + MTP layer 3 (PIPELINE.md §4): pp 2 -> layers 0 | 1-2 + MTP; the last stage
+    """3 layers + MTP layer 3 (docs/pipeline.md): pp 2 -> layers 0 | 1-2 + MTP; the last stage
     holds a second copy of the embedding for the draft, the same cut as the first stage's."""
     ckpt = open_checkpoint(deepseek_v3)
     for counts in ((1, 2), (1, 1, 1)):
@@ -141,7 +141,7 @@ def test_deepseek_split_and_check_at_pp2(deepseek_v3, tmp_path):
 
 def test_split_and_check_pp2_tp2_every_rank_is_its_pp1_tp_rank(llama7, llama7_pp2, tmp_path):
     """Bit-exact against the source, and each world rank holds exactly the pp 1 tensors of its
-    tp_rank for its stage's layers (Llama: lm_head on every stage, PIPELINE.md §3)."""
+    tp_rank for its stage's layers (Llama: lm_head on every stage, docs/pipeline.md)."""
     report = tpshard.check(llama7_pp2, llama7)
     assert report.ok, report.problems
     flat = tmp_path / "flat"

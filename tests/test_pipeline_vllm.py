@@ -1,7 +1,7 @@
 """Pipeline stages placed as vLLM 0.33.0 builds them (`--engine vllm`), and their export as vLLM's
 pp x tp sharded_state files (`model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors`).
 
-Expected tables come from the rules written out here independently of tpshard.stages (PIPELINE.md
+Expected tables come from the rules written out here independently of tpshard.stages (docs/pipeline.md
 §2-§3, checked against vLLM's get_pp_indices, LlamaModel / Qwen2Model / LlamaForCausalLM.__init__):
 vLLM's extra layers go to stages pp-2, pp-3, ... (never the last); lm_head on the last stage for
 every architecture; a tied model's last stage builds the embedding and ties the head to it.

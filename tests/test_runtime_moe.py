@@ -250,7 +250,7 @@ def test_grouped_routing_only_picks_from_the_best_groups():
 
 
 def test_fused_moe_layout_and_refusals():
-    """MOE_MLA 7.4 Mixtral-style: 8 experts over tp 8 ep 2 -> moe_tp 4; world rank 6 holds experts 4..7, slice 2 of I."""
+    """Mixtral-style (docs/contracts.md, MoE): 8 experts over tp 8 ep 2 -> moe_tp 4; world rank 6 holds experts 4..7, slice 2 of I."""
     g = LogicalGroup.of(Topology(tp=8), "tp", 6)
     moe = FusedMoE(8, 16, 32, group=g, ep_size=2, dtype=DT, name="layers.0.mlp.experts")
     assert (moe.ep_rank, moe.moe_tp_rank, moe.moe_tp_size, moe.local_experts) == (1, 2, 4, range(4, 8))

@@ -1,4 +1,4 @@
-"""Stage partitions against the worked examples of reference/PIPELINE.md §2 and §5."""
+"""Stage partitions against the worked examples of docs/pipeline.md."""
 
 import pytest
 
