@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+import tpshard
 from tpshard.digest import file_digest
 from tpshard.manifest import MANIFEST_NAME, encode_manifest, rank_dir, read_manifest
 from tpshard.plan import spec_layout
@@ -50,3 +51,35 @@ def overwrite_tensor(out: Path, rank: int, name: str, tensor: torch.Tensor) -> N
     with open(out / rank_dir(rank) / spec.file, "r+b") as f:
         f.seek(offset)
         f.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def take_from_rank(out: Path, rank: int, name: str, donor: int) -> None:
+    """World rank `rank`'s `name` overwritten with world rank `donor`'s copy of it: another rank's slice."""
+    overwrite_tensor(out, rank, name, tpshard.open_rank(out, donor)[name].clone())
+
+
+def swap_ranks(out: Path, name: str, a: int, b: int) -> None:
+    """World ranks `a` and `b` each hold the other's `name`."""
+    ta, tb = (tpshard.open_rank(out, r)[name].clone() for r in (a, b))
+    overwrite_tensor(out, a, name, tb)
+    overwrite_tensor(out, b, name, ta)
+
+
+def reorder_experts(out: Path, rank: int, names, order: list[int]) -> None:
+    """World rank `rank`'s fused [E, ...] tensors `names` with their experts in `order` on the experts axis."""
+    held = tpshard.open_rank(out, rank)
+    for name in names:
+        overwrite_tensor(out, rank, name, held[name][order].clone())
+
+
+def problems(out: Path, source: Path | None) -> list[str]:
+    """check's findings on `out`, each "[check] message": against `source`, or of the output alone (None)."""
+    return [f"[{p.check}] {p.message}" for p in tpshard.check(out, source).problems]
+
+
+def only_the_source_tells(out: Path, source: Path) -> list[str]:
+    """After a breakage of `out`: its checksums rewritten to match (rewrite_checksums), check of the
+    output alone finds nothing; returns what check against `source` finds (`problems`)."""
+    rewrite_checksums(out)
+    assert not problems(out, None), "with consistent checksums only the source can tell"
+    return problems(out, source)

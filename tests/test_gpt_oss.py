@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import tpshard
-from broken import overwrite_tensor, rewrite_checksums
+from broken import overwrite_tensor, reorder_experts, rewrite_checksums, swap_ranks, take_from_rank
 from gpt_oss_fixtures import make_gpt_oss
 from test_moe_split import source_tensors
 from tpshard.topology import Topology
@@ -141,16 +141,11 @@ def break_copy(good: Path, dst: Path, gpt_oss: Path) -> Path:
         overwrite_tensor(dst, r, x0 + "gate_up_proj", torch.cat((g[..., r * c : (r + 1) * c], g[..., I + r * c : I + (r + 1) * c]), -1))
         overwrite_tensor(dst, r, x0 + "gate_up_proj_bias", torch.cat((b[:, r * c : (r + 1) * c], b[:, I + r * c : I + (r + 1) * c]), -1))
     # layer 1: rank 1's experts round-robin (even ids, then odd) on the experts axis
-    held = tpshard.open_rank(dst, 1)
-    order = list(range(0, E, 2)) + list(range(1, E, 2))
-    for p in ("gate_up_proj", "down_proj"):
-        overwrite_tensor(dst, 1, x1 + p, held[x1 + p][order].clone())
+    reorder_experts(dst, 1, (x1 + "gate_up_proj", x1 + "down_proj"), list(range(0, E, 2)) + list(range(1, E, 2)))
     # layer 0: attention rank 0 (world ranks 0, 2) holds attention rank 1's sinks
-    overwrite_tensor(dst, 0, "model.layers.0.self_attn.sinks", tpshard.open_rank(dst, 1)["model.layers.0.self_attn.sinks"].clone())
+    take_from_rank(dst, 0, "model.layers.0.self_attn.sinks", 1)
     # layer 1: the kv heads swapped between the two attention ranks
-    k0, k1 = (tpshard.open_rank(dst, r)["model.layers.1.self_attn.k_proj.weight"].clone() for r in (0, 1))
-    overwrite_tensor(dst, 0, "model.layers.1.self_attn.k_proj.weight", k1)
-    overwrite_tensor(dst, 1, "model.layers.1.self_attn.k_proj.weight", k0)
+    swap_ranks(dst, "model.layers.1.self_attn.k_proj.weight", 0, 1)
     rewrite_checksums(dst)
     return dst
 

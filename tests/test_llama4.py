@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import tpshard
-from broken import overwrite_tensor, rewrite_checksums
+from broken import overwrite_tensor, reorder_experts, rewrite_checksums, swap_ranks, take_from_rank
 from llama4_fixtures import make_llama4
 from test_gpt_oss import tpshard_cli
 from test_moe_split import source_tensors
@@ -179,20 +179,13 @@ def break_copy(good: Path, dst: Path, llama4: Path) -> Path:
     for r in range(4):  # layer 1: every rank's gate/up read interleaved (one contiguous slice of the 2I axis)
         overwrite_tensor(dst, r, x1 + "gate_up_proj", rows(g, r, 4, 2).clone())
     # layer 3: rank 1's experts round-robin (even ids, then odd) on the experts axis
-    held = tpshard.open_rank(dst, 1)
-    order = list(range(0, E, 2)) + list(range(1, E, 2))
-    for p in ("gate_up_proj", "down_proj"):
-        overwrite_tensor(dst, 1, x3 + p, held[x3 + p][order].clone())
+    reorder_experts(dst, 1, (x3 + "gate_up_proj", x3 + "down_proj"), list(range(0, E, 2)) + list(range(1, E, 2)))
     # layer 0: the kv heads swapped between the two attention ranks
-    k = P.format(i=0) + "self_attn.k_proj.weight"
-    k0, k1 = (tpshard.open_rank(dst, r)[k].clone() for r in (0, 1))
-    overwrite_tensor(dst, 0, k, k1)
-    overwrite_tensor(dst, 1, k, k0)
+    swap_ranks(dst, P.format(i=0) + "self_attn.k_proj.weight", 0, 1)
     # layer 3: the shared expert cut by the attention rank (over attn_tp 2, halves of the tp 4 slices)
     # instead of the full tp: ranks 2 and 3 hold ranks 0 and 1's slices of gate_proj
-    s = P.format(i=3) + "feed_forward.shared_expert.gate_proj.weight"
     for r in (2, 3):
-        overwrite_tensor(dst, r, s, tpshard.open_rank(dst, r - 2)[s].clone())
+        take_from_rank(dst, r, P.format(i=3) + "feed_forward.shared_expert.gate_proj.weight", r - 2)
     rewrite_checksums(dst)
     return dst
 

@@ -217,15 +217,15 @@ def test_fp8_block_reference_keeps_the_checkpoint_block():
     """A weight that is not whole 128-blocks (DeepSeek-V3's kv_a_proj_with_mqa: N 576): transformers'
     Fp8Dequantize alone reads the block off the grid (192 rows over 2 scale rows: 96-row blocks); the
     reference pads to whole blocks first, so row 100 takes the first block's scale, row 130 the second's."""
-    from tpshard.verify.source_dequant import _fp8_block
+    from tpshard.verify.source_dequant import fp8_dequantize
 
     weight = torch.ones(192, 128).to(torch.float8_e4m3fn)
     scale = torch.tensor([[2.0], [3.0]])
-    w = _fp8_block(weight, scale, (128, 128))
+    w = fp8_dequantize(weight, scale, (128, 128))
     assert w.shape == (192, 128) and w.dtype == torch.float32
     assert w[100, 0] == 2.0 and w[130, 0] == 3.0 and w[127].eq(2.0).all() and w[128:].eq(3.0).all()
     with pytest.raises(ValueError, match="not one per 128x128 block"):
-        _fp8_block(weight, torch.ones(1, 1), (128, 128))
+        fp8_dequantize(weight, torch.ones(1, 1), (128, 128))
 
 
 def test_reference_never_runs_with_a_weight_transformers_did_not_load(sources, monkeypatch):

@@ -174,7 +174,12 @@ def _awq(raw: dict):
         group_size=_int(raw, "group_size", "q_group_size", default=128),
         sym=not _bool(raw, "zero_point", True),
     )
-    skip = _strings(raw.get("modules_to_not_convert"), "modules_to_not_convert")
+    return _all_but(spec, _strings(raw.get("modules_to_not_convert"), "modules_to_not_convert"))
+
+
+def _all_but(spec: QuantSpec, skip: list[str]):
+    """The resolver of a format one spec covers: `spec` for every module but lm_head and those
+    whose name holds one of `skip`."""
 
     def resolve(module: str) -> QuantSpec | None:
         if module == "lm_head" or any(s in module for s in skip):
@@ -213,13 +218,7 @@ def _fp8(raw: dict):
     else:
         spec = _spec(format="fp8_tensor", bits=8, static_input=static)
     skip = _strings(raw.get("modules_to_not_convert"), "modules_to_not_convert") + _strings(raw.get("ignored_layers"), "ignored_layers")
-
-    def resolve(module: str) -> QuantSpec | None:
-        if module == "lm_head" or any(s in module for s in skip):
-            return None
-        return spec
-
-    return resolve
+    return _all_but(spec, skip)
 
 
 _V4_EXPERT = re.compile(r"(?:layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]")

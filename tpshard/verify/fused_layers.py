@@ -32,10 +32,9 @@ from tpshard.runtime.fused_moe import InterleavedExperts, SegmentedExperts, mxfp
 from tpshard.verify.layer_inputs import generator
 from tpshard.verify.layer_specs import Built
 from tpshard.verify.moe_layers import hf_config, judge_routed
-from tpshard.verify.report import LayerResult
+from tpshard.verify.report import LayerResult, conclude, sent_problems
 
 FUSED_CLASSES = ("FusedExperts", "AttentionSinks")
-MAX_MESSAGES = 6
 
 
 def swiglu_numbers(config: dict) -> tuple[float, float]:
@@ -164,20 +163,13 @@ def _expert(w: dict, e: int, x: torch.Tensor, cols: slice, alpha: float, limit: 
 def compare(lay, plan: Plan, sent: dict[int, dict], src, *, seed: int, tokens: int, dtype: torch.dtype, tolerance: float) -> LayerResult:
     """Rank 0: every rank's outputs of a FusedExperts or AttentionSinks layer against the source."""
     result = LayerResult(layer=lay.layer, layer_class=lay.layer_class, group=lay.group, pieces=[""], batches=1, tolerance=tolerance)
-    problems: dict[str, None] = {}
-    for msg in sent.values():
-        for p in msg["problems"]:
-            problems.setdefault(p)
+    problems = sent_problems(sent)
     findings: dict[str, list[int]] = defaultdict(list)
     if lay.layer_class == "AttentionSinks":
         max_abs, scale = _compare_sinks(lay, sent, src, tolerance, findings, problems)
     else:
         max_abs, scale = _compare_experts(lay, plan, sent, src, seed=seed, tokens=tokens, dtype=dtype, tol=tolerance, findings=findings, problems=problems)
-    for what, ranks in findings.items():
-        problems.setdefault(f"{what} on world ranks {sorted(set(ranks))}")
-    result.max_abs, result.max_rel = max_abs, max_abs / scale
-    result.problems = list(problems)[:MAX_MESSAGES] + ([f"... {len(problems) - MAX_MESSAGES} more"] if len(problems) > MAX_MESSAGES else [])
-    return result
+    return conclude(result, problems, findings, max_abs, scale)
 
 
 def _compare_sinks(lay, sent, src, tol, findings, problems) -> tuple[float, float]:

@@ -38,10 +38,9 @@ from tpshard.quant.formats import dequantize
 from tpshard.runtime.reference_quant import INPUT_SCALES, quant_spec_of, quantize_input
 from tpshard.verify.layer_inputs import layer_input
 from tpshard.verify.layer_specs import Built, LayerSpecs, run_row
-from tpshard.verify.report import LayerResult
+from tpshard.verify.report import LayerResult, conclude, sent_problems
 
 COLUMN = ("QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear")
-MAX_MESSAGES = 6
 
 
 def batch_of(plan: Plan, group: str, rank: int) -> int:
@@ -175,10 +174,7 @@ def compare_layer(
         layer=lay.layer, layer_class=lay.layer_class, group=lay.group, pieces=lay.pieces(), batches=nbatch,
         tolerance=tolerance, quant=lay.quant,
     )  # fmt: skip
-    problems: dict[str, None] = {}
-    for rank, msg in sent.items():
-        for p in msg["problems"]:
-            problems.setdefault(p)
+    problems = sent_problems(sent)
     inputs = [layer_input(lay, b, seed=seed, tokens=tokens, dtype=dtype) for b in range(nbatch)]
     if probe:
         inputs = [torch.zeros_like(x) for x in inputs]
@@ -245,14 +241,7 @@ def compare_layer(
             if err / scale > tolerance:
                 findings[_diagnose_reduced(lay, spec, src, inputs[msg["batch"]], diff, scale, tolerance)].append(rank)
 
-    for what, ranks in findings.items():
-        problems.setdefault(f"{what} on world ranks {sorted(set(ranks))}")
-    result.max_abs = max_abs
-    result.max_rel = max_abs / scale
-    result.problems = list(problems)[:MAX_MESSAGES] + (
-        [f"... {len(problems) - MAX_MESSAGES} more"] if len(problems) > MAX_MESSAGES else []
-    )
-    return result
+    return conclude(result, problems, findings, max_abs, scale)
 
 
 def _diagnose_reduced(

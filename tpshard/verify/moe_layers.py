@@ -44,13 +44,12 @@ from tpshard.runtime.moe import FusedMoE, route
 from tpshard.runtime.reference_quant import quant_spec_of
 from tpshard.verify.layer_inputs import generator, layer_input
 from tpshard.verify.layer_specs import Built
-from tpshard.verify.report import LayerResult
+from tpshard.verify.report import LayerResult, conclude, sent_problems
 
 MOE_CLASSES = ("FusedMoE", "ReplicatedLinear")
 # HF names of an expert's three projections, by the plan's piece (SGLang's w1 / w3 / w2)
 EXPERT_PIECE = {"w1": "gate", "w3": "up", "w2": "down"}
 CORRECTION_BIAS = "e_score_correction_bias"
-MAX_MESSAGES = 6
 
 
 def hf_config(tensors) -> dict:
@@ -308,21 +307,13 @@ def compare(
         layer=lay.layer, layer_class=lay.layer_class, group="tp" if lay.layer_class == "FusedMoE" else "replicated",
         pieces=lay.pieces(), batches=nbatch, tolerance=tolerance, quant=lay.quant,
     )  # fmt: skip
-    problems: dict[str, None] = {}
-    for msg in sent.values():
-        for p in msg["problems"]:
-            problems.setdefault(p)
+    problems = sent_problems(sent)
     findings: dict[str, list[int]] = defaultdict(list)
     if lay.layer_class == "FusedMoE":
         max_abs, scale = _compare_experts(lay, plan, sent, src, seed=seed, tokens=tokens, dtype=dtype, tol=tolerance, findings=findings, problems=problems)
     else:
         max_abs, scale = _compare_replicated(lay, plan, sent, src, seed=seed, tokens=tokens, dtype=dtype, tol=tolerance, findings=findings, problems=problems, probe=probe)
-    for what, ranks in findings.items():
-        problems.setdefault(f"{what} on world ranks {sorted(set(ranks))}")
-    result.max_abs = max_abs
-    result.max_rel = max_abs / scale
-    result.problems = list(problems)[:MAX_MESSAGES] + ([f"... {len(problems) - MAX_MESSAGES} more"] if len(problems) > MAX_MESSAGES else [])
-    return result
+    return conclude(result, problems, findings, max_abs, scale)
 
 
 def _compare_replicated(lay, plan, sent, src, *, seed, tokens, dtype, tol, findings, problems, probe=False) -> tuple[float, float]:

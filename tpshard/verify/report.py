@@ -54,6 +54,29 @@ class LayerResult(msgspec.Struct, kw_only=True):
         return not self.problems and self.max_rel <= self.tolerance
 
 
+MAX_MESSAGES = 6  # a layer's problems listed one by one; past them, "... N more"
+
+
+def sent_problems(sent: dict[int, dict]) -> dict[str, None]:
+    """The problems the ranks sent (world rank -> message), each once, in the order they came: the
+    ordered set a layer's comparison adds its own findings to."""
+    problems: dict[str, None] = {}
+    for msg in sent.values():
+        for p in msg["problems"]:
+            problems.setdefault(p)
+    return problems
+
+
+def conclude(result: LayerResult, problems: dict[str, None], findings: dict[str, list[int]], max_abs: float, scale: float) -> LayerResult:
+    """`result` with its error against the reference (`scale`: the reference's largest magnitude) and
+    its problems: each finding (diagnosis -> world ranks) once with its ranks, then MAX_MESSAGES kept."""
+    for what, ranks in findings.items():
+        problems.setdefault(f"{what} on world ranks {sorted(set(ranks))}")
+    result.max_abs, result.max_rel = max_abs, max_abs / scale
+    result.problems = list(problems)[:MAX_MESSAGES] + ([f"... {len(problems) - MAX_MESSAGES} more"] if len(problems) > MAX_MESSAGES else [])
+    return result
+
+
 class ModelResult(msgspec.Struct, kw_only=True):
     architecture: str
     batches: int  # one per attention-DP replica

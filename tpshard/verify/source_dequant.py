@@ -78,7 +78,7 @@ def dense_state_dict(ckpt, read) -> dict[str, torch.Tensor]:
         module, _, suffix = name.rpartition(".")
         if suffix == "weight_scale_inv" or (suffix == "weight" and f"{module}.weight_scale_inv" in names):
             pair = (f"{module}.weight", f"{module}.weight_scale_inv")
-            out[f"{module}.weight"] = _fp8_block(read(pair[0]), read(pair[1]), quant.get("weight_block_size") or (128, 128))
+            out[f"{module}.weight"] = fp8_dequantize(read(pair[0]), read(pair[1]), quant.get("weight_block_size") or (128, 128))
             done.update(pair)
         elif ct is not None and suffix in _CT_TENSORS and f"{module}.weight_scale" in names:
             own = {f"{module}.{s}" for s in _CT_TENSORS} & names
@@ -105,13 +105,17 @@ def _fp8_dequantizer():
     return Fp8Dequantize(None)._dequantize_one
 
 
-def _fp8_block(weight: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
-    """transformers' Fp8Dequantize of one [N, K] weight with its [ceil(N/bn), ceil(K/bk)] scales, float32.
+def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, block=None) -> torch.Tensor:
+    """transformers' Fp8Dequantize of one weight with its block scales, float32.
 
-    Fp8Dequantize reads the block size off the grid (N / scale rows), which is the checkpoint's block
-    only where N and K are whole blocks: DeepSeek-V3's kv_a_proj_with_mqa (N 576 = 4.5 blocks) raises,
-    and a tiny N 192 over 2 scale rows would be read as 96-row blocks. So the weight is zero-padded to
-    whole `block`s first (the padding is cut off after), which pins the block to the config's."""
+    Without `block`, Fp8Dequantize reads the block size off the grid (N / scale rows), as it does for
+    DeepSeek-V4's release (FP8 128 x 128, FP4 e2m1 pairs 1 x 32, every dim whole blocks). That is the
+    checkpoint's block only where N and K are whole blocks: DeepSeek-V3's kv_a_proj_with_mqa (N 576 =
+    4.5 blocks) raises, and a tiny N 192 over 2 scale rows would be read as 96-row blocks. So with
+    `block` (bn, bk), one [N, K] weight with [ceil(N/bn), ceil(K/bk)] scales is zero-padded to whole
+    blocks first (the padding is cut off after), which pins the block to the config's."""
+    if block is None:
+        return _fp8_dequantizer()(weight, scale, output_dtype=torch.float32)
     bn, bk = int(block[0]), int(block[1])
     n, k = weight.shape
     if tuple(scale.shape) != (-(-n // bn), -(-k // bk)):

@@ -195,7 +195,6 @@ class V4Decoder(TPDecoder):
         return self._scatter(out.reshape(xs.shape), attn_group, experts.group, b)
 
 
-
 def dequantized_logits(source: str, batches: list[torch.Tensor]) -> list[torch.Tensor]:
     """transformers' float32 forward on the release's FP8 + FP4 source, dequantized by transformers'
     own Fp8Dequantize (the op its FP8 loader runs with dequantize=True: FP8 with 128 x 128 ue8m0
@@ -203,20 +202,20 @@ def dequantized_logits(source: str, batches: list[torch.Tensor]) -> list[torch.T
     logits [B, S, V] per batch, float64."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, DeepseekV4ForCausalLM
-    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
     from transformers.utils import logging as hf_logging
+
+    from tpshard.verify.source_dequant import fp8_dequantize
 
     hf_logging.disable_progress_bar()  # stderr belongs to the report
     full: dict[str, torch.Tensor] = {}
     for f in sorted(Path(source).glob("*.safetensors")):
         full |= load_file(f)
-    dequantize = Fp8Dequantize(None)._dequantize_one
     state = {}
     for name, t in full.items():
         scale = name.removesuffix("weight") + "scale"  # the release's `<module>.scale` beside `<module>.weight`
         if name.endswith(".scale") and name.removesuffix("scale") + "weight" in full:
             continue
-        state[name] = dequantize(t, full[scale], output_dtype=torch.float32) if name.endswith(".weight") and scale in full else t
+        state[name] = fp8_dequantize(t, full[scale]) if name.endswith(".weight") and scale in full else t
     config = AutoConfig.from_pretrained(source)
     del config.quantization_config  # a dense model: the state dict is dequantized already
     model = DeepseekV4ForCausalLM.from_pretrained(None, config=config, state_dict=state, dtype=torch.float32, attn_implementation="eager")
