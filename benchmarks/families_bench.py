@@ -52,6 +52,7 @@ class Case:
     topologies: list[list[str]]
     fp32: tuple[str, ...] = ()  # name suffixes the release keeps in fp32 (routers, biases)
     note: str = ""
+    keep: str = ""  # a name prefix: the model's other tensors (a vision tower) are not written
 
 
 def _cfg(cls: str, real: dict, tiny: dict, experts_key: str):
@@ -145,8 +146,40 @@ KIMI = Case(
     "n_routed_experts", [TP8, [*EP8, "--attn-dp", "2"]], fp32=("e_score_correction_bias",),
 )  # fmt: skip
 
-CASES = {"gpt-oss": GPT_OSS, "glm": GLM, "minimax": MINIMAX, "qwen3.5": QWEN35, "dsv4": DSV4, "kimi": KIMI}
-REAL_EXPERTS = {"gpt-oss": 128, "glm": 160, "minimax": 256, "qwen3.5": 512, "dsv4": 256, "kimi": 384}
+
+
+# Llama-4 Maverick (meta-llama/Llama-4-Maverick-17B-128E-Instruct's text_config): hidden 5120, 40
+# heads of 128 over 8 kv heads, 128 experts of 8192 (top 1) fused in the checkpoint as
+# `feed_forward.experts.gate_up_proj` [E, H, 2I] ([gate | up] halves: at --tp 8 each rank's gate and
+# up slices are two strided pieces of every row) and `down_proj` [E, I, H], a shared expert of 8192,
+# the router. Llama4ForConditionalGeneration's names (`language_model.*`, what tpshard/arch/llama4.py
+# splits), the vision tower not written, as in ModelOpt's text-only exports (tpshard refuses it).
+# One layer with interleave_moe_layer_step 1: the release's step 2 makes its layer 0 dense; its
+# MoE layers have these names and shapes. bf16, as released.
+def _llama4_config(experts: int, vocab: int, small: bool):
+    import transformers
+
+    text = dict(
+        hidden_size=5120, num_attention_heads=40, num_key_value_heads=8, head_dim=128, intermediate_size=8192,
+        intermediate_size_mlp=16384, num_hidden_layers=1, interleave_moe_layer_step=1, num_experts_per_tok=1,
+        use_qk_norm=False, max_position_embeddings=1048576, tie_word_embeddings=False, num_local_experts=experts,
+    )  # fmt: skip
+    if small:  # and a tiny vision tower, which transformers' save_pretrained writes in the smoke test
+        text |= dict(TINY, intermediate_size=32, intermediate_size_mlp=48)
+    if vocab:
+        text["vocab_size"] = vocab
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32) if small else None  # fmt: skip
+    return transformers.Llama4Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
+LLAMA4 = Case(
+    "Llama4ForConditionalGeneration", _llama4_config, "num_local_experts", [TP8, [*EP8, "--attn-dp", "2"]],
+    keep="language_model.",
+)  # fmt: skip
+
+CASES = {"gpt-oss": GPT_OSS, "glm": GLM, "minimax": MINIMAX, "qwen3.5": QWEN35, "dsv4": DSV4, "kimi": KIMI, "llama4": LLAMA4}
+REAL_EXPERTS = {"gpt-oss": 128, "glm": 160, "minimax": 256, "qwen3.5": 512, "dsv4": 256, "kimi": 384, "llama4": 128}
 
 
 def _meta_state(case: Case, experts: int, vocab: int, tiny: bool):
@@ -163,7 +196,8 @@ def _meta_state(case: Case, experts: int, vocab: int, tiny: bool):
         model = getattr(transformers, case.arch)(config)
     state = model.state_dict()
     if case.arch != "DeepseekV4ForCausalLM":
-        return config, revert_weight_conversion(model, state)
+        state = revert_weight_conversion(model, state)
+        return config, {n: t for n, t in state.items() if n.startswith(case.keep)}
     from v4_checkpoint import native_name  # the release's names, as the V4 tests write them
 
     out = {}
