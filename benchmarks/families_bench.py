@@ -294,9 +294,44 @@ def profile_split(cmd: list[str], out: Path) -> None:
     drop(out)
 
 
+def case_experts(name: str, args) -> int:
+    """The routed experts the case keeps: --experts (at most the real count), 8 at --tiny, else
+    what fits --gib."""
+    if args.experts:
+        return min(args.experts, REAL_EXPERTS[name])
+    return 8 if args.tiny else fit_experts(name, CASES[name], args.vocab, args.gib)
+
+
+def case_size(name: str, args) -> tuple[int, int, int]:
+    """(experts, tensors, bytes of tensor data) of the case's checkpoint, from its layout alone."""
+    experts = case_experts(name, args)
+    items = layout(CASES[name], experts, args.vocab, args.tiny)[0]
+    return experts, len(items), sum(nbytes(d, s) for _, d, s in items)
+
+
+def _mem_total() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+
+
+def room(work: Path, total: int, log) -> None:
+    """Refuse a checkpoint whose copy beside it would not fit on the disk (RuntimeError); warn when
+    the page cache cannot hold the source and an output, so that the times include disk reads."""
+    free = shutil.disk_usage(work).free
+    if 2 * total + (1 << 30) > free:
+        raise RuntimeError(
+            f"the checkpoint ({total / 2**30:.1f} GiB) and one output need {2 * total / 2**30 + 1:.1f} GiB under"
+            f" {work}, which has {free / 2**30:.1f} GiB free; lower --gib or --experts, or give another --workdir"
+        )
+    if 2 * total > _mem_total():
+        log(f"warning: the source and one output ({2 * total / 2**30:.1f} GiB) exceed this machine's RAM"
+            f" ({_mem_total() / 2**30:.1f} GiB): the page cache cannot hold them, so cp -r and the splits read from the disk")  # fmt: skip
+
+
 def run_case(name: str, args, work: Path, py: list[str], log) -> dict:
     case = CASES[name]
-    experts = args.experts or (8 if args.tiny else fit_experts(name, case, args.vocab, args.gib))
+    experts, _, size = case_size(name, args)
+    room(work, size, log)
     model, count, total = write_case(work, name, experts, args.vocab, args.tiny)
     warm(model)
     head = f"{name} ({case.arch}): {experts} of {REAL_EXPERTS[name]} experts, vocab {args.vocab or 'real'}, {count} tensors, {total / 2**30:.2f} GiB"
@@ -330,10 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--gib", type=float, default=3.0, help="size of each checkpoint: routed experts are dropped to fit")
-    ap.add_argument("--experts", type=int, help="routed experts per layer (instead of fitting --gib)")
+    ap.add_argument("--experts", type=int, help="routed experts per layer, at most each case's real count (instead of fitting --gib)")
     ap.add_argument("--vocab", type=int, default=32768, help="embedding / lm_head rows; 0: the family's real vocab")
     ap.add_argument("--tiny", action="store_true", help="tiny dims (hidden 64): a smoke run of the whole script")
     ap.add_argument("--profile", action="store_true", help="also run each split once under cProfile (stderr)")
+    ap.add_argument("--sizes", action="store_true", help="print each case's experts, tensors and size; write nothing")
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "tpshard-families-bench")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -343,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown case(s) {', '.join(unknown)}; cases: {', '.join(CASES)}")
     if args.experts and (args.experts % 8 or args.experts < 8):
         ap.error("--experts must be a multiple of 8 (the splits use --ep 8)")
+    if args.sizes:
+        for name in names:
+            experts, count, total = case_size(name, args)
+            print(f"{name} ({CASES[name].arch}): {experts} of {REAL_EXPERTS[name]} experts, vocab {args.vocab or 'real'}, {count} tensors, {total / 2**30:.2f} GiB")
+        return 0
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
 

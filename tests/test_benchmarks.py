@@ -3,10 +3,12 @@ broke benchmarks/split_phases.py unnoticed), and each answers --help."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -88,9 +90,10 @@ def test_families_bench_writes_what_transformers_saves_and_tpshard_plans_it(name
 
     fb = _families_bench()
     assert set(fb.CASES) == {"gpt-oss", "glm", "minimax", "qwen3.5", "dsv4", "kimi", "llama4"}
-    path, count, _ = fb.write_case(tmp_path, name, 8, 256, tiny=True)
+    path, count, total = fb.write_case(tmp_path, name, 8, 256, tiny=True)
     written = _headers(path)
     assert len(written) == count
+    assert fb.case_size(name, argparse.Namespace(experts=8, vocab=256, tiny=True)) == (8, count, total)  # what --sizes prints
     assert written == _saved_by_transformers(fb, name, tmp_path)
     flags = {"--tp": "tp", "--ep": "ep", "--attn-dp": "attn_dp"}
     for topo in fb.CASES[name].topologies:
@@ -105,6 +108,19 @@ def test_families_bench_writes_what_transformers_saves_and_tpshard_plans_it(name
     index.write_text(json.dumps(data))
     with pytest.raises((CheckpointError, PlanError), match="lacks|missing"):
         make_plan(open_checkpoint(path), Topology(tp=8))
+
+
+def test_families_bench_sizes_keep_at_most_the_real_experts_and_refuse_a_full_disk(tmp_path, capsys):
+    """`--experts 512 --sizes`: Qwen3.5 at its real 512, Llama-4 Maverick cut to its 128 (not 512
+    experts it never had); a checkpoint whose copy would not fit the disk is refused before writing."""
+    fb = _families_bench()
+    assert fb.main(["--sizes", "--tiny", "--experts", "512", "--vocab", "256", "--cases", "qwen3.5,llama4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[1].split(",")[0].strip() for line in lines] == ["512 of 512 experts", "128 of 128 experts"]
+    assert "3104 tensors" in lines[0]  # 2 layers x 512 experts x 3 + 32 others
+    with pytest.raises(RuntimeError, match="lower --gib or --experts"):
+        fb.room(tmp_path, shutil.disk_usage(tmp_path).free, print)
+    fb.room(tmp_path, 1 << 20, print)  # 1 MiB fits
 
 
 @pytest.mark.slow
