@@ -3,7 +3,9 @@
     python benchmarks/families_bench.py [--cases gpt-oss,glm] [--runs 3] [--gib 3] [--json out.json]
 
 Issues 24-26's performance target: `tpshard split` <= 1.2 x `cp -r` and peak RSS <= 150 MB, side by
-side in one run. Each case writes a checkpoint of the family's real names, dtypes and shapes
+side in one run. Cases: gpt-oss-120b, GLM-4.5, MiniMax-M2, a Qwen3.5-MoE hybrid pair, DeepSeek-V4-Flash,
+a Kimi-K2 layer, a Llama-4 Maverick MoE layer (experts fused [E, H, 2I]: each --tp 8 rank's gate and
+up halves are strided slices of every row). Each case writes a checkpoint of the family's real names, dtypes and shapes
 (transformers' own model class built on the meta device from the release's dims, its tensor names
 as transformers' save_pretrained writes them -- DeepSeek-V4 in the release's native names, as
 tests/v4_checkpoint.py maps them), random bits streamed into safetensors files, and a config.json.
@@ -11,7 +13,12 @@ tests/v4_checkpoint.py maps them), random bits streamed into safetensors files, 
 The layers are at real dims; what is scaled down, and said in the header line of each case:
 - the routed experts: a real layer is 7-34 GB (Kimi-K2: 384 experts of 88 MB), so each case keeps
   the largest multiple of 8 (for --ep 8) of experts that fits its checkpoint in `--gib` (default 3);
-  `--experts N` forces a count (at most the real one);
+  `--experts N` forces a count (each case keeps at most its real one); `--sizes` prints what each
+  case would keep and its size, writing nothing. At the real counts the layers are big: Qwen3.5's
+  pair at 512 experts is 25 GiB (12.5 GiB of routed experts per layer; `--gib 25` or `--experts
+  512`), Maverick's layer at 128 is 31 GiB; the run refuses a checkpoint whose copy would not fit
+  the disk beside it, and warns when source + output exceed the RAM (the page cache cannot hold
+  them: cp -r and the splits then read from the disk, and the comparison is of disk speed);
 - the vocabulary: embedding and lm_head at the real vocab (129k-248k) would be 1-4.7 GB of the 3,
   cut as plain rows (cp speed); `--vocab` (default 32768; 0 = the real one) sizes them.
 
