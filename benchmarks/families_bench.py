@@ -3,7 +3,9 @@
     python benchmarks/families_bench.py [--cases gpt-oss,glm] [--runs 3] [--gib 3] [--json out.json]
 
 Issues 24-26's performance target: `tpshard split` <= 1.2 x `cp -r` and peak RSS <= 150 MB, side by
-side in one run. Each case writes a checkpoint of the family's real names, dtypes and shapes
+side in one run. Cases: gpt-oss-120b, GLM-4.5, MiniMax-M2, a Qwen3.5-MoE hybrid pair, DeepSeek-V4-Flash,
+a Kimi-K2 layer, a Llama-4 Maverick MoE layer (experts fused [E, H, 2I]: each --tp 8 rank's gate and
+up halves are strided slices of every row). Each case writes a checkpoint of the family's real names, dtypes and shapes
 (transformers' own model class built on the meta device from the release's dims, its tensor names
 as transformers' save_pretrained writes them -- DeepSeek-V4 in the release's native names, as
 tests/v4_checkpoint.py maps them), random bits streamed into safetensors files, and a config.json.
@@ -11,7 +13,12 @@ tests/v4_checkpoint.py maps them), random bits streamed into safetensors files, 
 The layers are at real dims; what is scaled down, and said in the header line of each case:
 - the routed experts: a real layer is 7-34 GB (Kimi-K2: 384 experts of 88 MB), so each case keeps
   the largest multiple of 8 (for --ep 8) of experts that fits its checkpoint in `--gib` (default 3);
-  `--experts N` forces a count (at most the real one);
+  `--experts N` forces a count (each case keeps at most its real one); `--sizes` prints what each
+  case would keep and its size, writing nothing. At the real counts the layers are big: Qwen3.5's
+  pair at 512 experts is 25 GiB (12.5 GiB of routed experts per layer; `--gib 25` or `--experts
+  512`), Maverick's layer at 128 is 31 GiB; the run refuses a checkpoint whose copy would not fit
+  the disk beside it, and warns when source + output exceed the RAM (the page cache cannot hold
+  them: cp -r and the splits then read from the disk, and the comparison is of disk speed);
 - the vocabulary: embedding and lm_head at the real vocab (129k-248k) would be 1-4.7 GB of the 3,
   cut as plain rows (cp speed); `--vocab` (default 32768; 0 = the real one) sizes them.
 
@@ -52,6 +59,7 @@ class Case:
     topologies: list[list[str]]
     fp32: tuple[str, ...] = ()  # name suffixes the release keeps in fp32 (routers, biases)
     note: str = ""
+    keep: str = ""  # a name prefix: the model's other tensors (a vision tower) are not written
 
 
 def _cfg(cls: str, real: dict, tiny: dict, experts_key: str):
@@ -145,8 +153,40 @@ KIMI = Case(
     "n_routed_experts", [TP8, [*EP8, "--attn-dp", "2"]], fp32=("e_score_correction_bias",),
 )  # fmt: skip
 
-CASES = {"gpt-oss": GPT_OSS, "glm": GLM, "minimax": MINIMAX, "qwen3.5": QWEN35, "dsv4": DSV4, "kimi": KIMI}
-REAL_EXPERTS = {"gpt-oss": 128, "glm": 160, "minimax": 256, "qwen3.5": 512, "dsv4": 256, "kimi": 384}
+
+
+# Llama-4 Maverick (meta-llama/Llama-4-Maverick-17B-128E-Instruct's text_config): hidden 5120, 40
+# heads of 128 over 8 kv heads, 128 experts of 8192 (top 1) fused in the checkpoint as
+# `feed_forward.experts.gate_up_proj` [E, H, 2I] ([gate | up] halves: at --tp 8 each rank's gate and
+# up slices are two strided pieces of every row) and `down_proj` [E, I, H], a shared expert of 8192,
+# the router. Llama4ForConditionalGeneration's names (`language_model.*`, what tpshard/arch/llama4.py
+# splits), the vision tower not written, as in ModelOpt's text-only exports (tpshard refuses it).
+# One layer with interleave_moe_layer_step 1: the release's step 2 makes its layer 0 dense; its
+# MoE layers have these names and shapes. bf16, as released.
+def _llama4_config(experts: int, vocab: int, small: bool):
+    import transformers
+
+    text = dict(
+        hidden_size=5120, num_attention_heads=40, num_key_value_heads=8, head_dim=128, intermediate_size=8192,
+        intermediate_size_mlp=16384, num_hidden_layers=1, interleave_moe_layer_step=1, num_experts_per_tok=1,
+        use_qk_norm=False, max_position_embeddings=1048576, tie_word_embeddings=False, num_local_experts=experts,
+    )  # fmt: skip
+    if small:  # and a tiny vision tower, which transformers' save_pretrained writes in the smoke test
+        text |= dict(TINY, intermediate_size=32, intermediate_size_mlp=48)
+    if vocab:
+        text["vocab_size"] = vocab
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32) if small else None  # fmt: skip
+    return transformers.Llama4Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
+LLAMA4 = Case(
+    "Llama4ForConditionalGeneration", _llama4_config, "num_local_experts", [TP8, [*EP8, "--attn-dp", "2"]],
+    keep="language_model.",
+)  # fmt: skip
+
+CASES = {"gpt-oss": GPT_OSS, "glm": GLM, "minimax": MINIMAX, "qwen3.5": QWEN35, "dsv4": DSV4, "kimi": KIMI, "llama4": LLAMA4}
+REAL_EXPERTS = {"gpt-oss": 128, "glm": 160, "minimax": 256, "qwen3.5": 512, "dsv4": 256, "kimi": 384, "llama4": 128}
 
 
 def _meta_state(case: Case, experts: int, vocab: int, tiny: bool):
@@ -163,7 +203,8 @@ def _meta_state(case: Case, experts: int, vocab: int, tiny: bool):
         model = getattr(transformers, case.arch)(config)
     state = model.state_dict()
     if case.arch != "DeepseekV4ForCausalLM":
-        return config, revert_weight_conversion(model, state)
+        state = revert_weight_conversion(model, state)
+        return config, {n: t for n, t in state.items() if n.startswith(case.keep)}
     from v4_checkpoint import native_name  # the release's names, as the V4 tests write them
 
     out = {}
@@ -260,9 +301,44 @@ def profile_split(cmd: list[str], out: Path) -> None:
     drop(out)
 
 
+def case_experts(name: str, args) -> int:
+    """The routed experts the case keeps: --experts (at most the real count), 8 at --tiny, else
+    what fits --gib."""
+    if args.experts:
+        return min(args.experts, REAL_EXPERTS[name])
+    return 8 if args.tiny else fit_experts(name, CASES[name], args.vocab, args.gib)
+
+
+def case_size(name: str, args) -> tuple[int, int, int]:
+    """(experts, tensors, bytes of tensor data) of the case's checkpoint, from its layout alone."""
+    experts = case_experts(name, args)
+    items = layout(CASES[name], experts, args.vocab, args.tiny)[0]
+    return experts, len(items), sum(nbytes(d, s) for _, d, s in items)
+
+
+def _mem_total() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+
+
+def room(work: Path, total: int, log) -> None:
+    """Refuse a checkpoint whose copy beside it would not fit on the disk (RuntimeError); warn when
+    the page cache cannot hold the source and an output, so that the times include disk reads."""
+    free = shutil.disk_usage(work).free
+    if 2 * total + (1 << 30) > free:
+        raise RuntimeError(
+            f"the checkpoint ({total / 2**30:.1f} GiB) and one output need {2 * total / 2**30 + 1:.1f} GiB under"
+            f" {work}, which has {free / 2**30:.1f} GiB free; lower --gib or --experts, or give another --workdir"
+        )
+    if 2 * total > _mem_total():
+        log(f"warning: the source and one output ({2 * total / 2**30:.1f} GiB) exceed this machine's RAM"
+            f" ({_mem_total() / 2**30:.1f} GiB): the page cache cannot hold them, so cp -r and the splits read from the disk")  # fmt: skip
+
+
 def run_case(name: str, args, work: Path, py: list[str], log) -> dict:
     case = CASES[name]
-    experts = args.experts or (8 if args.tiny else fit_experts(name, case, args.vocab, args.gib))
+    experts, _, size = case_size(name, args)
+    room(work, size, log)
     model, count, total = write_case(work, name, experts, args.vocab, args.tiny)
     warm(model)
     head = f"{name} ({case.arch}): {experts} of {REAL_EXPERTS[name]} experts, vocab {args.vocab or 'real'}, {count} tensors, {total / 2**30:.2f} GiB"
@@ -296,10 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--gib", type=float, default=3.0, help="size of each checkpoint: routed experts are dropped to fit")
-    ap.add_argument("--experts", type=int, help="routed experts per layer (instead of fitting --gib)")
+    ap.add_argument("--experts", type=int, help="routed experts per layer, at most each case's real count (instead of fitting --gib)")
     ap.add_argument("--vocab", type=int, default=32768, help="embedding / lm_head rows; 0: the family's real vocab")
     ap.add_argument("--tiny", action="store_true", help="tiny dims (hidden 64): a smoke run of the whole script")
     ap.add_argument("--profile", action="store_true", help="also run each split once under cProfile (stderr)")
+    ap.add_argument("--sizes", action="store_true", help="print each case's experts, tensors and size; write nothing")
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "tpshard-families-bench")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -309,6 +386,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown case(s) {', '.join(unknown)}; cases: {', '.join(CASES)}")
     if args.experts and (args.experts % 8 or args.experts < 8):
         ap.error("--experts must be a multiple of 8 (the splits use --ep 8)")
+    if args.sizes:
+        for name in names:
+            experts, count, total = case_size(name, args)
+            print(f"{name} ({CASES[name].arch}): {experts} of {REAL_EXPERTS[name]} experts, vocab {args.vocab or 'real'}, {count} tensors, {total / 2**30:.2f} GiB")
+        return 0
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
 

@@ -3,10 +3,12 @@ broke benchmarks/split_phases.py unnoticed), and each answers --help."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -58,7 +60,8 @@ def _headers(folder: Path) -> dict[str, tuple[int, ...]]:
 
 def _saved_by_transformers(fb, name: str, tmp_path: Path) -> dict[str, tuple[int, ...]]:
     """What transformers' own model class writes for the case's tiny config (DeepSeek-V4: the
-    release's names, as tests/v4_checkpoint.py writes them from transformers' model)."""
+    release's names, as tests/v4_checkpoint.py writes them from transformers' model; Llama-4: the
+    text weights only, as text-only exports hold them)."""
     import torch
     import transformers
 
@@ -71,10 +74,10 @@ def _saved_by_transformers(fb, name: str, tmp_path: Path) -> dict[str, tuple[int
 
         return {n: tuple(t.shape) for n, t in native_tensors(model, {"n_routed_experts": 8}).items()}
     model.save_pretrained(tmp_path / "hf")
-    return _headers(tmp_path / "hf")
+    return {n: s for n, s in _headers(tmp_path / "hf").items() if n.startswith(case.keep)}
 
 
-@pytest.mark.parametrize("name", ["gpt-oss", "glm", "minimax", "qwen3.5", "dsv4", "kimi"])
+@pytest.mark.parametrize("name", ["gpt-oss", "glm", "minimax", "qwen3.5", "dsv4", "kimi", "llama4"])
 def test_families_bench_writes_what_transformers_saves_and_tpshard_plans_it(name, tmp_path):
     """The benchmark's checkpoint (meta-device model, random bits) holds exactly the names and
     shapes transformers' save_pretrained writes for the same config, and tpshard plans every
@@ -86,10 +89,11 @@ def test_families_bench_writes_what_transformers_saves_and_tpshard_plans_it(name
     from tpshard.topology import Topology
 
     fb = _families_bench()
-    assert set(fb.CASES) == {"gpt-oss", "glm", "minimax", "qwen3.5", "dsv4", "kimi"}
-    path, count, _ = fb.write_case(tmp_path, name, 8, 256, tiny=True)
+    assert set(fb.CASES) == {"gpt-oss", "glm", "minimax", "qwen3.5", "dsv4", "kimi", "llama4"}
+    path, count, total = fb.write_case(tmp_path, name, 8, 256, tiny=True)
     written = _headers(path)
     assert len(written) == count
+    assert fb.case_size(name, argparse.Namespace(experts=8, vocab=256, tiny=True)) == (8, count, total)  # what --sizes prints
     assert written == _saved_by_transformers(fb, name, tmp_path)
     flags = {"--tp": "tp", "--ep": "ep", "--attn-dp": "attn_dp"}
     for topo in fb.CASES[name].topologies:
@@ -104,6 +108,19 @@ def test_families_bench_writes_what_transformers_saves_and_tpshard_plans_it(name
     index.write_text(json.dumps(data))
     with pytest.raises((CheckpointError, PlanError), match="lacks|missing"):
         make_plan(open_checkpoint(path), Topology(tp=8))
+
+
+def test_families_bench_sizes_keep_at_most_the_real_experts_and_refuse_a_full_disk(tmp_path, capsys):
+    """`--experts 512 --sizes`: Qwen3.5 at its real 512, Llama-4 Maverick cut to its 128 (not 512
+    experts it never had); a checkpoint whose copy would not fit the disk is refused before writing."""
+    fb = _families_bench()
+    assert fb.main(["--sizes", "--tiny", "--experts", "512", "--vocab", "256", "--cases", "qwen3.5,llama4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[1].split(",")[0].strip() for line in lines] == ["512 of 512 experts", "128 of 128 experts"]
+    assert "3104 tensors" in lines[0]  # 2 layers x 512 experts x 3 + 32 others
+    with pytest.raises(RuntimeError, match="lower --gib or --experts"):
+        fb.room(tmp_path, shutil.disk_usage(tmp_path).free, print)
+    fb.room(tmp_path, 1 << 20, print)  # 1 MiB fits
 
 
 @pytest.mark.slow
