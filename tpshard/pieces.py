@@ -60,7 +60,7 @@ def cut_pieces(
     outer, rows, inner = cut_geometry(shape, info.nbytes, dim)
     row_bytes = rows * inner
     if data is None:
-        buf = scratch("read", min(info.nbytes, max(CHUNK_BYTES, row_bytes if outer > 1 else inner)))
+        buf = scratch("read", min(info.nbytes, CHUNK_BYTES))
 
         def read(offset: int, n: int) -> np.ndarray:
             return read_into(src_fd, buf, info.begin + offset, n)
@@ -70,22 +70,30 @@ def cut_pieces(
         def read(offset: int, n: int) -> np.ndarray:
             return data[offset : offset + n]
 
-    if outer == 1:  # cut along the leading dim: each piece is a contiguous run of the chunk
-        step = max(1, len(buf) // inner)
-        for a in range(0, rows, step):
-            b = min(rows, a + step)
-            chunk = read(a * inner, (b - a) * inner)
-            if source_hash is not None:
-                source_hash.update(chunk)
-            for i, s in enumerate(specs):
-                at = 0  # where this run starts in the shard (a segmented cut has several, unpadded)
-                for start, length, pad in runs(s.segments, rows, s):
-                    lo, hi = max(a, start), min(b, start + length)
-                    if lo < hi:
-                        yield i, (at + lo - start) * inner, chunk[(lo - a) * inner : (hi - a) * inner]
-                    at += length + pad
-        for i, s in enumerate(specs):
-            yield from ((i, at, z) for at, z in _zeros(s.length * inner, s.pad * inner))
+    if outer == 1 or row_bytes > len(buf):
+        # Each run is a byte range of its outer row (all of the tensor for a dim-0 cut): read in
+        # chunks of the buffer whatever an index of the cut dim weighs (an expert whole under EP:
+        # 160 MiB for Llama-4 Maverick's gate_up_proj), and the pieces are views of the chunk.
+        step = len(buf)
+        for o in range(outer):
+            for a in range(0, row_bytes, step):
+                b = min(row_bytes, a + step)
+                chunk = read(o * row_bytes + a, b - a)
+                if source_hash is not None:
+                    source_hash.update(chunk)
+                for i, s in enumerate(specs):
+                    first, end = lead_rows(shape, outer, s)  # a leading-dim range: only its rows
+                    if first <= o < end:
+                        at = (o - first) * shard_row(s) * inner  # where this row's runs start in the shard
+                        for start, length, pad in runs(s.segments, rows, s):
+                            x, y = max(a, start * inner), min(b, (start + length) * inner)
+                            if x < y:
+                                yield i, at + x - start * inner, chunk[x - a : y - a]
+                            at += (length + pad) * inner
+            for i, s in enumerate(specs):  # the row's padding, after its data (only unsegmented cuts pad)
+                first, end = lead_rows(shape, outer, s)
+                if first <= o < end and s.pad:
+                    yield from ((i, at, z) for at, z in _zeros(((o - first) * shard_row(s) + s.length) * inner, s.pad * inner))
         return
 
     # Cut along an inner dim: gather each piece's slab from whole rows of the outer dims.
@@ -102,11 +110,16 @@ def cut_pieces(
             if x >= y:
                 continue
             # Given `data`, the caller may keep the pieces until the whole run is written: new memory.
-            width = (s.length + s.pad) * (sum(s.segments) or 1)
+            width = shard_row(s)
             n = (y - x) * width * inner
             piece = (scratch("piece", n) if data is None else np.empty(n, np.uint8)).reshape(y - x, width, inner)
             _gather(piece, view[x - a : y - a], runs(s.segments, rows, s))
             yield i, (x - lo) * width * inner, piece.reshape(-1)
+
+
+def shard_row(spec) -> int:
+    """Indices of the cut dim a shard holds per outer row, padding included (every segment's)."""
+    return (spec.length + spec.pad) * (sum(spec.segments) or 1)
 
 
 VALUE_DTYPES = {"I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1", "U16": "<u2", "U32": "<u4", "U64": "<u8"}
