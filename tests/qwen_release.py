@@ -20,18 +20,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from test_moe_split import source_tensors
+
 _EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-
-
-def read_all(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(f, "pt") as h:
-            out.update({n: h.get_tensor(n) for n in h.keys()})
-    return out
 
 
 def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -77,7 +70,7 @@ def released(src: Path, dst: Path, *, mtp: bool, fused: bool) -> Path:
         if not f.name.endswith(".index.json"):
             shutil.copy(f, dst / f.name)
     config = json.loads((src / "config.json").read_text())
-    tensors = read_all(src)
+    tensors = source_tensors(src)
     extra = mtp_tensors(tensors, config) if mtp else {}
     files = {"model-00001-of-00002.safetensors": tensors, "model-00002-of-00002.safetensors": extra}
     if fused:

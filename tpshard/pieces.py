@@ -74,6 +74,8 @@ def cut_pieces(
         # Each run is a byte range of its outer row (all of the tensor for a dim-0 cut): read in
         # chunks of the buffer whatever an index of the cut dim weighs (an expert whole under EP:
         # 160 MiB for Llama-4 Maverick's gate_up_proj), and the pieces are views of the chunk.
+        # per spec: its leading-dim range of outer rows, its bytes per outer row, its runs in bytes
+        each = [(*lead_rows(shape, outer, s), shard_row(s) * inner, [(start * inner, length * inner, pad * inner) for start, length, pad in runs(s.segments, rows, s)]) for s in specs]  # fmt: skip
         step = len(buf)
         for o in range(outer):
             for a in range(0, row_bytes, step):
@@ -81,19 +83,18 @@ def cut_pieces(
                 chunk = read(o * row_bytes + a, b - a)
                 if source_hash is not None:
                     source_hash.update(chunk)
-                for i, s in enumerate(specs):
-                    first, end = lead_rows(shape, outer, s)  # a leading-dim range: only its rows
+                for i, (first, end, width, byte_runs) in enumerate(each):
                     if first <= o < end:
-                        at = (o - first) * shard_row(s) * inner  # where this row's runs start in the shard
-                        for start, length, pad in runs(s.segments, rows, s):
-                            x, y = max(a, start * inner), min(b, (start + length) * inner)
+                        at = (o - first) * width  # where this row's runs start in the shard
+                        for start, length, pad in byte_runs:
+                            x, y = max(a, start), min(b, start + length)
                             if x < y:
-                                yield i, at + x - start * inner, chunk[x - a : y - a]
-                            at += (length + pad) * inner
-            for i, s in enumerate(specs):  # the row's padding, after its data (only unsegmented cuts pad)
-                first, end = lead_rows(shape, outer, s)
-                if first <= o < end and s.pad:
-                    yield from ((i, at, z) for at, z in _zeros(((o - first) * shard_row(s) + s.length) * inner, s.pad * inner))
+                                yield i, at + x - start, chunk[x - a : y - a]
+                            at += length + pad
+            for i, (first, end, width, byte_runs) in enumerate(each):  # the row's padding, after its data
+                if first <= o < end and specs[i].pad:  # only unsegmented cuts pad: one run
+                    (_, length, pad), = byte_runs
+                    yield from ((i, at, z) for at, z in _zeros((o - first) * width + length, pad))
         return
 
     # Cut along an inner dim: gather each piece's slab from whole rows of the outer dims.
@@ -165,6 +166,16 @@ def shards_bytes(data: np.ndarray, shape: tuple[int, ...], dim: int | None, cuts
             size = outer * n * inner
             return [every[c.start // n * size : (c.start // n + 1) * size] for c in cuts]
     return [shard_bytes(data, shape, dim, c, segments) for c in cuts]
+
+
+def slot_pieces(data: np.ndarray | None, shape: tuple[int, ...], slots: list) -> list[np.ndarray]:
+    """Each slot's bytes, in order, for slots (TensorPlan, Cut, ...) of one source tensor: its cut's
+    (the cuts of one TensorPlan through shards_bytes) or, for a cut with a value, the value's. `data`
+    may be None when every cut has a value."""
+    first = slots[0][0] if slots else None
+    if first is not None and all(slot[0] is first and slot[1].value is None for slot in slots):
+        return shards_bytes(data, shape, first.dim, [slot[1] for slot in slots], first.segments)
+    return [shard_bytes(data, shape, t.dim, c, t.segments) if c.value is None else value_bytes(t.dtype, c.value) for t, c, *_ in slots]
 
 
 def _gather(piece: np.ndarray, view: np.ndarray, pieces: list[tuple[int, int, int]]) -> None:

@@ -60,7 +60,7 @@ from tpshard.manifest import (
     rank_index_pieces,
     write_manifest,
 )
-from tpshard.pieces import cut_pieces, read_into, scratch, shard_bytes, shards_bytes, value_bytes
+from tpshard.pieces import cut_pieces, read_into, scratch, slot_pieces, value_bytes
 from tpshard.plan import make_plan
 from tpshard.processes import can_fork, run_forked, shared_bytes, shared_slots
 from tpshard.publish import staged_output
@@ -431,12 +431,7 @@ def _copy_small(
     values are wanted), hash it and queue it in `pending`. Returns the tensor's crc32 (b"" without
     `digest`: a reshard records the old output's source checksums). Straight-line code: DeepSeek-V3
     at tp 8 has about 460k shards, nearly all of them small."""
-    first = slots[0][0] if slots else None
-    if first is not None and all(slot[0] is first and slot[1].value is None for slot in slots):  # one tensor's cuts
-        pieces = shards_bytes(data, info.shape, first.dim, [slot[1] for slot in slots], first.segments)
-    else:
-        pieces = [shard_bytes(data, info.shape, t.dim, c, t.segments) if c.value is None else value_bytes(t.dtype, c.value) for t, c, *_ in slots]
-    for (_, _, fd, offset, i, position), piece in zip(slots, pieces):
+    for (_, _, fd, offset, i, position), piece in zip(slots, slot_pieces(data, info.shape, slots)):
         digests[i][position] = digest_of(algorithm, piece)
         if len(piece):
             pending.add(fd, offset, piece)

@@ -369,3 +369,8 @@ def routed_experts(block: str, gate: str, up: str, down: str) -> tuple[Rule, ...
 def router(block: str) -> tuple[Rule, ...]:
     """The router `L.<block>.gate` [E, H] (DeepSeek's e_score_correction_bias is a parameter of it)."""
     return (Rule(L + r"\." + re.escape(block) + r"\.gate", "ReplicatedLinear", "replicated", r"\1." + block + ".gate", shape="router", moe=True),)
+
+
+def first_and_more(names: list[str]) -> str:
+    """The first of the tensors a refusal is about and how many more: "a.weight and 3 more"."""
+    return f"{names[0]} and {len(names) - 1} more"

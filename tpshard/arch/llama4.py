@@ -64,7 +64,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from tpshard.arch.base import Arch, EngineNames, EngineTable, Piece, Rule
+from tpshard.arch.base import Arch, EngineNames, EngineTable, Piece, Rule, first_and_more
 from tpshard.arch.engine_names import VLLM_ATTENTION_BUFFERS, bf16_only
 from tpshard.arch.fused import FusedExperts, FusedParam
 from tpshard.arch.router import RouterConfig
@@ -183,7 +183,7 @@ def refuse_tensors(names: Iterable[str]) -> None:
     found = sorted(n for n in names if _VISION.match(n))
     if found:
         raise PlanError(
-            f"Llama4ForConditionalGeneration: the checkpoint holds the vision tower ({found[0]} and {len(found) - 1} more);"
+            f"Llama4ForConditionalGeneration: the checkpoint holds the vision tower ({first_and_more(found)});"
             " tpshard has no rule for SGLang's Llama4VisionModel cut (models/mllama4.py), so it converts text-only"
             " checkpoints (language_model.* alone) only"
         )

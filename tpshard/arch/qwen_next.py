@@ -74,7 +74,7 @@ What rank r holds (attn_tp = tp / attn_dp, moe_tp = tp / ep) is what SGLang 0.5.
   wrapper's text model as Qwen3_5MoeForCausalLM.
 """
 
-from tpshard.arch.base import NORMS, QK_NORM, VOCAB, Arch, EngineNames, EngineTable, L, Piece, Rule
+from tpshard.arch.base import NORMS, QK_NORM, VOCAB, Arch, EngineNames, EngineTable, L, Piece, Rule, first_and_more
 from tpshard.arch.engine_names import NO_MLP, ROUTED, VLLM_MOE, bf16_only, vllm_mlp
 from tpshard.arch.fused import FusedExperts, FusedParam
 from tpshard.arch.qwen import A2A_SHARED, EXPERTS, SHARED_EXPERT, refuse_dense_layers
@@ -238,7 +238,7 @@ def refuse_unplaced(names) -> None:
     extra = sorted(n for n in names if n.startswith("mtp.layers.") and not n.startswith("mtp.layers.0."))
     if extra:
         raise PlanError(
-            f"the checkpoint holds a second MTP layer ({extra[0]} and {len(extra) - 1} more); SGLang's MTP draft"
+            f"the checkpoint holds a second MTP layer ({first_and_more(extra)}); SGLang's MTP draft"
             " (qwen3_5_mtp.py, qwen3_next_mtp.py) builds one layer, mtp.layers.0, so it would not load: split a copy"
             " whose index leaves the others out"
         )
@@ -270,7 +270,7 @@ def refuse_next_fused(names) -> None:
     fused = sorted(n for n in names if n.endswith(_FUSED_NAMES))
     if fused:
         raise PlanError(
-            f"Qwen3-Next: experts stored fused ({fused[0]} and {len(fused) - 1} more): SGLang's qwen3_next.py"
+            f"Qwen3-Next: experts stored fused ({first_and_more(fused)}): SGLang's qwen3_next.py"
             " load_weights maps experts stored one by one only (L1232-1270: no parameter takes the fused name),"
             " so it would not load them; save the experts one by one and split that"
         )

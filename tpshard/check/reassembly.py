@@ -26,7 +26,7 @@ from tpshard.digest import Crc32, hash_digest, hash_range, new_hash, tensor_dige
 from tpshard.errors import TpshardError
 from tpshard.manifest import Cut, Manifest, Plan, ShardSpec, SourceCuts, TensorPlan
 from tpshard.processes import can_fork, run_forked, shared_bytes
-from tpshard.pieces import VALUE_DTYPES, OpenFiles, cut_pieces, read_into, scratch, shard_bytes, shards_bytes, value_bytes
+from tpshard.pieces import VALUE_DTYPES, OpenFiles, cut_pieces, read_into, scratch, slot_pieces, value_bytes
 from tpshard.safetensors_format import DTYPE_SIZE, TensorInfo, nbytes_of
 from tpshard.writer import CheckpointReader, copy_jobs
 
@@ -178,12 +178,7 @@ class _Reassembly:
             for (name, info, located), (_, _, data) in zip(sources, got):
                 if self.source_crcs is not None:
                     self.source_crcs.put(name, tensor_digest("crc32", data))
-                first = located[0][0]
-                if all(place[0] is first for place in located):  # one tensor's cuts: a row-parallel cut gathered at once
-                    cut = shards_bytes(data, info.shape, first.dim, [place[1] for place in located], first.segments)
-                else:
-                    cut = [shard_bytes(data, info.shape, t.dim, c, t.segments) for t, c, *_ in located]
-                for (_, _, path, offset, _), piece in zip(located, cut):
+                for (_, _, path, offset, _), piece in zip(located, slot_pieces(data, info.shape, located)):
                     pieces[path].append((offset, piece, name))
             same = {name for name, _, _ in sources}
             for path, items in pieces.items():
