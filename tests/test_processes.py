@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,31 @@ def test_run_forked_passes_progress_and_faults_on():
         run_forked([1, 2, "boom", 3], _job, 2, None)
     with pytest.raises(OSError, match="ended with signal 9"):
         run_forked([1, "kill", 2], _job, 2, None)
+    assert children() <= before
+
+
+def _slow_job(task, progress):
+    time.sleep(task / 10)
+    progress(task)
+
+
+def _no_room():
+    raise OSError(28, "No space left on device")
+
+
+def test_what_the_parent_does_meanwhile_runs_once_and_its_fault_stops_the_workers():
+    """meanwhile runs in the parent while the workers copy (split's headers), once; its fault is
+    raised as itself, with no worker left running."""
+    before = children()
+    calls, seen = [], []
+
+    def meanwhile():
+        calls.append(len(children() - before))  # the workers it overlaps with
+
+    run_forked([1, 2, 3], _slow_job, 2, seen.append, meanwhile=meanwhile)
+    assert calls == [2] and sum(seen) == 6
+    with pytest.raises(OSError, match="No space left"):
+        run_forked([5, 5, 5], _slow_job, 2, None, meanwhile=_no_room)
     assert children() <= before
 
 

@@ -24,8 +24,8 @@ import shutil
 import signal
 import sys
 import tempfile
+import select
 import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -72,18 +72,29 @@ class SharedDigests:
         return bytes(self.data)
 
 
-def run_forked(tasks: Sequence, job: Callable[[object, Callable[[int], None]], object], workers: int, on_progress: Callable[[int], None] | None) -> dict[int, object]:
+def run_forked(
+    tasks: Sequence,
+    job: Callable[[object, Callable[[int], None]], object],
+    workers: int,
+    on_progress: Callable[[int], None] | None,
+    meanwhile: Callable[[], None] | None = None,
+) -> dict[int, object]:
     """Run job(task, progress) for every task on `workers` forked processes; return, once all are
     done, what the jobs returned by task index (None left out: most jobs write shared memory and
     return nothing). `progress(n)` in a job adds n to a shared count that the parent passes to
-    on_progress as it grows. A worker's exception is raised here; KeyboardInterrupt stops every
-    worker."""
+    on_progress as it grows. `meanwhile()`, if given, runs in the parent once the workers are
+    forked: work the jobs do not need (split's headers and index files), done while they copy
+    rather than before. A worker's exception is raised here, and so is meanwhile's once the workers
+    are stopped; KeyboardInterrupt stops every worker."""
     counts = shared_bytes(8 * workers).cast("Q")
     errors = shared_bytes(ERROR_BYTES * workers)
     # Each worker's results, pickled into a file of this private folder as it ends: no pipe to
     # keep drained while the parent waits.
     results = Path(tempfile.mkdtemp(prefix="tpshard-jobs-"))
     feed_r, feed_w = os.pipe()
+    # The workers hold ended_w open until they exit; the parent's wait wakes on its end of file
+    # (every worker gone) or a worker's progress poll, not on a fixed sleep.
+    ended_r, ended_w = os.pipe()
     parent = os.getpid()
     pids: list[int] = []
     try:
@@ -92,6 +103,7 @@ def run_forked(tasks: Sequence, job: Callable[[object, Callable[[int], None]], o
                 pid = os.fork()
                 if pid == 0:  # the worker: never returns
                     os.close(feed_w)
+                    os.close(ended_r)
                     _work(k, tasks, job, feed_r, counts, errors, parent, results / str(k))
                 pids.append(pid)
         except BaseException:
@@ -100,11 +112,14 @@ def run_forked(tasks: Sequence, job: Callable[[object, Callable[[int], None]], o
             raise
         finally:
             os.close(feed_r)  # the workers hold it; with them gone, the feeder's write fails instead of blocking
+            os.close(ended_w)
         feeder = threading.Thread(target=_feed, args=(feed_w, len(tasks)), daemon=True)
         feeder.start()
         running = set(pids)
         try:
-            _wait(pids, running, counts, errors, on_progress)
+            if meanwhile is not None:
+                meanwhile()
+            _wait(pids, running, counts, errors, on_progress, ended_r)
         finally:
             _stop(running)
             feeder.join()
@@ -113,6 +128,7 @@ def run_forked(tasks: Sequence, job: Callable[[object, Callable[[int], None]], o
             found.update(pickle.loads((results / str(k)).read_bytes()))
         return found
     finally:
+        os.close(ended_r)
         shutil.rmtree(results, ignore_errors=True)
 
 
@@ -166,14 +182,16 @@ def _send_error(room: memoryview, e: BaseException) -> None:
     room[:4] = len(data).to_bytes(4, "little")
 
 
-def _wait(pids: list[int], running: set[int], counts: memoryview, errors: memoryview, on_progress: Callable[[int], None] | None) -> None:
+def _wait(pids: list[int], running: set[int], counts: memoryview, errors: memoryview, on_progress: Callable[[int], None] | None, ended: int) -> None:
     """Until every worker has ended (each reaped is taken out of `running`): pass progress on; on
-    a failure, raise the worker's exception."""
+    a failure, raise the worker's exception. `ended` reads end of file once every worker has exited."""
     reported = 0
+    all_ended = False
     while running:
-        time.sleep(POLL_S)
+        if not all_ended:
+            all_ended = bool(select.select([ended], [], [], POLL_S)[0])  # readable only at end of file: no worker writes it
         for pid in list(running):
-            done, status = os.waitpid(pid, os.WNOHANG)
+            done, status = os.waitpid(pid, 0 if all_ended else os.WNOHANG)
             if done:
                 running.discard(pid)
                 if status:

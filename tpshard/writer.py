@@ -310,7 +310,7 @@ def write_plan(
     for r in selected:
         (staging / rank_dir(r)).mkdir()
 
-    # Every output file laid out from the plan: header now, data by pwrite later.
+    # Every output file laid out from the plan at its full size; header and data by pwrite.
     fds: dict[int, int] = {}
     checksums = {}  # file index -> its file_hash, the header hashed
     offsets: dict[int, Sequence[int]] = {}  # file index -> each tensor's data offset, in data order
@@ -326,12 +326,19 @@ def write_plan(
         for i in written_files:
             f = plan.files[i]
             fds[i] = os.open(staging / rank_dir(min(chosen & set(f.ranks))) / f.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            checksums[i], offsets[i] = _write_header(plan, i, fds[i])
+            os.ftruncate(fds[i], f.size)
+            offsets[i] = plan.offsets(f.name)
             digests[i] = slots_for(len(offsets[i]))
-        release_freed_memory()  # the headers
-        for r in selected:
-            with open(staging / rank_dir(r) / "model.safetensors.index.json", "wb") as f:
-                f.writelines(rank_index_pieces(plan, r))
+
+        def headers_and_indexes() -> None:
+            # Nothing the copy reads: with forked workers the parent writes these while they copy.
+            for i in written_files:
+                checksums[i] = _write_header(plan, i, fds[i])
+            release_freed_memory()  # the headers
+            for r in selected:
+                with open(staging / rank_dir(r) / "model.safetensors.index.json", "wb") as f:
+                    f.writelines(rank_index_pieces(plan, r))
+
         slots = _Slots(plan, names, fds, offsets)
         release_freed_memory()  # the name lookup _Slots made its arrays from (~12 MB at 90k tensors)
         # each source tensor's crc32 by position, set by the jobs as they go
@@ -366,7 +373,9 @@ def write_plan(
                         pending.flush()
 
             if forked:
-                run_forked(tasks, job, workers, on_tensor)
+                run_forked(tasks, job, workers, on_tensor, meanwhile=headers_and_indexes)
+            else:
+                headers_and_indexes()
             with ThreadPoolExecutor(max(1, workers)) as pool:
                 if not forked:
                     list(pool.map(lambda task: job(task, on_tensor), tasks))
@@ -410,18 +419,17 @@ def write_plan(
     return manifest
 
 
-def _write_header(plan: Plan, i: int, fd: int) -> tuple[object, Sequence[int]]:
-    """Write file `i`'s header into `fd` and extend it to its full size; return its file_hash and its
-    tensors' data offsets. The header is built here a piece at a time, each dropped once written and
-    hashed (Plan.header_pieces refuses one whose length is not the size the file was laid out with)."""
+def _write_header(plan: Plan, i: int, fd: int):
+    """Write file `i`'s header into `fd`; return its file_hash. The header is built here a piece at
+    a time, each dropped once written and hashed (Plan.header_pieces refuses one whose length is not
+    the size the file was laid out with)."""
     f = plan.files[i]
     h, at = file_hash(b""), 0
     for piece in plan.header_pieces(f.name):
         pwrite_all(fd, memoryview(piece), at)
         h.update(piece)
         at += len(piece)
-    os.ftruncate(fd, f.size)
-    return h, plan.offsets(f.name)
+    return h
 
 
 def _copy_small(
