@@ -200,3 +200,27 @@ def test_check_source_on_two_processes_finds_what_one_thread_finds(many_files, t
     assert [(p.check, p.message) for p in two.problems] == [(p.check, p.message) for p in one.problems]
     assert two.tensors_reassembled == one.tensors_reassembled
     assert children() <= before
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_check_source_reports_the_output_findings_first_and_in_order(many_files, tmp_path, workers):
+    """check --source makes the findings that read no tensor byte (layout, each rank's index) while
+    its reassembly reads: they are reported as check without a source reports them, in its order,
+    before those against the source."""
+    from tpshard import check
+
+    out = tmp_path / "out"
+    split(many_files, out, Topology(tp=4))
+    (out / rank_dir(3) / "notes.txt").write_text("stray")
+    index = out / rank_dir(1) / "model.safetensors.index.json"
+    index.write_bytes(index.read_bytes().replace(b'"weight_map"', b'"weight_map" ', 1))
+    f = sorted((out / rank_dir(2)).glob("*.safetensors"))[0]
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 0x01
+    os.unlink(f)
+    f.write_bytes(bytes(data))
+    alone = [(p.check, p.message) for p in check(out, workers=workers).problems]
+    assert [c for c, _ in alone] == ["stray", "files", "checksum", "checksum"]
+    against = [(p.check, p.message) for p in check(out, source=many_files, workers=workers).problems]
+    assert against[: len(alone)] == alone
+    assert [c for c, _ in against[len(alone) :]] == ["reassembly"]

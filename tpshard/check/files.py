@@ -18,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 from tpshard.check.alignment import check_plan
 from tpshard.check.report import CheckReport
@@ -29,16 +30,41 @@ from tpshard.safetensors_format import nbytes_of
 
 def check_output(
     out: Path, manifest: Manifest, report: CheckReport, workers: int, deferred: set[Path] = frozenset(), hashed: Hashed | None = None,
-    on_bytes: Callable[[int], None] | None = None,
+    on_bytes: Callable[[int], None] | None = None, unread: Unread | None = None,
 ) -> None:  # fmt: skip
     """The checks without a source: the plan's, the folder's layout, every file of every rank.
     `deferred`: files whose tensor digests the caller compares as it reads them
     (tpshard.check.output_source); their size, header and file checksum are checked here.
     `hashed`: tensor digests the reassembly took as it read the files, used instead of reading
-    them again. `on_bytes(n)`: called with the size of each file once checked, for progress."""
-    check_plan(manifest.plan, report)
-    check_layout(out, manifest, report)
-    _check_files(out, manifest, report, workers, deferred=deferred, hashed=hashed, on_bytes=on_bytes)
+    them again. `on_bytes(n)`: called with the size of each file once checked, for progress.
+    `unread`: what unread_findings found for this output, when the caller made them already."""
+    if unread is None:  # the indexes are checked while the files are hashed (_check_files)
+        check_plan(manifest.plan, report)
+        check_layout(out, manifest, report)
+    else:
+        report.extend(unread.first)
+    _check_files(out, manifest, report, workers, deferred=deferred, hashed=hashed, on_bytes=on_bytes, indexes=unread and unread.indexes)
+
+
+class Unread(NamedTuple):
+    """check_output's findings that read no tensor byte: the plan's and the layout's (`first`), each
+    written rank's index (`indexes`, by rank)."""
+
+    first: CheckReport
+    indexes: dict[int, CheckReport]
+
+
+def unread_findings(out: Path, manifest: Manifest) -> Unread:
+    """Unread for the output at `out`: check --source makes them while its reassembly reads (Python
+    work, a tenth of the check at 9k tensors), check_output reports them in their place."""
+    first = CheckReport(out_dir=str(out), source=None)
+    check_plan(manifest.plan, first)
+    check_layout(out, manifest, first)
+    indexes = {}
+    for r in manifest.written_ranks:
+        indexes[r] = CheckReport(out_dir=str(out), source=None)
+        check_index(out / rank_dir(r), manifest.plan, r, indexes[r])
+    return Unread(first, indexes)
 
 
 class Hashed:
@@ -92,7 +118,7 @@ def check_rank_files(out_dir: str | Path, manifest: Manifest, ranks: list[int], 
 
 def _check_files(
     out: Path, manifest: Manifest, report: CheckReport, workers: int, ranks: list[int] | None = None, deferred: set[Path] = frozenset(),
-    hashed: Hashed | None = None, on_bytes: Callable[[int], None] | None = None,
+    hashed: Hashed | None = None, on_bytes: Callable[[int], None] | None = None, indexes: dict[int, CheckReport] | None = None,
 ) -> None:  # fmt: skip
     plan = manifest.plan
     algorithm = plan.options.checksum
@@ -161,7 +187,10 @@ def _check_files(
         by_size = sorted(units, key=lambda key: -plan.files[units[key][1]].size)
         verified = {key: pool.submit(verify, units[key]) for key in by_size}
         for r, held in missing:
-            check_index(out / rank_dir(r), plan, r, report)
+            if indexes is None:
+                check_index(out / rank_dir(r), plan, r, report)
+            else:
+                report.extend(indexes[r])
             report.extend(held)
         copied = [os.lstat(path).st_size == extra.size and sha256_file(path) == extra.checksum for path, extra, _ in extras.values()]
         for key, unit in units.items():

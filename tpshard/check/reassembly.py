@@ -39,11 +39,12 @@ Place = tuple[TensorPlan, Cut, "Path | None", int, str]
 
 def reassemble_output(
     out: Path, ckpt: Checkpoint, manifest: Manifest, report: CheckReport, workers: int, reader=None, hashed: Hashed | None = None,
-    on_bytes: Callable[[int], None] | None = None, source_crcs: dict[str, bytes] | None = None,
+    on_bytes: Callable[[int], None] | None = None, source_crcs: dict[str, bytes] | None = None, meanwhile: Callable[[], None] | None = None,
 ) -> None:  # fmt: skip
     """Every source tensor, rebuilt from the shards, equals the source bit for bit, in every copy
     of every file that holds a piece of it (a copy that replaced a hard link is proven on its own).
-    `hashed`: where to put the digest of each tensor read, per copy; `source_crcs`: see reassemble."""
+    `hashed`: where to put the digest of each tensor read, per copy; `source_crcs`, `meanwhile`:
+    see reassemble."""
     plan = manifest.plan
     written = set(manifest.written_ranks)
     copies = distinct_copies(out, manifest)
@@ -66,12 +67,13 @@ def reassemble_output(
                     found.append((t, c, path, offset, f" (the copy of ranks {ranks})" if len(paths) > 1 else ""))
         return found
 
-    reassemble(ckpt, plan, names, places, report, workers, reader, hashed, on_bytes, source_crcs)
+    reassemble(ckpt, plan, names, places, report, workers, reader, hashed, on_bytes, source_crcs, meanwhile)
 
 
 def reassemble(
     ckpt: Checkpoint, plan: Plan, names: list[str], places: Callable[[int], list[Place]], report: CheckReport, workers: int, reader=None,
     hashed: Hashed | None = None, on_bytes: Callable[[int], None] | None = None, source_crcs: dict[str, bytes] | None = None,
+    meanwhile: Callable[[], None] | None = None,
 ) -> None:  # fmt: skip
     """Compare every place a shard is written (a shard may be listed at several: copies) with the
     bytes its cut takes from its source tensor, reading each source tensor once: the source tensors
@@ -87,7 +89,9 @@ def reassemble(
     anywhere, and every large tensor, is compared tensor by tensor, which names what differs.
     `on_bytes(n)`: called with the source bytes of each job once compared, for progress.
     `source_crcs`: where to put the crc32 of each checkpoint tensor read whole (not with a
-    `reader`), so that check --source proves the source's identity from this one read of it."""
+    `reader`), so that check --source proves the source's identity from this one read of it.
+    `meanwhile()`: work of the caller's that reads no source byte, done in this thread while the
+    workers compare (tpshard.processes.run_forked)."""
     infos = [ckpt.tensors[name] for name in names]
     jobs = copy_jobs(infos)
     # Processes as for the split (tpshard.processes) where the source is the checkpoint's files;
@@ -107,11 +111,13 @@ def reassemble(
             if reader is None:
                 stack.enter_context(compared.runs)
             if forked:
-                found_by_job = run_forked(jobs, job, workers, on_bytes)
+                found_by_job = run_forked(jobs, job, workers, on_bytes, meanwhile)
                 results = (found_by_job[i] for i in range(len(jobs)))
             else:
                 pool = stack.enter_context(ThreadPoolExecutor(workers))
                 results = pool.map(lambda task: job(task, on_bytes), jobs)
+                if meanwhile is not None:
+                    meanwhile()
             for done in results:  # in job order, whatever order they ran in
                 for found in done:
                     if not found:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 # numpy, the checkpoint reader, the planner and the writer are imported where the source is read:
 # check without a source needs none of them (their imports were a sixth of it at 9k tensors).
-from tpshard.check.files import Hashed, check_output
+from tpshard.check.files import Hashed, check_output, unread_findings
 from tpshard.check.pipeline import check_pipeline_request
 from tpshard.check.report import CheckReport
 from tpshard.check.rules import check_extras_against_source, check_rules, manifest_and_rules
@@ -110,9 +110,13 @@ def _check_against_source(
     hashed = Hashed(manifest.plan)
     reassembled = CheckReport(out_dir=report.out_dir, source=report.source)
     crcs: dict[str, bytes] = {}
-    reassemble_output(out, ckpt, manifest, reassembled, workers, hashed=hashed, on_bytes=on_bytes, source_crcs=crcs)
+    unread = []  # check_output's findings that need no file's bytes, made while the reassembly reads
+    reassemble_output(
+        out, ckpt, manifest, reassembled, workers, hashed=hashed, on_bytes=on_bytes, source_crcs=crcs,
+        meanwhile=lambda: unread.append(unread_findings(out, manifest)),
+    )  # fmt: skip
     check_source_identity(ckpt, recorded, out, workers=workers, crcs=crcs)
-    check_output(out, manifest, report, workers, hashed=hashed)
+    check_output(out, manifest, report, workers, hashed=hashed, unread=unread[0])
     report.extend(held)
     report.extend(reassembled)
     report.tensors_reassembled = reassembled.tensors_reassembled
