@@ -31,8 +31,11 @@ def children() -> set[int]:
     own, e.g. multiprocessing's resource tracker: compare before and after)."""
     pids = []
     for task in os.listdir(f"/proc/{os.getpid()}/task"):
-        with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
-            pids += [int(p) for p in f.read().split()]
+        try:
+            with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
+                pids += [int(p) for p in f.read().split()]
+        except OSError:  # a thread that ended since the listing (run_forked's feeder)
+            pass
     live = []
     for pid in pids:
         try:
