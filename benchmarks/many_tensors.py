@@ -22,6 +22,7 @@ a child forked from this process would count this process's own peak). `load` is
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import shutil
@@ -150,6 +151,7 @@ def bench_case(name: str, work: Path, runs: int, tp: int, log) -> dict:
     for f in model.iterdir():  # warm the page cache (not through this process: a child inherits its peak RSS)
         subprocess.run(["cat", str(f)], stdout=subprocess.DEVNULL, check=True)
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    compileall.compile_dir(str(REPO / "tpshard"), quiet=1)  # as a pip install leaves it (split_bench.compile_package)
     py = [sys.executable, "-m", "tpshard"]
     out = work / f"out-{name}"
     ref = work / f"ref-{name}"  # the output check and load read; split writes `out` each round
