@@ -146,6 +146,27 @@ def test_what_the_parent_does_meanwhile_runs_once_and_its_fault_stops_the_worker
     assert children() <= before
 
 
+def test_a_header_that_fails_while_the_workers_copy_leaves_nothing(many_files, tmp_path, monkeypatch):
+    """The parent writes the headers while the workers copy: a full disk there stops the workers and
+    leaves no output, no staging folder and no process, as a full disk anywhere else does."""
+    import tpshard.writer as writer
+    from tpshard.errors import OutputError
+
+    before = children()
+    written = []
+
+    def full(plan, i, fd):
+        written.append(os.getpid())
+        raise OSError(28, os.strerror(28))
+
+    monkeypatch.setattr(writer, "_write_header", full)
+    with pytest.raises(OutputError, match="No space left on device"):
+        split(many_files, tmp_path / "out", Topology(tp=4), workers=2)
+    assert written == [os.getpid()]  # in the parent, once
+    assert list(tmp_path.iterdir()) == []
+    assert children() <= before
+
+
 def test_ctrl_c_while_workers_run_leaves_none_of_them():
     script = textwrap.dedent(
         """
