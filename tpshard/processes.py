@@ -20,11 +20,11 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
+import select
 import shutil
 import signal
 import sys
 import tempfile
-import select
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -92,8 +92,8 @@ def run_forked(
     # keep drained while the parent waits.
     results = Path(tempfile.mkdtemp(prefix="tpshard-jobs-"))
     feed_r, feed_w = os.pipe()
-    # The workers hold ended_w open until they exit; the parent's wait wakes on its end of file
-    # (every worker gone) or a worker's progress poll, not on a fixed sleep.
+    # The workers hold ended_w open until they exit: the parent's wait wakes at its end of file,
+    # the moment the last worker is gone, instead of at the next of its 50 ms polls for progress.
     ended_r, ended_w = os.pipe()
     parent = os.getpid()
     pids: list[int] = []

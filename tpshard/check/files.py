@@ -43,7 +43,7 @@ def check_output(
         check_layout(out, manifest, report)
     else:
         report.extend(unread.first)
-    _check_files(out, manifest, report, workers, deferred=deferred, hashed=hashed, on_bytes=on_bytes, indexes=unread and unread.indexes)
+    _check_files(out, manifest, report, workers, deferred=deferred, hashed=hashed, on_bytes=on_bytes, indexes=None if unread is None else unread.indexes)
 
 
 class Unread(NamedTuple):
