@@ -22,7 +22,6 @@ a child forked from this process would count this process's own peak). `load` is
 from __future__ import annotations
 
 import argparse
-import compileall
 import json
 import os
 import shutil
@@ -35,6 +34,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from split_bench import compile_package  # benchmarks/ is this script's folder, first on sys.path
 
 CASES = {
     "layers1000": dict(layers=1000, hidden=256, intermediate=512, heads=8, kv_heads=2, head_dim=32, vocab=4096),
@@ -151,7 +151,7 @@ def bench_case(name: str, work: Path, runs: int, tp: int, log) -> dict:
     for f in model.iterdir():  # warm the page cache (not through this process: a child inherits its peak RSS)
         subprocess.run(["cat", str(f)], stdout=subprocess.DEVNULL, check=True)
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    compileall.compile_dir(str(REPO / "tpshard"), quiet=1)  # as a pip install leaves it (split_bench.compile_package)
+    compile_package()  # as a pip install leaves it
     py = [sys.executable, "-m", "tpshard"]
     out = work / f"out-{name}"
     ref = work / f"ref-{name}"  # the output check and load read; split writes `out` each round
