@@ -566,9 +566,10 @@ def _fail(message: str, code: int, markup: str = "[red]error:[/] ") -> None:
 
 
 def main() -> None:
-    from tpshard.collector import one_arena
+    from tpshard.collector import frozen_at_exit, one_arena
 
     one_arena()
+    frozen_at_exit()
     try:
         code = app(standalone_mode=False)
     except TpshardError as e:
