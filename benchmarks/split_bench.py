@@ -202,17 +202,17 @@ class Sample:
 
 
 @functools.cache
-def compile_package() -> None:
-    """Write tpshard's bytecode (its __pycache__, git-ignored) before anything is timed, as a pip
-    install leaves it: where PYTHONDONTWRITEBYTECODE is set (this project's VMs set it), every
-    child would otherwise compile the package's ~90 modules from source, ~60 ms a run on this VM
-    (5 % of a split of 9k tensors). Python reads existing bytecode whatever that variable says."""
-    compileall.compile_dir(str(REPO / "tpshard"), quiet=1)
+def compile_package(tree: Path = REPO) -> None:
+    """Write the bytecode of `tree`'s tpshard (its __pycache__, git-ignored) before anything is
+    timed, as a pip install leaves it: where PYTHONDONTWRITEBYTECODE is set (this project's VMs set
+    it), every child would otherwise compile the package's ~90 modules from source, ~60 ms a run on
+    this VM (5 % of a split of 9k tensors). Python reads existing bytecode whatever that variable says."""
+    compileall.compile_dir(str(tree / "tpshard"), quiet=1)
 
 
-def _env() -> dict[str, str]:
+def _env(tree: Path = REPO) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = os.pathsep.join([str(tree), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     return env
 
@@ -220,20 +220,21 @@ def _env() -> dict[str, str]:
 TIME = "/usr/bin/time"
 
 
-def measure(cmd: list[str], out: Path | None = None) -> Sample:
-    """Run `cmd` as a fresh child after a sync; time it, its sync, and its memory.
+def measure(cmd: list[str], out: Path | None = None, tree: Path = REPO) -> Sample:
+    """Run `cmd` as a fresh child after a sync, in `tree` (a checkout whose tpshard it imports:
+    this one unless benchmarks/pairs.py times another); time it, its sync, and its memory.
 
     Peak RSS comes from GNU time (%M) when /usr/bin/time exists: a child forked straight from this
     Python process would inherit this process's RSS high-water mark in its ru_maxrss (Linux keeps
     the larger of the old and new mm's peaks across exec, and subprocess forks with vfork)."""
-    compile_package()
+    compile_package(tree)
     os.sync()
     use_time = os.access(TIME, os.X_OK)
     with tempfile.TemporaryFile() as so, tempfile.TemporaryFile() as se, tempfile.NamedTemporaryFile("r") as tf:
         full = [TIME, "-f", "%M", "-o", tf.name, *cmd] if use_time else cmd
         loadavg = os.getloadavg()[0]
         t0 = time.perf_counter()
-        proc = subprocess.Popen(full, stdout=so, stderr=se, env=_env(), cwd=str(REPO))
+        proc = subprocess.Popen(full, stdout=so, stderr=se, env=_env(tree), cwd=str(tree))
         sampler = _Sampler(proc.pid)
         sampler.start()
         _, status, usage = os.wait4(proc.pid, 0)
