@@ -51,7 +51,7 @@ def cpu_model() -> str:
 
 
 def cases(model: Path, work: Path, trees: dict[str, Path], split_args: list[str], check: bool) -> dict[str, tuple[list[str], Path | None, Path]]:
-    """label -> (argv, output to drop after it or None, the tree it runs in)."""
+    """label -> (argv, the output it writes or None, the tree it runs in)."""
     out = work / "out"
     found = {"cp -r": (["cp", "-r", str(model), str(out)], out, REPO)}
     for name, tree in trees.items():
@@ -64,15 +64,15 @@ def cases(model: Path, work: Path, trees: dict[str, Path], split_args: list[str]
     return found
 
 
-def rounds(found: dict, runs: int, log) -> dict[str, list]:
+def rounds(found: dict, runs: int, log, prefault_bytes: int) -> dict[str, list]:
     samples: dict[str, list] = {label: [] for label in found}
     labels = list(found)
     for r in range(runs):
         for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
             argv, out, tree = found[label]
-            s = measure(argv, out, tree)
-            if out is not None:
-                drop(out)
+            if out is not None and out.exists():
+                drop(out)  # the last case's
+            s = measure(argv, out, tree, prefault_bytes)
             if not s.ok:
                 raise RuntimeError(f"{label}: {s.error}")
             samples[label].append(s)
@@ -93,6 +93,7 @@ def report(samples: dict[str, list], trees: dict[str, Path]) -> dict:
             "cpu_s": round(statistics.median(s.cpu_s for s in ss), 2),
             "maxrss_mib": round(max(s.maxrss_mib for s in ss)),
             "loadavg": round(statistics.median(s.loadavg for s in ss), 1),
+            "each": [[round(s.wall_s, 6), round(s.sync_s, 6), round(s.cpu_s, 3)] for s in ss],  # wall, sync, cpu by round
         }
         for label, ss in samples.items()
     }
@@ -117,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start", metavar="REV", help="also time the split (and check) of this git revision")
     ap.add_argument("--check", action="store_true", help="also time check --source of each tree's output")
     ap.add_argument("--runs", type=int, default=10)
-    ap.add_argument("--settle", type=float, default=1.0, help="seconds idle after each output is deleted (split_bench's --settle)")
+    ap.add_argument("--settle", type=float, default=0.0, help="seconds idle after each deletion (split_bench's --settle)")
+    ap.add_argument("--prefault", type=float, metavar="GIB", help="memory touched and freed before each case (split_bench.prefault; default: twice the checkpoint, 0: none)")
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()), help="a new folder in it holds the outputs and the worktree, removed at the end")
     ap.add_argument("--json", type=Path, help="write the figures here too")
     args = ap.parse_args(argv)
@@ -133,12 +135,14 @@ def main(argv: list[str] | None = None) -> int:
             trees["start"] = tree_of(args.start, work)
         found = cases(args.checkpoint.resolve(), work, trees, split_args, args.check)
         log(f"source read in {warm(args.checkpoint):.2f} s (untimed: every case starts from a warm page cache)")
-        result = report(rounds(found, args.runs, log), trees)
+        size = sum(p.stat().st_size for p in args.checkpoint.iterdir() if p.is_file())
+        prefault_bytes = int(args.prefault * 2**30) if args.prefault is not None else 2 * size
+        result = report(rounds(found, args.runs, log, prefault_bytes), trees)
     finally:
         if "start" in trees:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(trees["start"])], check=False)
         shutil.rmtree(work)
-    result |= {"checkpoint": str(args.checkpoint), "split_args": split_args, "start": args.start, "runs": args.runs,
+    result |= {"checkpoint": str(args.checkpoint), "split_args": split_args, "start": args.start, "runs": args.runs, "prefault_bytes": prefault_bytes,
                "cpu": cpu_model(), "cpus": os.cpu_count()}  # fmt: skip
     for label, row in result["rows"].items():
         print(f"{label:<12} {row['time_s']:8.3f} s  cpu {row['cpu_s']:6.2f} s  {row['maxrss_mib']:5d} MiB  load {row['loadavg']}")

@@ -34,6 +34,7 @@ import argparse
 import compileall
 import functools
 import json
+import mmap
 import os
 import platform
 import shlex
@@ -220,15 +221,31 @@ def _env(tree: Path = REPO) -> dict[str, str]:
 TIME = "/usr/bin/time"
 
 
-def measure(cmd: list[str], out: Path | None = None, tree: Path = REPO) -> Sample:
+def prefault(nbytes: int) -> None:
+    """Touch `nbytes` of new memory, a byte a page, and free it again.
+
+    This project's VMs (Firecracker, free page reporting: `page_reporting` in dmesg) hand memory
+    that stays free ~2 s back to their host, and a page touched again is faulted in from the host:
+    a `cp -r` of 1 GiB took 0.4 s or 1.3-3.8 s of system time by whether its page cache found such
+    pages (docs/performance.md). Touched and freed right before a case, the pages it allocates are
+    the guest's own again, as on a machine of its own."""
+    if nbytes > 0:
+        with mmap.mmap(-1, nbytes) as m:
+            for at in range(0, nbytes, mmap.PAGESIZE):
+                m[at] = 1
+
+
+def measure(cmd: list[str], out: Path | None = None, tree: Path = REPO, prefault_bytes: int = 0) -> Sample:
     """Run `cmd` as a fresh child after a sync, in `tree` (a checkout whose tpshard it imports:
-    this one unless benchmarks/pairs.py times another); time it, its sync, and its memory.
+    this one unless benchmarks/pairs.py times another); time it, its sync, and its memory; with
+    `prefault_bytes`, that much memory is touched and freed just before (`prefault`).
 
     Peak RSS comes from GNU time (%M) when /usr/bin/time exists: a child forked straight from this
     Python process would inherit this process's RSS high-water mark in its ru_maxrss (Linux keeps
     the larger of the old and new mm's peaks across exec, and subprocess forks with vfork)."""
     compile_package(tree)
     os.sync()
+    prefault(prefault_bytes)
     use_time = os.access(TIME, os.X_OK)
     with tempfile.TemporaryFile() as so, tempfile.TemporaryFile() as se, tempfile.NamedTemporaryFile("r") as tf:
         full = [TIME, "-f", "%M", "-o", tf.name, *cmd] if use_time else cmd

@@ -136,3 +136,24 @@ def test_families_bench_runs_end_to_end(tmp_path):
     assert list(case["rows"]) == ["cp -r", "split --tp 8", "split --tp 8 --ep 8 --attn-dp 2"]
     assert all(r["time_s"] > 0 and r["maxrss_mib"] > 0 for r in case["rows"].values())
     assert not any((tmp_path / "work").iterdir())  # the checkpoint and outputs are deleted
+
+
+def test_pairs_times_split_and_check_against_cp_round_by_round(tmp_path):
+    """benchmarks/pairs.py on the bundled example: every row ran each round, and a pair's ratio is
+    the median of the rounds' own ratios (not a ratio of medians)."""
+    repo = BENCHMARKS.parent
+    out = tmp_path / "pairs.json"
+    p = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "pairs.py"), str(repo / "examples" / "tiny-llama"), "--check", "--runs", "3",
+         "--prefault", "0", "--workdir", str(tmp_path / "work"), "--json", str(out), "--", "--tp", "2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-800:]
+    result = json.loads(out.read_text())
+    assert list(result["rows"]) == ["cp -r", "split now", "check now"] and result["split_args"] == ["--tp", "2"]
+    assert all(len(row["each"]) == 3 for row in result["rows"].values())
+    split, cp = ([w + s for w, s, _ in result["rows"][k]["each"]] for k in ("split now", "cp -r"))
+    (pair, _) = result["pairs"]
+    each = sorted(a / b for a, b in zip(split, cp))
+    assert pair["of"] == "split now" and [pair[k] for k in ("min", "median", "max")] == pytest.approx(each, rel=2e-3)
+    assert not any((tmp_path / "work").iterdir())  # outputs removed
