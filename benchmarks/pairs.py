@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="also time check --source of each tree's output")
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--settle", type=float, default=0.0, help="seconds idle after each deletion (split_bench's --settle)")
-    ap.add_argument("--prefault", type=float, metavar="GIB", help="memory touched and freed before each case (split_bench.prefault; default: twice the checkpoint, 0: none)")
+    ap.add_argument("--prefault", type=float, metavar="GIB", help="memory touched and freed before each case (split_bench.prefault; default: twice the checkpoint, at most the free memory less 512 MiB; 0: none)")
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()), help="a new folder in it holds the outputs and the worktree, removed at the end")
     ap.add_argument("--json", type=Path, help="write the figures here too")
     args = ap.parse_args(argv)

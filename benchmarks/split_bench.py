@@ -221,6 +221,17 @@ def _env(tree: Path = REPO) -> dict[str, str]:
 TIME = "/usr/bin/time"
 
 
+def free_bytes() -> int:
+    """MemFree of /proc/meminfo: memory no page cache holds (0 where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemFree:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def prefault(nbytes: int) -> None:
     """Touch `nbytes` of new memory, a byte a page, and free it again.
 
@@ -228,7 +239,9 @@ def prefault(nbytes: int) -> None:
     that stays free ~2 s back to their host, and a page touched again is faulted in from the host:
     a `cp -r` of 1 GiB took 0.4 s or 1.3-3.8 s of system time by whether its page cache found such
     pages (docs/performance.md). Touched and freed right before a case, the pages it allocates are
-    the guest's own again, as on a machine of its own."""
+    the guest's own again, as on a machine of its own. At most the free memory less 512 MiB: never
+    so much that the page cache (the warm source) is pushed out."""
+    nbytes = min(nbytes, free_bytes() - (512 << 20))
     if nbytes > 0:
         with mmap.mmap(-1, nbytes) as m:
             for at in range(0, nbytes, mmap.PAGESIZE):
