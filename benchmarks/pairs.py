@@ -6,7 +6,9 @@ Every round runs, each as a fresh child with split_bench's `measure` (sync befor
 timed into the figure, peak RSS): `cp -r CHECKPOINT`, this checkout's `split CHECKPOINT SPLIT ARGS`
 (default `--tp 8`) and, with `--start REV`, the same split from a worktree of REV (made under
 --workdir, removed at the end); the order turns by one each round. `--check` adds
-`check OUT --source CHECKPOINT` of each tree, on an output that tree split once up front.
+`check OUT --source CHECKPOINT` of each tree, on an output that tree split once up front. Before
+each case `--prefault` GiB of memory is touched and freed (split_bench.prefault: on this project's
+VMs a page left free is given back to the host, and the case that touches it next pays for that).
 
 What it prints is a ratio per pair of one round (split over cp, this checkout over REV), as the
 median and range over the rounds: two runs far apart in time see different states of the page
@@ -71,7 +73,7 @@ def rounds(found: dict, runs: int, log, prefault_bytes: int) -> dict[str, list]:
         for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
             argv, out, tree = found[label]
             if out is not None and out.exists():
-                drop(out)  # the last case's
+                drop(out)  # the case before wrote it
             s = measure(argv, out, tree, prefault_bytes)
             if not s.ok:
                 raise RuntimeError(f"{label}: {s.error}")
@@ -123,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()), help="a new folder in it holds the outputs and the worktree, removed at the end")
     ap.add_argument("--json", type=Path, help="write the figures here too")
     args = ap.parse_args(argv)
+    if args.runs < 1:
+        ap.error("--runs must be at least 1")
     if not (args.checkpoint / "config.json").is_file():
         ap.error(f"{args.checkpoint}: not a checkpoint folder (no config.json)")
     split_bench.SETTLE_S = args.settle
