@@ -62,7 +62,7 @@ sys.path.insert(0, str(HERE))
 import make_checkpoint  # noqa: E402
 import moe_bench  # noqa: E402
 from quant_moe_bench import _fp8  # noqa: E402
-from split_bench import against_cp, alternate, dir_bytes, measure, median, warm  # noqa: E402
+from split_bench import against_cp, alternate, dir_bytes, measure, median, meminfo, warm  # noqa: E402
 
 VLLM_PYTHON = "/tmp/vllmvenv/bin/python"
 STRATEGIES = {"default": None, "prefetch": "prefetch"}  # label -> vLLM's safetensors_load_strategy
@@ -326,9 +326,8 @@ def prepare_exports(name: str, source: Path, args, log) -> tuple[dict[int, Path]
 
 
 def machine() -> dict:
-    mem = {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in Path("/proc/meminfo").read_text().splitlines()) if k in ("MemTotal", "MemAvailable")}
     return {"cpus": os.cpu_count(), "kernel": platform.release(), "loadavg": os.getloadavg(),
-            "mem_total_gib": round(mem["MemTotal"] / 2**20, 1), "mem_available_gib": round(mem["MemAvailable"] / 2**20, 1),
+            "mem_total_gib": round(meminfo("MemTotal") / 2**30, 1), "mem_available_gib": round(meminfo("MemAvailable") / 2**30, 1),
             "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}  # fmt: skip
 
 

@@ -45,7 +45,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent / "tests"))  # v4_checkpoint: the release's V4 names
 
 from moe_bench import nbytes, write_random_checkpoint  # noqa: E402
-from split_bench import against_cp, alternate, drop, warm  # noqa: E402
+from split_bench import against_cp, alternate, drop, meminfo, warm  # noqa: E402
 
 Item = tuple[str, str, tuple[int, ...]]
 TP8, EP8 = ["--tp", "8"], ["--tp", "8", "--ep", "8"]
@@ -316,11 +316,6 @@ def case_size(name: str, args) -> tuple[int, int, int]:
     return experts, len(items), sum(nbytes(d, s) for _, d, s in items)
 
 
-def _mem_total() -> int:
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
-
-
 def room(work: Path, total: int, log) -> None:
     """Refuse a checkpoint whose copy beside it would not fit on the disk (RuntimeError); warn when
     the page cache cannot hold the source and an output, so that the times include disk reads."""
@@ -330,9 +325,9 @@ def room(work: Path, total: int, log) -> None:
             f"the checkpoint ({total / 2**30:.1f} GiB) and one output need {2 * total / 2**30 + 1:.1f} GiB under"
             f" {work}, which has {free / 2**30:.1f} GiB free; lower --gib or --experts, or give another --workdir"
         )
-    if 2 * total > _mem_total():
+    if 2 * total > meminfo("MemTotal"):
         log(f"warning: the source and one output ({2 * total / 2**30:.1f} GiB) exceed this machine's RAM"
-            f" ({_mem_total() / 2**30:.1f} GiB): the page cache cannot hold them, so cp -r and the splits read from the disk")  # fmt: skip
+            f" ({meminfo('MemTotal') / 2**30:.1f} GiB): the page cache cannot hold them, so cp -r and the splits read from the disk")  # fmt: skip
 
 
 def run_case(name: str, args, work: Path, py: list[str], log) -> dict:

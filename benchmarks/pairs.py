@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 import split_bench  # benchmarks/ is this script's folder, first on sys.path
-from split_bench import REPO, drop, measure, warm
+from split_bench import REPO, dir_bytes, drop, measure, warm
 
 
 def tree_of(rev: str, work: Path) -> Path:
@@ -139,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             trees["start"] = tree_of(args.start, work)
         found = cases(args.checkpoint.resolve(), work, trees, split_args, args.check)
         log(f"source read in {warm(args.checkpoint):.2f} s (untimed: every case starts from a warm page cache)")
-        size = sum(p.stat().st_size for p in args.checkpoint.iterdir() if p.is_file())
-        prefault_bytes = int(args.prefault * 2**30) if args.prefault is not None else 2 * size
+        prefault_bytes = int(args.prefault * 2**30) if args.prefault is not None else 2 * dir_bytes(args.checkpoint)
         result = report(rounds(found, args.runs, log, prefault_bytes), trees)
     finally:
         if "start" in trees:

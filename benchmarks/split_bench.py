@@ -221,11 +221,12 @@ def _env(tree: Path = REPO) -> dict[str, str]:
 TIME = "/usr/bin/time"
 
 
-def free_bytes() -> int:
-    """MemFree of /proc/meminfo: memory no page cache holds (0 where there is none)."""
+def meminfo(field: str) -> int:
+    """A field of /proc/meminfo in bytes (MemTotal, MemFree: memory no page cache holds,
+    MemAvailable); 0 where there is none."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemFree:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -241,7 +242,7 @@ def prefault(nbytes: int) -> None:
     pages (docs/performance.md). Touched and freed right before a case, the pages it allocates are
     the guest's own again, as on a machine of its own. At most the free memory less 512 MiB: never
     so much that the page cache (the warm source) is pushed out."""
-    nbytes = min(nbytes, free_bytes() - (512 << 20))
+    nbytes = min(nbytes, meminfo("MemFree") - (512 << 20))
     if nbytes > 0:
         with mmap.mmap(-1, nbytes) as m:
             for at in range(0, nbytes, mmap.PAGESIZE):

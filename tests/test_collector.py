@@ -4,6 +4,10 @@ the command freezes its objects at exit (no last collections over them) and keep
 from __future__ import annotations
 
 import gc
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -38,7 +42,6 @@ def test_a_refusal_inside_a_paused_function_turns_the_collector_back_on(tmp_path
 def test_one_arena_is_set_where_glibc_is():
     """The command keeps worker threads to one C heap (glibc); elsewhere it asks nothing."""
     import ctypes
-    import sys
 
     try:
         glibc = bool(ctypes.CDLL(None).gnu_get_libc_version)
@@ -60,11 +63,6 @@ main()
 def test_the_command_freezes_its_objects_at_exit_and_keeps_its_output_and_exit_code(args, code):
     """The last collections of the interpreter's shutdown are skipped (gc.freeze at exit, ~0.1 s of
     every command here); what the command printed and its exit status are as without."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
     repo = Path(__file__).resolve().parent.parent
     p = subprocess.run([sys.executable, "-c", _AT_EXIT, *args], capture_output=True, text=True, cwd=repo, timeout=120)
     assert p.returncode == code, p.stderr[-500:]
